@@ -1,0 +1,344 @@
+"""Qwen2 / Qwen2-MoE decoder in plain PyTorch, for inference with a static KV cache and for training.
+
+Contract:
+- Parameter names and layouts follow transformers' Qwen2 / Qwen2-MoE (the routed experts of a layer
+  are stacked as `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]); `weights.py`
+  converts to and from the per-expert hub layout that transformers and SGLang load.
+- `forward(tokens, start)` runs a window of w consecutive positions starting at `start`, writes
+  their keys/values into the static cache at those positions and attends to everything before.
+  Slots of rejected draft tokens are never rolled back: the next window simply overwrites them.
+- Each MoE layer reports the routed top-m expert ids of every position in the window, so the
+  caller can count the distinct experts a verification pass touched (the union).
+
+Shape legend: w window positions, T training tokens, H hidden, A attention heads, K kv heads,
+D head dim, E routed experts, m experts per token, I expert intermediate, U experts in a window's
+union, V vocabulary, S cache length.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Windows up to this many positions run every expert of the union on every position (a few
+# batched matmuls, cost ~ U); longer ones (prefill, training) gather the tokens of each expert.
+UNION_WINDOW_MAX = 16
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str  # "qwen2_moe" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.model_type == "qwen2_moe" and self.num_experts > 0
+
+    @classmethod
+    def from_json(cls, path: Path) -> ModelConfig:
+        raw = json.loads(Path(path).read_text())
+        rope = raw.get("rope_parameters") or {}
+        theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+        fields = {f for f in cls.__dataclass_fields__}
+        kwargs = {k: v for k, v in raw.items() if k in fields}
+        kwargs["rope_theta"] = float(theta)
+        return cls(**kwargs)
+
+    def to_hf_dict(self) -> dict:
+        """The config.json that transformers and SGLang read."""
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        d["hidden_act"] = "silu"
+        d["torch_dtype"] = "bfloat16"
+        d["use_sliding_window"] = False
+        d["attention_dropout"] = 0.0
+        if self.is_moe:
+            d["architectures"] = ["Qwen2MoeForCausalLM"]
+            d["decoder_sparse_step"] = 1
+            d["mlp_only_layers"] = []
+            d["qkv_bias"] = True
+            d["output_router_logits"] = False
+            d["router_aux_loss_coef"] = 0.001
+        else:
+            d["architectures"] = ["Qwen2ForCausalLM"]
+            for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                      "shared_expert_intermediate_size", "norm_topk_prob"):
+                d.pop(k)
+        return d
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: the dense model's MLP and the MoE layer's shared expert."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)  # [w, E]
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        weights, ids = probs.topk(self.top_k, dim=-1)  # [w, m]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights.to(x.dtype), ids
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    def forward_union(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Short windows: gather the U experts the window touched and run each on every position."""
+        union, slot = torch.unique(ids, return_inverse=True)  # [U], [w, m] index into union
+        w, U = x.shape[0], union.shape[0]
+        gate_up = self.gate_up_proj.index_select(0, union)  # [U, 2I, H]
+        down = self.down_proj.index_select(0, union)  # [U, H, I]
+        h = torch.matmul(x.unsqueeze(0), gate_up.transpose(1, 2))  # [U, w, 2I]
+        g, u = h.chunk(2, dim=-1)
+        y = torch.bmm(F.silu(g) * u, down.transpose(1, 2))  # [U, w, H]
+        # Routing weight of each (position, union expert); zero where the position did not pick it.
+        mix = x.new_zeros(w, U).scatter_(1, slot, weights)  # [w, U]
+        return torch.einsum("wu,uwh->wh", mix, y), U
+
+    def forward_grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Long windows and training: run each expert on the tokens that picked it."""
+        out = torch.zeros_like(x)
+        flat = ids.reshape(-1)  # [T*m]
+        order = flat.argsort()
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        token_of = order // ids.shape[1]  # [T*m] token index of each sorted pair
+        weight_of = weights.reshape(-1)[order]
+        # unbind once: indexing the stacked parameter per expert would allocate a full-size
+        # gradient for every expert in backward.
+        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok = token_of[start:start + n]
+            g, u = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)  # [n, I]
+            y = F.linear(F.silu(g) * u, down[e]) * weight_of[start:start + n, None]
+            out.index_add_(0, tok, y)
+            start += n
+        return out
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [w, H] -> (out [w, H], router logits [w, E], routed ids [w, m])."""
+        logits, weights, ids = self.gate(x)
+        if x.shape[0] <= UNION_WINDOW_MAX and not torch.is_grad_enabled():
+            routed, _ = self.experts.forward_union(x, ids, weights)
+        else:
+            routed = self.experts.forward_grouped(x, ids, weights)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + shared, logits, ids
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        A, K, D, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.n_heads, self.n_kv, self.head_dim = A, K, D
+        self.q_proj = nn.Linear(H, A * D, bias=True)
+        self.k_proj = nn.Linear(H, K * D, bias=True)
+        self.v_proj = nn.Linear(H, K * D, bias=True)
+        self.o_proj = nn.Linear(A * D, H, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
+                layer: int, start: int) -> torch.Tensor:
+        """x [B, w, H]; with a cache, B = 1 and positions are start..start+w-1."""
+        B, w, _ = x.shape
+        q = self.q_proj(x).view(B, w, self.n_heads, self.head_dim).transpose(1, 2)  # [B, A, w, D]
+        k = self.k_proj(x).view(B, w, self.n_kv, self.head_dim).transpose(1, 2)  # [B, K, w, D]
+        v = self.v_proj(x).view(B, w, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            k, v = cache.write(layer, start, k, v)  # [1, K, start+w, D]
+            mask = None
+            if w > 1:  # position start+i sees the prefix and window positions <= i
+                mask = torch.ones(w, start + w, dtype=torch.bool).tril(diagonal=start)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, w, -1))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class KVCache:
+    """Static per-model cache [L, K, S, D]; positions are written explicitly, never rolled back."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype = torch.float32):
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.max_len = max_len
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + k.shape[2]
+        self.k[layer, :, start:end] = k[0]
+        self.v[layer, :, start:end] = v[0]
+        return self.k[layer, :, :end].unsqueeze(0), self.v[layer, :, :end].unsqueeze(0)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [w, V]
+    routed_ids: torch.Tensor | None  # [L, w, m] for MoE models
+    router_logits: torch.Tensor | None  # [L, w, E], only when asked for
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+        angles = torch.outer(torch.arange(cfg.max_position_embeddings).float(), inv_freq)  # [S, D/2]
+        angles = torch.cat((angles, angles), dim=-1)  # [S, D]
+        self.register_buffer("rope_cos", angles.cos(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache,
+                return_router_logits: bool = False) -> ForwardOutput:
+        """tokens [w] at positions start..start+w-1 -> logits [w, V] and the routed ids."""
+        w = tokens.shape[0]
+        cos, sin = self.rope_cos[start:start + w], self.rope_sin[start:start + w]  # [w, D]
+        x = self.embed_tokens(tokens).unsqueeze(0)  # [1, w, H]
+        ids, router = [], []
+        for i, layer in enumerate(self.layers):
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, cache, i, start)
+            h = layer.post_attention_layernorm(x)[0]  # [w, H]
+            if self.cfg.is_moe:
+                h, logits, routed = layer.mlp(h)
+                ids.append(routed)
+                if return_router_logits:
+                    router.append(logits)
+            else:
+                h = layer.mlp(h)
+            x = x + h.unsqueeze(0)
+        logits = self.lm_head(self.norm(x[0]))  # [w, V]
+        return ForwardOutput(
+            logits=logits,
+            routed_ids=torch.stack(ids) if ids else None,
+            router_logits=torch.stack(router) if router else None,
+        )
+
+    def forward_train(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, T] -> (logits [B, T, V], load-balancing loss); no cache."""
+        B, T = tokens.shape
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.embed_tokens(tokens)  # [B, T, H]
+        balance = x.new_zeros(())
+        for layer in self.layers:
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, None, 0, 0)
+            h = layer.post_attention_layernorm(x).reshape(B * T, -1)
+            if self.cfg.is_moe:
+                h, logits, ids = layer.mlp(h)
+                balance = balance + load_balancing_loss(logits, ids, self.cfg.num_experts)
+            else:
+                h = layer.mlp(h)
+            x = x + h.view(B, T, -1)
+        return self.lm_head(self.norm(x)), balance / max(1, len(self.layers))
+
+
+def load_balancing_loss(router_logits: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch-Transformer auxiliary loss: E * sum_e (fraction routed to e) * (mean prob of e)."""
+    probs = router_logits.softmax(-1)  # [T, E]
+    routed = F.one_hot(ids, num_experts).sum(1).float()  # [T, E]
+    fraction = routed.mean(0) / ids.shape[1]
+    return num_experts * (fraction * probs.mean(0)).sum()
+
+
+def init_weights(model: Transformer, std: float = 0.02) -> None:
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            nn.init.ones_(p)
+        elif name.endswith(".bias"):
+            nn.init.zeros_(p)
+        else:
+            nn.init.normal_(p, std=std)
+    # Residual-branch outputs start smaller so deep sums stay near unit variance.
+    scale = 1.0 / math.sqrt(2 * model.cfg.num_hidden_layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("o_proj.weight") or name.endswith("down_proj.weight") or name.endswith("down_proj"):
+                p.mul_(scale)

@@ -1,0 +1,77 @@
+"""Target and draft distributions, sampling, and the lossless speculative acceptance rule.
+
+The rule (Leviathan et al. 2023; Chen et al. 2023): a draft token x ~ q is accepted with
+probability min(1, p(x) / q(x)); at the first rejection the target's token is drawn from
+norm(max(0, p - q)); if every draft is accepted, one more token is drawn from p. The committed
+tokens then follow p exactly for any q, provided q is the distribution the draft really sampled
+from (a point mass when the draft is greedy or the n-gram drafter proposes).
+
+Shape legend: k draft positions, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from service.types import SamplingParams
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [n, V] -> p [n, V] after temperature, top-k then top-p (HF's order); greedy = point mass."""
+    if params.greedy:
+        return point_mass(logits.argmax(-1), logits.shape[-1])
+    scaled = logits.float() / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]  # [n, 1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = scaled.softmax(-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        # Drop a token when the mass strictly before it already reaches top_p; the top token stays.
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def draft_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits [n, V] -> q [n, V]: the distribution the draft samples from (argmax at temperature 0)."""
+    if temperature == 0:
+        return point_mass(logits.argmax(-1), logits.shape[-1])
+    return (logits.float() / temperature).softmax(-1)
+
+
+def point_mass(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """tokens [n] -> [n, V] with probability 1 on each token."""
+    return torch.zeros(tokens.shape[0], vocab).scatter_(1, tokens.view(-1, 1), 1.0)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """probs [n, V] -> tokens [n]."""
+    return torch.multinomial(probs, 1, generator=generator).view(-1)
+
+
+def accept(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+           generator: torch.Generator) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Verify k drafts against the target.
+
+    draft [k], q [k, V] (what the draft sampled from), p [k+1, V] (target at each window position).
+    Returns (n accepted, accepted flags [k], next token [1]: the residual sample at the first
+    rejection, or a sample of p[k] when all k were accepted).
+    """
+    k = draft.shape[0]
+    if k == 0:
+        return 0, torch.zeros(0, dtype=torch.bool), sample(p[:1], generator)
+    rows = torch.arange(k)
+    px, qx = p[rows, draft], q[rows, draft]  # [k]
+    u = torch.rand(k, generator=generator)
+    ok = u * qx < px  # u < p/q  <=>  accepted with probability min(1, p/q)
+    n = int(ok.long().cumprod(0).sum())
+    if n == k:
+        return n, ok, sample(p[k:k + 1], generator)
+    residual = (p[n] - q[n]).clamp(min=0)
+    total = residual.sum()
+    # p == q leaves no residual mass, but then rejection has probability 0; guard anyway.
+    residual = residual / total if total > 0 else p[n]
+    return n, ok, sample(residual.unsqueeze(0), generator)

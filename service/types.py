@@ -1,0 +1,226 @@
+"""Plain dataclasses shared by the engine, the gRPC servicer, telemetry and the tuner.
+
+Validation lives here so every entry point (CLI, gRPC, library) refuses bad input with the same
+message; `InvalidRequest.field` names the offending field for gRPC's INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+MAX_DRAFT_LENGTH = 8
+MAX_DRAFT_TEMPERATURE = 2.0
+MAX_STOP_STRINGS = 8
+MAX_STOP_LENGTH = 64
+MAX_POLICY_ID_LENGTH = 128
+
+
+class InvalidRequest(ValueError):
+    """Bad input; `field` is the request field at fault (dotted, as in the proto)."""
+
+    def __init__(self, field_name: str, problem: str):
+        super().__init__(f"{field_name}: {problem}")
+        self.field = field_name
+
+
+class Drafter(str, enum.Enum):
+    MODEL = "model"  # the shipped (or configured) draft model
+    NGRAM = "ngram"  # prompt lookup: copy what followed the latest match of the recent suffix
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest("sampling.temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequest("sampling.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidRequest("sampling.seed", f"must be in [0, 2^63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class DraftPolicy:
+    """How to speculate. draft_length 0 = plain decoding (always valid, often best on MoE)."""
+
+    drafter: Drafter = Drafter.MODEL
+    draft_length: int = 0
+    draft_temperature: float = 1.0  # model drafter only; 0 = argmax
+    policy_id: str = "default"
+
+    def validate(self, max_draft_length: int = MAX_DRAFT_LENGTH) -> None:
+        if not isinstance(self.drafter, Drafter):
+            raise InvalidRequest("policy.drafter", f"unknown drafter {self.drafter!r}")
+        if not 0 <= self.draft_length <= max_draft_length:
+            raise InvalidRequest("policy.draft_length", f"must be in [0, {max_draft_length}], got {self.draft_length}")
+        t = self.draft_temperature
+        if not math.isfinite(t) or not 0 <= t <= MAX_DRAFT_TEMPERATURE:
+            raise InvalidRequest("policy.draft_temperature", f"must be in [0, {MAX_DRAFT_TEMPERATURE}], got {t}")
+        if len(self.policy_id) > MAX_POLICY_ID_LENGTH:
+            raise InvalidRequest("policy.policy_id", f"longer than {MAX_POLICY_ID_LENGTH} characters")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str = ""
+    prompt_token_ids: tuple[int, ...] = ()
+    max_new_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+
+    def validate(self, vocab_size: int, max_context: int) -> None:
+        """Checks that need no tokenizer; prompt length is checked once tokenized."""
+        if self.prompt and self.prompt_token_ids:
+            raise InvalidRequest("prompt", "give prompt or prompt_token_ids, not both")
+        if not self.prompt and not self.prompt_token_ids:
+            raise InvalidRequest("prompt", "is empty (give prompt or prompt_token_ids)")
+        bad = [t for t in self.prompt_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest("prompt_token_ids", f"{bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if not 1 <= self.max_new_tokens <= max_context:
+            raise InvalidRequest("max_new_tokens", f"must be in [1, {max_context}], got {self.max_new_tokens}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not s or len(s) > MAX_STOP_LENGTH:
+                raise InvalidRequest("stop", f"each stop string needs 1..{MAX_STOP_LENGTH} characters, got {len(s)}")
+        self.sampling.validate()
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One draft/verify step (or one plain decode step: window 1, drafted = accepted = 0)."""
+
+    drafter: Drafter
+    draft_length: int  # the policy's k
+    draft_temperature: float
+    policy_id: str
+    drafted: int  # tokens proposed this step (n-gram may propose fewer than k, or none)
+    accepted: int  # drafted tokens the target accepted
+    committed: int  # tokens this step added to the output: accepted + the target's own (fewer only if EOS ended it)
+    accepted_per_position: tuple[bool, ...]  # [drafted] acceptance of each draft position
+    window: int  # positions in the verify pass = drafted + 1
+    unique_experts: tuple[int, ...]  # [L] distinct routed experts per MoE layer over the window
+    shared_experts: int  # always-active shared experts per layer
+    unique_experts_bound: int  # min(E, window * m)
+    draft_seconds: float
+    verify_seconds: float
+    decode_step_equivalents: float  # verify_seconds / the engine's plain decode step time
+    topk_ids: tuple[tuple[tuple[int, ...], ...], ...] | None = None  # [L, w, m] when captured
+    window_ids: tuple[int, ...] | None = None  # [w] the verified tokens, captured with topk_ids
+
+    @property
+    def seconds(self) -> float:
+        return self.draft_seconds + self.verify_seconds
+
+    @property
+    def widest_layer(self) -> int:
+        return max(range(len(self.unique_experts)), key=self.unique_experts.__getitem__) if self.unique_experts else -1
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """Exact per-request aggregates of the step records (what the response and request span carry)."""
+
+    verify_steps: int
+    drafted_tokens: int
+    accepted_tokens: int
+    committed_tokens: int
+    accepted_per_position: tuple[int, ...]  # [k] how often position i was accepted
+    unique_experts_mean: tuple[float, ...]  # [L]
+    unique_experts_max: tuple[int, ...]  # [L]
+    draft_seconds: float
+    verify_seconds: float
+    empty_drafts: int  # steps where the drafter proposed nothing (n-gram found no match)
+    policy_id: str
+    drafter: Drafter
+    draft_length: int
+    draft_temperature: float
+
+    @property
+    def seconds_per_committed_token(self) -> float:
+        return (self.draft_seconds + self.verify_seconds) / max(1, self.committed_tokens)
+
+    @classmethod
+    def from_steps(cls, steps: list[StepRecord], policy: DraftPolicy, num_layers: int) -> SpecStats:
+        per_position = [0] * policy.draft_length
+        for s in steps:
+            for i, ok in enumerate(s.accepted_per_position):
+                per_position[i] += int(ok)
+        n = len(steps)
+        layers = range(num_layers)
+        return cls(
+            verify_steps=n,
+            drafted_tokens=sum(s.drafted for s in steps),
+            accepted_tokens=sum(s.accepted for s in steps),
+            committed_tokens=sum(s.committed for s in steps),
+            accepted_per_position=tuple(per_position),
+            unique_experts_mean=tuple(sum(s.unique_experts[i] for s in steps) / n if n else 0.0 for i in layers),
+            unique_experts_max=tuple(max((s.unique_experts[i] for s in steps), default=0) for i in layers),
+            draft_seconds=sum(s.draft_seconds for s in steps),
+            verify_seconds=sum(s.verify_seconds for s in steps),
+            empty_drafts=sum(1 for s in steps if s.drafted == 0 and s.draft_length > 0),
+            policy_id=policy.policy_id,
+            drafter=policy.drafter,
+            draft_length=policy.draft_length,
+            draft_temperature=policy.draft_temperature,
+        )
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_new_tokens or the context limit
+    CANCELLED = "cancelled"  # the caller asked to stop (client gone, deadline)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    spec: SpecStats
+    steps: tuple[StepRecord, ...]
+    seconds: float  # wall time of the whole request, prefill included
+    time_to_first_token: float
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """Tokens committed by one step, as they become final (text held back until it is valid UTF-8)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    step: StepRecord  # the step that committed them
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    backend: str
+    model_name: str
+    draft_model_name: str
+    num_layers: int  # MoE layers reported in unique_experts arrays
+    num_experts: int
+    top_k: int
+    shared_experts: int
+    vocab_size: int
+    max_context: int
+    max_draft_length: int
+    drafters: tuple[Drafter, ...]
+    tunable: tuple[str, ...]  # knobs the tuner may search: "drafter", "draft_length", "draft_temperature"
+    expert_bytes: int  # bytes of one routed expert's weights (the modelled cost's unit)
+    decode_step_seconds: float  # the engine's calibrated plain decode step

@@ -1,0 +1,92 @@
+"""Load and save a model directory in the hub layout that transformers and SGLang read.
+
+A directory holds `config.json`, `model.safetensors` (bf16) and the tokenizer files. On disk each
+routed expert has its own `mlp.experts.{j}.{gate,up,down}_proj.weight`; in memory the experts of a
+layer are stacked (`model.Experts`), as in transformers >= 5.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from service.model import ModelConfig, Transformer
+
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+DEFAULT_TARGET_DIR = MODELS_DIR / "target"
+DEFAULT_DRAFT_DIR = MODELS_DIR / "draft"
+
+_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def to_hub_state(model: Transformer) -> dict[str, torch.Tensor]:
+    """In-memory names -> hub names (model. prefix, one tensor per expert projection)."""
+    cfg = model.cfg
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        hub = name if name.startswith("lm_head") else f"model.{name}"
+        if name.endswith("experts.gate_up_proj"):
+            prefix = hub.removesuffix(".gate_up_proj")
+            gate, up = tensor.chunk(2, dim=1)  # [E, I, H] each
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate[e]
+                out[f"{prefix}.{e}.up_proj.weight"] = up[e]
+        elif name.endswith("experts.down_proj"):
+            prefix = hub.removesuffix(".down_proj")
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
+        else:
+            out[hub] = tensor
+    return out
+
+
+def from_hub_state(hub: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Hub names -> in-memory names, stacking the per-expert projections of each layer."""
+    state: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, tensor in hub.items():
+        match = _EXPERT_KEY.match(name)
+        if match:
+            prefix, e, proj = match.group(1), int(match.group(2)), match.group(3)
+            experts.setdefault(prefix, {}).setdefault(proj, {})[e] = tensor
+        else:
+            state[name.removeprefix("model.")] = tensor
+    for prefix, projs in experts.items():
+        local = prefix.removeprefix("model.")
+        stack = {p: torch.stack([projs[p][e] for e in range(cfg.num_experts)]) for p in projs}
+        state[f"{local}.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)
+        state[f"{local}.down_proj"] = stack["down_proj"]
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    return state
+
+
+def save_model(model: Transformer, directory: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in to_hub_state(model).items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(model.cfg.to_hf_dict(), indent=2) + "\n")
+
+
+def load_model(directory: Path, dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build a model from a directory; raises FileNotFoundError / ValueError naming what is wrong."""
+    directory = Path(directory)
+    for required in ("config.json", "model.safetensors"):
+        if not (directory / required).is_file():
+            raise FileNotFoundError(f"model directory {directory} has no {required}")
+    cfg = ModelConfig.from_json(directory / "config.json")
+    if cfg.model_type not in ("qwen2", "qwen2_moe"):
+        raise ValueError(f"{directory}: model_type {cfg.model_type!r} is not qwen2 or qwen2_moe")
+    model = Transformer(cfg)
+    state = from_hub_state(load_file(str(directory / "model.safetensors")), cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not cfg.tie_word_embeddings]
+    if missing or unexpected:
+        raise ValueError(f"{directory}: weights do not match config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return model.to(dtype).eval().requires_grad_(False)

@@ -1,0 +1,215 @@
+"""Reproduce the shipped model pair: tokenizer, Qwen2-MoE target, distilled Qwen2 draft, model card.
+
+Corpus: the non-test Python sources of the CPython standard library that runs this script (present
+wherever Python runs, PSF licence). Files are split into train / held-out by a hash of their path,
+so the held-out set (and the shipped prompt set cut from it) never appears in training.
+
+    python training/train.py --target-minutes 28 --draft-minutes 12
+
+Writes service/models/{target,draft}/ and service/models/MODEL_CARD.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from service.model import ModelConfig, Transformer, init_weights  # noqa: E402
+from service.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, MODELS_DIR, save_model  # noqa: E402
+
+EOS = "<|endoftext|>"
+VOCAB = 4096
+CONTEXT = 512
+
+
+def corpus_files(heldout_every: int = 25) -> tuple[list[Path], list[Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
+    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    train, heldout = [], []
+    for p in files:
+        digest = int(hashlib.sha256(str(p.relative_to(root)).encode()).hexdigest(), 16)
+        (heldout if digest % heldout_every == 0 else train).append(p)
+    return train, heldout
+
+
+def read(p: Path) -> str:
+    return p.read_text(encoding="utf-8", errors="replace")
+
+
+# Qwen2's pre-tokenization (transformers' Qwen2Tokenizer rebuilds exactly this pipeline around the
+# vocabulary, whatever tokenizer.json says), so every loader splits text the same way.
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+               r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def train_tokenizer(files: list[Path]) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((read(p) for p in files), trainer=trainer)
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": EOS, "pad_token": EOS,
+              "bos_token": None, "unk_token": None, "model_max_length": CONTEXT, "clean_up_tokenization_spaces": False}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def encode(tok: Tokenizer, files: list[Path]) -> torch.Tensor:
+    eos = tok.token_to_id(EOS)
+    ids: list[int] = []
+    for enc in tok.encode_batch([read(p) for p in files]):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def target_config(eos: int) -> ModelConfig:
+    return ModelConfig(model_type="qwen2_moe", vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
+                       max_position_embeddings=CONTEXT, rope_theta=10000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, num_experts=64, num_experts_per_tok=8,
+                       moe_intermediate_size=64, shared_expert_intermediate_size=256,
+                       norm_topk_prob=False, eos_token_id=eos)
+
+
+def draft_config(eos: int) -> ModelConfig:
+    return ModelConfig(model_type="qwen2", vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=768,
+                       max_position_embeddings=CONTEXT, rope_theta=10000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, eos_token_id=eos)
+
+
+def batch(data: torch.Tensor, size: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, data.numel() - length - 1, (size,), generator=gen)
+    return torch.stack([data[s:s + length + 1] for s in starts.tolist()])  # [B, T+1]
+
+
+def lr_at(step_frac: float, peak: float, warm: float = 0.03) -> float:
+    if step_frac < warm:
+        return peak * step_frac / warm
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step_frac - warm) / (1 - warm)))))
+
+
+def train(model: Transformer, data: torch.Tensor, minutes: float, peak_lr: float, out_dir: Path,
+          teacher: Transformer | None = None, batch_size: int = 8, seq: int = CONTEXT, seed: int = 0) -> dict:
+    """Train for a wall-clock budget; with a teacher, distil its distribution (soft cross-entropy)."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    budget, t0, step, last_save = minutes * 60, time.time(), 0, time.time()
+    model.train()
+    while (elapsed := time.time() - t0) < budget:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(elapsed / budget, peak_lr)
+        xy = batch(data, batch_size, seq, gen)
+        x, y = xy[:, :-1], xy[:, 1:]
+        logits, balance = model.forward_train(x)
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss = ce + 0.01 * balance
+        if teacher is not None:
+            with torch.no_grad():
+                soft = teacher.forward_train(x)[0].softmax(-1)
+            loss = 0.3 * ce + 0.7 * -(soft * logits.log_softmax(-1)).sum(-1).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0:
+            print(f"[{out_dir.name}] step {step} {elapsed / 60:.1f} min ce {ce.item():.3f} "
+                  f"balance {balance.item():.3f}", flush=True)
+        if time.time() - last_save > 300:
+            save_model(model, out_dir)
+            last_save = time.time()
+    model.eval()
+    save_model(model, out_dir)
+    return {"steps": step, "minutes": round((time.time() - t0) / 60, 1), "tokens": step * batch_size * seq,
+            "batch": batch_size, "seq": seq, "peak_lr": peak_lr}
+
+
+@torch.no_grad()
+def evaluate(target: Transformer, draft: Transformer, data: torch.Tensor, windows: int = 24) -> dict:
+    """Held-out loss of both, teacher-forced greedy agreement, and 5-position expert unions per layer."""
+    gen = torch.Generator().manual_seed(1234)
+    xy = batch(data, windows, 256, gen)
+    x, y = xy[:, :-1], xy[:, 1:]
+    t_logits, _ = target.forward_train(x)
+    d_logits, _ = draft.forward_train(x)
+    loss = lambda lg: F.cross_entropy(lg.reshape(-1, lg.shape[-1]), y.reshape(-1)).item()  # noqa: E731
+    agreement = (t_logits.argmax(-1) == d_logits.argmax(-1)).float().mean().item()
+    # Routed ids per layer from a pass over the flattened windows: [L, B*T, m].
+    cfg = target.cfg
+    unions = []
+    h = target.embed_tokens(x)
+    cos, sin = target.rope_cos[:x.shape[1]], target.rope_sin[:x.shape[1]]
+    for layer in target.layers:
+        h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, None, 0, 0)
+        flat = layer.post_attention_layernorm(h).reshape(-1, cfg.hidden_size)
+        out, _, ids = layer.mlp(flat)
+        h = h + out.view_as(h)
+        per_pos = F.one_hot(ids.view(x.shape[0], x.shape[1], -1), cfg.num_experts).sum(2).clamp(max=1)  # [B, T, E]
+        win = per_pos.unfold(1, 5, 5).amax(-1)  # [B, T/5, E] union over 5 consecutive positions
+        unions.append(win.sum(-1).float().mean().item())
+    E, m = cfg.num_experts, cfg.num_experts_per_tok
+    return {"target_heldout_loss": round(loss(t_logits), 3), "draft_heldout_loss": round(loss(d_logits), 3),
+            "greedy_agreement": round(agreement, 3), "unique_experts_5_window_per_layer": [round(u, 1) for u in unions],
+            "uniform_routing_5_window": round(E * (1 - (1 - m / E) ** 5), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target-minutes", type=float, default=28)
+    ap.add_argument("--draft-minutes", type=float, default=12)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    t0 = time.time()
+    train_files, heldout_files = corpus_files()
+    tok = train_tokenizer(train_files)
+    for d in (DEFAULT_TARGET_DIR, DEFAULT_DRAFT_DIR):
+        save_tokenizer(tok, d)
+    train_ids, heldout_ids = encode(tok, train_files), encode(tok, heldout_files)
+    print(f"tokenizer done in {time.time() - t0:.0f}s: {train_ids.numel()} train / {heldout_ids.numel()} held-out tokens",
+          flush=True)
+    eos = tok.token_to_id(EOS)
+    target, draft = Transformer(target_config(eos)), Transformer(draft_config(eos))
+    init_weights(target)
+    init_weights(draft)
+    save_model(target, DEFAULT_TARGET_DIR)
+    save_model(draft, DEFAULT_DRAFT_DIR)
+    target_run = train(target, train_ids, args.target_minutes, 3e-3, DEFAULT_TARGET_DIR)
+    draft_run = train(draft, train_ids, args.draft_minutes, 3e-3, DEFAULT_DRAFT_DIR, teacher=target, seed=1)
+    metrics = evaluate(target, draft, heldout_ids)
+    card = {"corpus": f"CPython {sys.version.split()[0]} standard library, non-test .py files",
+            "train_files": len(train_files), "heldout_files": len(heldout_files),
+            "train_tokens": train_ids.numel(), "heldout_tokens": heldout_ids.numel(),
+            "target": target_run, "draft": draft_run, "threads": args.threads,
+            "wall_minutes": round((time.time() - t0) / 60, 1), **metrics}
+    (MODELS_DIR / "training_report.json").write_text(json.dumps(card, indent=2) + "\n")
+    print(json.dumps(card, indent=2))
+
+
+if __name__ == "__main__":
+    main()
