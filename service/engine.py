@@ -27,12 +27,12 @@ import torch
 from tokenizers import Tokenizer
 
 from service import ngram
-from service.model import KVCache, Transformer
+from service.model import KVCache
 from service.sampling import accept, draft_probs, point_mass, sample, target_probs
 from service.types import (
     MAX_DRAFT_LENGTH,
-    DraftPolicy,
     Drafter,
+    DraftPolicy,
     FinishReason,
     GenerationRequest,
     GenerationResult,

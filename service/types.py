@@ -25,7 +25,7 @@ class InvalidRequest(ValueError):
         self.field = field_name
 
 
-class Drafter(str, enum.Enum):
+class Drafter(enum.StrEnum):
     MODEL = "model"  # the shipped (or configured) draft model
     NGRAM = "ngram"  # prompt lookup: copy what followed the latest match of the recent suffix
 
@@ -180,7 +180,7 @@ class SpecStats:
         )
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_new_tokens or the context limit
     CANCELLED = "cancelled"  # the caller asked to stop (client gone, deadline)

@@ -88,5 +88,6 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32) -> Transform
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight" or not cfg.tie_word_embeddings]
     if missing or unexpected:
-        raise ValueError(f"{directory}: weights do not match config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise ValueError(f"{directory}: weights do not match config.json "
+                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     return model.to(dtype).eval().requires_grad_(False)

@@ -48,7 +48,8 @@ def test_unique_experts_match_the_oracle_router_for_every_window(engine, oracle,
 
 def test_unique_experts_stay_within_their_bounds(engine):
     E, m = engine.info.num_experts, engine.info.top_k
-    for policy in (DraftPolicy(draft_length=8, draft_temperature=1.5), DraftPolicy(drafter=Drafter.NGRAM, draft_length=8)):
+    policies = (DraftPolicy(draft_length=8, draft_temperature=1.5), DraftPolicy(drafter=Drafter.NGRAM, draft_length=8))
+    for policy in policies:
         for prompt in heldout_prompts(3):
             result = engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=24), policy)
             for step in result.steps:

@@ -27,6 +27,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from service.model import ModelConfig, Transformer, init_weights  # noqa: E402
 from service.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, MODELS_DIR, save_model  # noqa: E402
+from training.model_card import render as render_model_card  # noqa: E402
 
 EOS = "<|endoftext|>"
 VOCAB = 4096
@@ -191,8 +192,8 @@ def main() -> None:
     for d in (DEFAULT_TARGET_DIR, DEFAULT_DRAFT_DIR):
         save_tokenizer(tok, d)
     train_ids, heldout_ids = encode(tok, train_files), encode(tok, heldout_files)
-    print(f"tokenizer done in {time.time() - t0:.0f}s: {train_ids.numel()} train / {heldout_ids.numel()} held-out tokens",
-          flush=True)
+    print(f"tokenizer done in {time.time() - t0:.0f}s: {train_ids.numel()} train / "
+          f"{heldout_ids.numel()} held-out tokens", flush=True)
     eos = tok.token_to_id(EOS)
     target, draft = Transformer(target_config(eos)), Transformer(draft_config(eos))
     init_weights(target)
@@ -208,6 +209,7 @@ def main() -> None:
             "target": target_run, "draft": draft_run, "threads": args.threads,
             "wall_minutes": round((time.time() - t0) / 60, 1), **metrics}
     (MODELS_DIR / "training_report.json").write_text(json.dumps(card, indent=2) + "\n")
+    (MODELS_DIR / "MODEL_CARD.md").write_text(render_model_card(card))
     print(json.dumps(card, indent=2))
 
 

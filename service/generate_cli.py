@@ -1,0 +1,78 @@
+"""`moespec generate`: run the embedded engine in-process, print the completion and a per-step table."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from service.types import Drafter, DraftPolicy, GenerationRequest, GenerationResult, InvalidRequest, SamplingParams
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drafter", choices=[d.value for d in Drafter], default=Drafter.MODEL.value)
+    parser.add_argument("--draft-length", type=int, default=0, help="draft tokens per step; 0 = plain decoding")
+    parser.add_argument("--draft-temperature", type=float, default=1.0, help="model drafter only; 0 = argmax")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", help="prompt text; '-' reads standard input")
+    add_sampling_arguments(parser)
+    add_policy_arguments(parser)
+    parser.add_argument("--no-table", action="store_true", help="print only the completion")
+
+
+def request_from_args(args: argparse.Namespace) -> tuple[GenerationRequest, DraftPolicy]:
+    prompt = sys.stdin.read() if args.prompt == "-" else (args.prompt or "")
+    request = GenerationRequest(
+        prompt=prompt, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
+        sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
+    )
+    policy = DraftPolicy(drafter=Drafter(args.drafter), draft_length=args.draft_length,
+                         draft_temperature=args.draft_temperature, policy_id="cli")
+    return request, policy
+
+
+def step_table(result: GenerationResult) -> str:
+    rows = ["step  drafted  accepted  committed  unique experts per layer   verify ms  decode-steps"]
+    for i, s in enumerate(result.steps):
+        experts = " ".join(f"{u:3d}" for u in s.unique_experts)
+        rows.append(f"{i:4d}  {s.drafted:7d}  {s.accepted:8d}  {s.committed:9d}  {experts:<25s} "
+                    f"{s.verify_seconds * 1e3:9.2f}  {s.decode_step_equivalents:12.2f}")
+    spec = result.spec
+    rows.append(
+        f"steps {spec.verify_steps}, accepted {spec.accepted_tokens}/{spec.drafted_tokens} drafted, "
+        f"committed {spec.committed_tokens}, mean unique experts per layer "
+        f"[{', '.join(f'{u:.1f}' for u in spec.unique_experts_mean)}], "
+        f"{spec.seconds_per_committed_token * 1e3:.2f} ms per committed token, finish {result.finish_reason.value}"
+    )
+    return "\n".join(rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    from service.cli import UsageError
+    from service.engine import Engine, EngineConfig
+
+    request, policy = request_from_args(args)
+    try:
+        request.validate(vocab_size=2**31, max_context=2**31)  # field checks before the model loads
+        policy.validate()
+    except InvalidRequest as e:
+        raise UsageError(str(e)) from None
+    engine = Engine(EngineConfig())
+    try:
+        result = engine.generate(request, policy)
+    except InvalidRequest as e:
+        raise UsageError(str(e)) from None
+    print(result.text)
+    if not args.no_table:
+        print(step_table(result), file=sys.stderr)
+    return 0
