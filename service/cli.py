@@ -10,6 +10,10 @@ import argparse
 import importlib
 import sys
 
+from service.usage import UsageError
+
+__all__ = ["COMMANDS", "UsageError", "main"]
+
 # name -> (module, one-line help). Modules are imported only when their command runs, so
 # `moespec --help` stays fast and optional extras (sglang) are never imported by accident.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -21,10 +25,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tune": ("tuner.cli", "run the online draft-policy tuner against a server"),
     "demo": ("tuner.demo", "server + load + tuner on the embedded model, then a report"),
 }
-
-
-class UsageError(Exception):
-    """A bad argument found after parsing; reported like argparse's own errors (exit 2)."""
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

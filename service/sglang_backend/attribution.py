@@ -1,0 +1,149 @@
+"""Split recorded forward passes per request, and find each step's accepted drafts.
+
+The 0.5.23 recorder stores no request ids (the `rids` line is commented out in
+`_DetailSinglePassGatherer.on_forward_pass_start`), so a pass is split by what it does store:
+- TARGET_VERIFY: every request contributes exactly `verify_width` = speculative_num_draft_tokens
+  consecutive tokens (EAGLE/STANDALONE chains and NGRAM trees alike), in batch order. For a chain
+  (topk 1) they are [the last committed token, draft 1..k] at positions [s, s+1, .., s+k].
+- DECODE (speculation off): one token per request, the last committed token at its position.
+- MIXED: segments by extend_seq_lens; only length-1 segments are decode steps.
+A segment belongs to the request whose next step starts at that position with that token: a
+request's first step starts at len(prompt) with its first output token (the prefill produced it),
+and a step that accepted a drafts moves the start by a + 1. Accepted drafts are the leading drafts
+that equal the committed tokens at their positions (a rejected draft never equals the token the
+target put there: greedy picks another argmax, rejection sampling resamples without it).
+
+Passes of the draft model (dense: no routed ids in the MoE layers) and DECODE passes while
+speculating (those are draft steps) are skipped. One request appears at most once per pass;
+identical concurrent requests are told apart by that rule and batch order, which is harmless:
+identical prefixes route identically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from service.sglang_backend.records import ForwardMode, ForwardPass
+
+
+@dataclass(frozen=True)
+class RequestTokens:
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.prompt_ids + self.output_ids
+
+
+@dataclass(frozen=True)
+class Window:
+    """One request's slice of one verify (or plain decode) pass."""
+
+    pass_index: int
+    mode: int
+    start: int  # position of the window's first token (the last committed token)
+    input_ids: tuple[int, ...]  # [w]
+    positions: tuple[int, ...]  # [w]
+    topk_ids: torch.Tensor  # [L, w, 8] logical ids, -1 = none
+    accepted: int  # drafts the target accepted
+    committed: int  # tokens this step added to the output (accepted + 1, less what the end cut)
+
+    @property
+    def width(self) -> int:
+        return len(self.input_ids)
+
+
+def segments(p: ForwardPass, verify_width: int) -> list[tuple[int, int]]:
+    """(offset, length) of each request's tokens in the pass; [] where it cannot be split."""
+    n = p.num_tokens
+    if p.mode == ForwardMode.TARGET_VERIFY:
+        if verify_width < 1 or n % verify_width:
+            return []
+        return [(i, verify_width) for i in range(0, n, verify_width)]
+    if p.mode == ForwardMode.DECODE:
+        return [(i, 1) for i in range(n)]
+    if p.mode in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.SPLIT_PREFILL) and p.extend_seq_lens:
+        out, offset = [], 0
+        for length in p.extend_seq_lens:
+            out.append((offset, length))
+            offset += length
+        return out if offset == n else []
+    return []
+
+
+def attribute(
+    passes: list[ForwardPass],
+    requests: list[RequestTokens],
+    *,
+    speculative: bool,
+    verify_width: int,
+    moe_layers: tuple[int, ...],
+) -> list[list[Window]]:
+    """Windows of each request (same order as `requests`), in run order."""
+    tokens = [r.tokens for r in requests]
+    next_start = [len(r.prompt_ids) for r in requests]
+    out: list[list[Window]] = [[] for _ in requests]
+    for p in passes:
+        if not _is_step_pass(p, speculative) or not p.has_routing(moe_layers):
+            continue
+        taken: set[int] = set()
+        for offset, length in segments(p, verify_width):
+            if not speculative and length != 1:
+                continue  # a prefill chunk inside a MIXED pass
+            start, first = p.positions[offset], p.input_ids[offset]
+            best, best_accepted = None, -1
+            for r, seq in enumerate(tokens):
+                # The pass must still add a token: the request's last token is never an input.
+                if r in taken or next_start[r] != start or start >= len(seq) - 1 or seq[start] != first:
+                    continue
+                accepted = _leading_matches(p, offset, length, seq)
+                if accepted > best_accepted:
+                    best, best_accepted = r, accepted
+            if best is None:
+                continue
+            committed = min(best_accepted + 1, len(tokens[best]) - 1 - start)
+            accepted = min(best_accepted, committed)
+            out[best].append(Window(
+                pass_index=p.index,
+                mode=p.mode,
+                start=start,
+                input_ids=p.input_ids[offset:offset + length],
+                positions=p.positions[offset:offset + length],
+                topk_ids=p.topk_ids[:, offset:offset + length],
+                accepted=accepted,
+                committed=committed,
+            ))
+            taken.add(best)
+            next_start[best] = start + accepted + 1
+    return out
+
+
+def _is_step_pass(p: ForwardPass, speculative: bool) -> bool:
+    if speculative:
+        return p.mode == ForwardMode.TARGET_VERIFY
+    return p.mode in (ForwardMode.DECODE, ForwardMode.MIXED)
+
+
+def _leading_matches(p: ForwardPass, offset: int, length: int, seq: tuple[int, ...]) -> int:
+    """Drafts 1.. that sit on the chain (next position) and equal the committed token there."""
+    start = p.positions[offset]
+    accepted = 0
+    for j in range(1, length):
+        pos = start + j
+        if p.positions[offset + j] != pos or pos >= len(seq) or p.input_ids[offset + j] != seq[pos]:
+            break
+        accepted += 1
+    return accepted
+
+
+def unique_experts(topk_ids: torch.Tensor, moe_layers: tuple[int, ...], num_experts: int) -> tuple[int, ...]:
+    """Distinct routed experts per MoE layer over a window ([L, w, 8] -> [len(moe_layers)])."""
+    counts = []
+    for layer in moe_layers:
+        ids = topk_ids[layer].reshape(-1)
+        # Ids outside [0, E) are padding (-1) or a fused shared-expert slot: not routed experts.
+        counts.append(int(torch.unique(ids[(ids >= 0) & (ids < num_experts)]).numel()))
+    return tuple(counts)

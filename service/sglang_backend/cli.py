@@ -1,0 +1,141 @@
+"""`moespec serve --backend sglang` options and the factory serve_cli calls.
+
+Every option has a default, because serve_cli adds them whatever --backend is; they are checked
+only in create_backend. Options that exist only for this backend carry an --sglang- prefix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from service.cli import UsageError
+from service.sglang_backend.checkpoint import sglang_model_dir
+from service.sglang_backend.info import build_info
+from service.sglang_backend.model_config import ModelDirError
+from service.sglang_backend.policy import MODEL_ALGORITHMS, NEEDS_DRAFT_PATH, SpecConfig
+from service.sglang_backend.preflight import check_draft, check_target, import_sglang, require_cuda
+from service.types import Drafter, DraftPolicy, InvalidRequest
+
+ALGORITHMS = (*MODEL_ALGORITHMS, "NGRAM")
+DEFAULT_CHUNKED_PREFILL = 4096  # set explicitly: the per_token recorder sizes its buffer from it
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sglang backend (--backend sglang)")
+    group.add_argument("--model-path", type=Path, help="target MoE model directory (Hugging Face layout)")
+    group.add_argument("--draft-model-path", type=Path,
+                       help="draft model directory (STANDALONE: a small model with the target's tokenizer)")
+    group.add_argument("--speculative-algorithm", type=str.upper, choices=ALGORITHMS,
+                       help="SGLang algorithm behind the model drafter (default STANDALONE with "
+                            "--draft-model-path); NGRAM offers the n-gram drafter only")
+    group.add_argument("--sglang-no-ngram", action="store_true",
+                       help="do not offer SGLang's NGRAM as a second drafter")
+    group.add_argument("--sglang-tp", type=int, default=1, help="tensor-parallel GPUs")
+    group.add_argument("--sglang-mem-fraction", type=float, help="mem_fraction_static (SGLang picks by default)")
+    group.add_argument("--sglang-context-length", type=int, help="context length (default: the model's)")
+    group.add_argument("--sglang-chunked-prefill", type=int, default=DEFAULT_CHUNKED_PREFILL,
+                       help="chunked_prefill_size")
+    group.add_argument("--sglang-ngram-max-trie-depth", type=int, help="speculative_ngram_max_trie_depth")
+    group.add_argument("--sglang-no-expert-record", action="store_true",
+                       help="run without the per_token expert recorder (counts only, no expert unions)")
+    group.add_argument("--sglang-record-dir", type=Path, help="where the recorder dumps (default: a temp dir)")
+    group.add_argument("--sglang-capture-topk", action="store_true", help="keep [L, w, m] routed ids per step")
+    group.add_argument("--sglang-no-calibrate", action="store_true",
+                       help="skip the plain-decoding start-up run that calibrates the decode step")
+    group.add_argument("--sglang-arg", action="append", default=[], metavar="KEY=VALUE",
+                       help="any other sglang.Engine argument (VALUE parsed as JSON, else a string); repeatable")
+
+
+def create_backend(args: argparse.Namespace):
+    """Checks (model directories, then sglang, then CUDA) and the started backend."""
+    from service.sglang_backend.backend import BackendConfig, SGLangBackend
+
+    target = check_target(args.model_path)
+    algorithm = args.speculative_algorithm or ("STANDALONE" if args.draft_model_path else "NGRAM")
+    model_algorithm = None if algorithm == "NGRAM" else algorithm
+    draft_name = check_draft(args.draft_model_path, model_algorithm, NEEDS_DRAFT_PATH)
+    spec = SpecConfig(
+        model_algorithm=model_algorithm,
+        draft_model_path=str(args.draft_model_path) if args.draft_model_path else None,
+        ngram=algorithm == "NGRAM" or not args.sglang_no_ngram,
+        ngram_max_trie_depth=args.sglang_ngram_max_trie_depth,
+    )
+    base = base_kwargs(args, record=not args.sglang_no_expert_record)
+    policy = initial_policy(args, spec)
+    sglang = import_sglang()
+    require_cuda()
+    cleanup = []
+    try:
+        served, is_view = sglang_model_dir(args.model_path)
+    except ModelDirError as e:
+        raise UsageError(f"--model-path {e}") from None
+    if is_view:
+        cleanup.append(served)
+    base["model_path"] = str(served)
+    record_dir = None
+    if not args.sglang_no_expert_record:
+        record_dir = args.sglang_record_dir
+        if record_dir is None:
+            record_dir = Path(tempfile.mkdtemp(prefix="moespec-sglang-records-"))
+            cleanup.append(record_dir)
+    max_context = args.sglang_context_length or target.max_context
+    config = BackendConfig(
+        target=target,
+        info=build_info(target, draft_name, spec, max_context),
+        spec=spec,
+        base_kwargs=base,
+        record_dir=record_dir,
+        tokenizer_path=args.model_path / "tokenizer.json",
+        capture_topk=args.sglang_capture_topk,
+        calibrate=not args.sglang_no_calibrate,
+        cleanup=tuple(cleanup),
+    )
+    return SGLangBackend(config, sglang, policy)
+
+
+def base_kwargs(args: argparse.Namespace, record: bool) -> dict:
+    """sglang.Engine arguments every policy shares."""
+    if args.sglang_tp < 1 or args.sglang_chunked_prefill < 1:
+        raise UsageError("--sglang-tp and --sglang-chunked-prefill must be >= 1")
+    out: dict = {
+        "model_path": str(args.model_path),
+        "tp_size": args.sglang_tp,
+        "chunked_prefill_size": args.sglang_chunked_prefill,
+        # A fused shared expert would occupy a routed-id slot and break the per-layer unions.
+        "disable_shared_experts_fusion": True,
+    }
+    if record:
+        out["expert_distribution_recorder_mode"] = "per_token"
+    if args.sglang_mem_fraction is not None:
+        out["mem_fraction_static"] = args.sglang_mem_fraction
+    if args.sglang_context_length is not None:
+        out["context_length"] = args.sglang_context_length
+    for item in args.sglang_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--sglang-arg wants KEY=VALUE, got {item!r}")
+        if key.startswith("speculative_"):
+            raise UsageError(f"--sglang-arg {key}: speculative arguments follow the draft policy")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def initial_policy(args: argparse.Namespace, spec: SpecConfig) -> DraftPolicy:
+    """serve_cli's --drafter / --draft-length, if it defines them; else plain decoding."""
+    drafter = Drafter(getattr(args, "drafter", Drafter.MODEL.value))
+    length = getattr(args, "draft_length", 0)
+    if length and drafter not in spec.drafters():
+        offered = ", ".join(d.value for d in spec.drafters())
+        raise UsageError(f"--drafter {drafter.value}: this sglang configuration offers {offered}")
+    policy = DraftPolicy(drafter=drafter, draft_length=length, policy_id="default")
+    try:
+        policy.validate()
+    except InvalidRequest as e:
+        raise UsageError(f"initial draft policy: {e}") from None
+    return policy

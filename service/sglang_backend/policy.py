@@ -1,0 +1,95 @@
+"""DraftPolicy -> sglang.Engine keyword arguments, and the ModelInfo this backend reports.
+
+Mapping (server-argument names from python/sglang/srt/arg_groups/fields/spec.py in 0.5.23):
+- draft_length 0: no speculative_* argument at all (plain decoding).
+- model drafter, k > 0: speculative_algorithm = the configured STANDALONE|EAGLE|EAGLE3|NEXTN,
+  speculative_num_steps = k, speculative_eagle_topk = 1, speculative_num_draft_tokens = k + 1
+  (a chain: one verify window of k + 1 positions per request).
+- n-gram drafter, k > 0: speculative_algorithm = NGRAM, speculative_num_draft_tokens = k + 1 and
+  min/max BFS breadth 1, which makes SGLang's `_handle_ngram` set eagle_topk 1 and num_steps k + 1:
+  a chain as well. SGLang's NGRAM always verifies all k + 1 positions (it pads when the cache
+  finds no match), so empty drafts cost a full window there and are not counted as empty.
+- draft_temperature: no SGLang knob. Chain drafts are the draft model's argmax; with
+  speculative_use_rejection_sampling (EAGLE/EAGLE3/NEXTN only) the draft samples at the request's own
+  temperature. So it is never listed as tunable and StepRecords carry 0.0 (argmax).
+All of these are start-up arguments, so a policy whose arguments differ needs another engine
+(`engine_slot.py` swaps it and measures the cost). policy_id and draft_temperature changes are free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from service.types import Drafter, DraftPolicy, InvalidRequest
+
+MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3", "NEXTN")
+# Algorithms whose draft is a separate checkpoint; NEXTN can use the target's own MTP layers.
+NEEDS_DRAFT_PATH = ("STANDALONE", "EAGLE", "EAGLE3")
+EFFECTIVE_DRAFT_TEMPERATURE = 0.0
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """What the operator chose at `moespec serve` time; fixed for the server's life."""
+
+    model_algorithm: str | None  # one of MODEL_ALGORITHMS; None: only the n-gram drafter
+    draft_model_path: str | None
+    ngram: bool = True  # offer SGLang's NGRAM drafter
+    ngram_max_trie_depth: int | None = None
+
+    def drafters(self) -> tuple[Drafter, ...]:
+        return tuple(d for d, ok in ((Drafter.MODEL, self.model_algorithm is not None), (Drafter.NGRAM, self.ngram))
+                     if ok)
+
+
+def speculative_kwargs(policy: DraftPolicy, spec: SpecConfig) -> dict:
+    """The speculative_* engine arguments for a policy ({} = speculation off)."""
+    k = policy.draft_length
+    if k == 0:
+        return {}
+    if policy.drafter not in spec.drafters():
+        raise InvalidRequest("policy.drafter", f"this server offers {[d.value for d in spec.drafters()]}")
+    if policy.drafter is Drafter.NGRAM:
+        out = {
+            "speculative_algorithm": "NGRAM",
+            "speculative_num_draft_tokens": k + 1,
+            "speculative_ngram_min_bfs_breadth": 1,
+            "speculative_ngram_max_bfs_breadth": 1,
+        }
+        if spec.ngram_max_trie_depth is not None:
+            out["speculative_ngram_max_trie_depth"] = spec.ngram_max_trie_depth
+        return out
+    out = {
+        "speculative_algorithm": spec.model_algorithm,
+        "speculative_num_steps": k,
+        "speculative_eagle_topk": 1,
+        "speculative_num_draft_tokens": k + 1,
+    }
+    if spec.draft_model_path:
+        out["speculative_draft_model_path"] = spec.draft_model_path
+    return out
+
+
+def engine_key(policy: DraftPolicy, spec: SpecConfig) -> tuple:
+    """Policies with the same key run on the same engine (no swap)."""
+    return tuple(sorted(speculative_kwargs(policy, spec).items()))
+
+
+def verify_width(policy: DraftPolicy) -> int:
+    """Tokens each request contributes to one verify pass (1 = a plain decode step)."""
+    return policy.draft_length + 1
+
+
+def effective_policy(policy: DraftPolicy) -> DraftPolicy:
+    """The policy as SGLang runs it: the draft temperature is not SGLang's to set (argmax drafts)."""
+    if policy.draft_length == 0 or policy.drafter is Drafter.NGRAM:
+        return policy
+    return dataclasses.replace(policy, draft_temperature=EFFECTIVE_DRAFT_TEMPERATURE)
+
+
+def tunable_knobs(spec: SpecConfig) -> tuple[str, ...]:
+    """What the tuner may search here: the length always (0 = off is always valid), the drafter
+    when there are two to choose from, never the draft temperature."""
+    return ("drafter", "draft_length") if len(spec.drafters()) > 1 else ("draft_length",)
+

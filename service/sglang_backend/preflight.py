@@ -1,0 +1,75 @@
+"""Checks that run before SGLang starts, each failing with one line that says what to do.
+
+Order (create_backend): arguments and model directories first (cheap, and the most likely mistake),
+then the sglang import, then CUDA. Every failure is a service.cli.UsageError, so `moespec serve`
+exits 2 with the reason instead of a traceback from deep inside SGLang's subprocesses.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from pathlib import Path
+from types import ModuleType
+
+from service.cli import UsageError
+from service.sglang_backend.model_config import ModelDirError, MoeGeometry, dense_name, moe_geometry
+from service.sglang_backend.records import RECORDER_TOPK_WIDTH
+
+log = logging.getLogger(__name__)
+
+PINNED_VERSION = "0.5.23"
+INSTALL_HINT = "pip install '.[sglang]' (from a moespec checkout) or pip install 'moespec[sglang]'"
+
+
+class SGLangUnavailable(UsageError):
+    """SGLang or a CUDA GPU is missing on this machine."""
+
+
+def import_sglang() -> ModuleType:
+    """The real `import sglang`; its ImportError becomes an install hint."""
+    try:
+        module = importlib.import_module("sglang")
+    except ImportError as e:
+        raise SGLangUnavailable(
+            f"--backend sglang needs SGLang {PINNED_VERSION} ({e}); install it with {INSTALL_HINT}"
+        ) from e
+    version = getattr(module, "__version__", "unknown")
+    if version != PINNED_VERSION:
+        # The recorder's per_token format is read from 0.5.23's source; other versions may differ.
+        log.warning("sglang %s is installed; moespec reads the recorder format of %s", version, PINNED_VERSION)
+    return module
+
+
+def require_cuda() -> None:
+    import torch  # a base dependency; imported here so that merely importing this module stays cheap
+
+    if not torch.cuda.is_available():
+        raise SGLangUnavailable(
+            "--backend sglang needs a CUDA GPU and torch sees none (torch.cuda.is_available() is False); "
+            "use --backend torch on this machine"
+        )
+
+
+def check_target(path: Path | None) -> MoeGeometry:
+    if path is None:
+        raise UsageError("--backend sglang needs --model-path (a local MoE model directory)")
+    try:
+        geometry = moe_geometry(path)
+    except ModelDirError as e:
+        raise UsageError(f"--model-path {e}") from None
+    if geometry.top_k > RECORDER_TOPK_WIDTH:
+        raise UsageError(f"--model-path {path}: top-{geometry.top_k} routing; SGLang's per_token expert recorder "
+                         f"holds {RECORDER_TOPK_WIDTH} ids per token")
+    return geometry
+
+
+def check_draft(path: Path | None, algorithm: str | None, needs_path: tuple[str, ...]) -> str:
+    if path is None:
+        if algorithm in needs_path:
+            raise UsageError(f"--speculative-algorithm {algorithm} needs --draft-model-path")
+        return ""
+    try:
+        return dense_name(path)
+    except ModelDirError as e:
+        raise UsageError(f"--draft-model-path {e}") from None

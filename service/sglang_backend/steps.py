@@ -1,0 +1,101 @@
+"""Attributed windows (+ meta_info) -> moespec StepRecords and SpecStats for one request.
+
+Pure Python on plain data: no SGLang, no GPU. What SGLang does not tell, and how it is filled:
+- Per-pass wall time: the recorder stores none, so each step gets an equal share of the request's
+  decode time (wall time after the first token) in verify_seconds; draft_seconds is 0 because
+  SGLang overlaps drafting and verifying in one scheduler iteration. Sums stay exact, which is
+  what the request aggregates and the tuner's objective use.
+- The first output token comes from the prefill (an EXTEND pass), not from a step, so
+  committed_tokens = completion_tokens - 1 (the embedded engine counts it in its first step).
+- When the recorder is off or a request's windows cannot all be found, the steps are rebuilt from
+  meta_info's histogram (counts exact, order and experts unknown: unique_experts all 0).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from service.sglang_backend.attribution import Window, unique_experts
+from service.sglang_backend.meta_info import SpecMeta
+from service.sglang_backend.model_config import MoeGeometry
+from service.types import DraftPolicy, SpecStats, StepRecord
+
+log = logging.getLogger(__name__)
+
+
+def steps_from_windows(
+    windows: list[Window],
+    policy: DraftPolicy,
+    target: MoeGeometry,
+    *,
+    decode_seconds: float,
+    decode_step_seconds: float,
+    capture_topk: bool = False,
+) -> list[StepRecord]:
+    share = decode_seconds / len(windows) if windows else 0.0
+    out = []
+    for w in windows:
+        drafted = w.width - 1
+        topk = None
+        if capture_topk:
+            # [L, w, m] over the MoE layers, the recorder's -1 padding columns dropped.
+            topk = tuple(tuple(tuple(row[:target.top_k]) for row in w.topk_ids[layer].tolist())
+                         for layer in target.moe_layers)
+        out.append(_record(policy, target, drafted, w.accepted, w.committed, w.width,
+                           unique_experts(w.topk_ids, target.moe_layers, target.num_experts),
+                           share, decode_step_seconds, topk, w.input_ids if capture_topk else None))
+    return out
+
+
+def steps_from_meta(
+    meta: SpecMeta | None,
+    completion_tokens: int,
+    policy: DraftPolicy,
+    target: MoeGeometry,
+    *,
+    decode_seconds: float,
+    decode_step_seconds: float,
+) -> list[StepRecord]:
+    """Counts-only steps: one per plain decode token, or per verify pass from the histogram."""
+    zeros = (0,) * len(target.moe_layers)
+    if meta is None:
+        accepted = [0] * max(0, completion_tokens - 1)
+    else:
+        accepted = [a for a, count in enumerate(meta.histogram) for _ in range(count)]
+    share = decode_seconds / len(accepted) if accepted else 0.0
+    k = policy.draft_length if meta is not None else 0
+    return [_record(policy, target, k, a, a + 1, k + 1, zeros, share, decode_step_seconds, None, None)
+            for a in accepted]
+
+
+def expected_steps(meta: SpecMeta | None, completion_tokens: int) -> int:
+    """Verify passes SGLang counted, or plain decode passes (every token after the prefill's)."""
+    return meta.verify_ct if meta is not None else max(0, completion_tokens - 1)
+
+
+def spec_stats(steps: list[StepRecord], policy: DraftPolicy, target: MoeGeometry) -> SpecStats:
+    return SpecStats.from_steps(steps, policy, len(target.moe_layers))
+
+
+def _record(policy: DraftPolicy, target: MoeGeometry, drafted: int, accepted: int, committed: int, window: int,
+            unique: tuple[int, ...], seconds: float, decode_step_seconds: float,
+            topk: tuple | None, window_ids: tuple[int, ...] | None) -> StepRecord:
+    return StepRecord(
+        drafter=policy.drafter,
+        draft_length=policy.draft_length,
+        draft_temperature=policy.draft_temperature,
+        policy_id=policy.policy_id,
+        drafted=drafted,
+        accepted=accepted,
+        committed=committed,
+        accepted_per_position=tuple(i < accepted for i in range(drafted)),
+        window=window,
+        unique_experts=unique,
+        shared_experts=target.shared_experts,
+        unique_experts_bound=min(target.num_experts, window * target.top_k),
+        draft_seconds=0.0,
+        verify_seconds=seconds,
+        decode_step_equivalents=seconds / decode_step_seconds if decode_step_seconds > 0 else 0.0,
+        topk_ids=topk,
+        window_ids=window_ids,
+    )

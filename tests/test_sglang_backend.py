@@ -1,0 +1,183 @@
+"""SGLangBackend on CPU against a stand-in for sglang.Engine that replays the fixture run: the
+engine's public calls (generate stream, start/dump recorder, shutdown, abort) and the dump files
+it leaves in SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR are as 0.5.23 has them; the backend's own
+code (swap, streaming, recorder reading, adaptation, calibration) runs for real."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+import types
+
+import pytest
+
+from service.sglang_backend import add_arguments, create_backend
+from service.sglang_backend import cli as sglang_cli
+from service.sglang_backend.engine_slot import RECORDER_DIR_ENV
+from service.sglang_backend.records import dump_files
+from service.types import Drafter, DraftPolicy, FinishReason, GenerationRequest, SamplingParams
+from tests.fixtures.sglang.scenario import load
+
+SCENARIO = load("speculative")
+
+
+class FakeEngine:
+    def __init__(self, journal: list, **kwargs):
+        self.kwargs, self.journal = kwargs, journal
+        self.recording = self.closed = False
+        self.last_prompt: tuple[int, ...] = ()
+        self.aborted: list[str] = []
+        self.tokenizer_manager = types.SimpleNamespace(abort_request=lambda rid: self.aborted.append(rid))
+        journal.append(self)
+
+    def start_expert_distribution_record(self):
+        self.recording = True
+
+    def generate(self, input_ids, sampling_params, stream, rid):
+        assert stream and not self.closed
+        self.last_prompt = tuple(input_ids)
+        name = next((n for n, e in SCENARIO.expected.items() if tuple(e["prompt_ids"]) == self.last_prompt), None)
+        if name is None:  # the warm-up request
+            output = list(range(100, 100 + sampling_params["max_new_tokens"]))
+            meta = {"finish_reason": {"type": "length"}, "completion_tokens": len(output)}
+        else:
+            output, meta = SCENARIO.expected[name]["output_ids"], SCENARIO.meta[name]
+        for end in (1, len(output) // 2, len(output)):
+            time.sleep(0.002)
+            done = end == len(output) or bool(self.aborted)
+            yield {"text": " ".join(map(str, output[:end])), "output_ids": output[:end],
+                   "meta_info": meta if done else {"finish_reason": None}}
+            if done:
+                return
+
+    def dump_expert_distribution_record(self):
+        assert self.recording  # SGLang raises without a per_token recorder started
+        out = os.environ[RECORDER_DIR_ENV]
+        name = f"expert_distribution_recorder_{time.time()}_0.pt"
+        known = any(tuple(e["prompt_ids"]) == self.last_prompt for e in SCENARIO.expected.values())
+        if known:
+            shutil.copy(dump_files(SCENARIO.folder)[0], os.path.join(out, name))
+        else:
+            import torch
+
+            torch.save({"records": [], "last_physical_to_logical_map": torch.arange(64).repeat(4, 1)},
+                       os.path.join(out, name))
+
+    def shutdown(self):
+        self.closed = True
+
+
+@pytest.fixture
+def journal(monkeypatch):
+    engines: list[FakeEngine] = []
+    fake = types.SimpleNamespace(__version__="0.5.23", Engine=lambda **kw: FakeEngine(engines, **kw))
+    monkeypatch.setattr(sglang_cli, "import_sglang", lambda: fake)
+    monkeypatch.setattr(sglang_cli, "require_cuda", lambda: None)
+    # The backend sets this for SGLang's subprocesses; setenv here makes the test undo it.
+    monkeypatch.setenv(RECORDER_DIR_ENV, "unset-by-test")
+    return engines
+
+
+def model_dirs(tmp_path):
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    for path, config in ((target, {"model_type": "qwen2_moe", "num_experts": 64, "num_experts_per_tok": 8,
+                                   "moe_intermediate_size": 64, "shared_expert_intermediate_size": 256}),
+                         (draft, {"model_type": "qwen2", "intermediate_size": 768})):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 256, "vocab_size": 1024,
+                                                      "max_position_embeddings": 512, **config}))
+        (path / "model.safetensors").write_bytes(b"")
+    return target, draft
+
+
+def make_backend(tmp_path, *extra):
+    target, draft = model_dirs(tmp_path)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parser.add_argument("--drafter", default="model")
+    parser.add_argument("--draft-length", type=int, default=0)
+    args = parser.parse_args(["--model-path", str(target), "--draft-model-path", str(draft), *extra])
+    return create_backend(args)
+
+
+def request(name: str) -> GenerationRequest:
+    return GenerationRequest(prompt_token_ids=tuple(SCENARIO.expected[name]["prompt_ids"]), max_new_tokens=64,
+                             sampling=SamplingParams(temperature=0.0))
+
+
+K3 = DraftPolicy(Drafter.MODEL, draft_length=3, policy_id="k3")
+
+
+def test_a_policy_change_swaps_the_engine_and_publishes_the_measured_cost(tmp_path, journal):
+    backend = make_backend(tmp_path)
+    assert len(journal) == 1 and "speculative_algorithm" not in journal[0].kwargs
+    assert backend.info.decode_step_seconds > 0  # calibrated by the plain warm-up
+    result = backend.generate(request("A"), K3)
+    assert len(journal) == 2 and journal[0].closed
+    assert journal[1].kwargs["speculative_num_steps"] == 3 and journal[1].kwargs["speculative_num_draft_tokens"] == 4
+    assert journal[1].kwargs["expert_distribution_recorder_mode"] == "per_token"
+    assert backend.info.policy_switches == 1 and backend.info.policy_switch_seconds > 0
+    backend.generate(request("A"), DraftPolicy(Drafter.MODEL, 3, 0.5, policy_id="same-engine"))
+    assert len(journal) == 2  # policy_id / draft_temperature need no other engine
+    assert result.finish_reason is FinishReason.LENGTH
+    backend.close()
+
+
+def test_steps_come_from_the_recorder_dump(tmp_path, journal):
+    backend = make_backend(tmp_path)
+    result = backend.generate(request("B"), K3)
+    want = SCENARIO.expected["B"]
+    assert result.token_ids == tuple(want["output_ids"]) and result.completion_tokens == len(want["output_ids"])
+    assert [s.accepted for s in result.steps] == [s["accepted"] for s in want["steps"]]
+    assert [s.unique_experts for s in result.steps] == [tuple(s["unique_experts"]) for s in want["steps"]]
+    assert result.spec.verify_steps == 4 and result.spec.policy_id == "k3"
+    assert result.spec.draft_temperature == 0.0  # SGLang drafts the argmax
+    assert result.time_to_first_token > 0 and result.seconds >= result.time_to_first_token
+    assert not list(backend.config.record_dir.glob("*.pt"))  # read and removed
+    backend.close()
+
+
+def test_stream_deltas_add_up_to_the_result(tmp_path, journal):
+    backend = make_backend(tmp_path)
+    deltas = []
+    result = backend.generate(request("A"), K3, on_delta=deltas.append)
+    assert tuple(t for d in deltas for t in d.token_ids) == result.token_ids
+    assert "".join(d.text for d in deltas) == result.text
+    backend.close()
+
+
+def test_should_stop_aborts_the_sglang_request(tmp_path, journal):
+    backend = make_backend(tmp_path)
+    result = backend.generate(request("A"), DraftPolicy(), should_stop=lambda: True)
+    assert journal[-1].aborted and result.finish_reason is FinishReason.CANCELLED
+    backend.close()
+
+
+def test_a_speculative_start_calibrates_plain_first(tmp_path, journal):
+    backend = make_backend(tmp_path, "--draft-length", "2")
+    assert len(journal) == 2 and journal[1].kwargs["speculative_num_steps"] == 2
+    assert backend.info.decode_step_seconds > 0 and backend.info.policy_switches == 1
+    record_dir = backend.config.record_dir
+    backend.close()
+    assert not record_dir.exists()  # the temp dir it made is gone
+
+
+def test_without_the_recorder_counts_still_come_from_meta_info(tmp_path, journal):
+    backend = make_backend(tmp_path, "--sglang-no-expert-record")
+    assert "expert_distribution_recorder_mode" not in journal[0].kwargs
+    result = backend.generate(request("A"), K3)
+    assert result.spec.verify_steps == 3 and result.spec.unique_experts_max == (0, 0, 0, 0)
+    backend.close()
+
+
+def test_invalid_requests_name_the_field(tmp_path, journal):
+    from service.types import InvalidRequest
+
+    backend = make_backend(tmp_path)
+    with pytest.raises(InvalidRequest) as e:
+        backend.generate(GenerationRequest(prompt_token_ids=(5000,)), DraftPolicy())
+    assert e.value.field == "prompt_token_ids"
+    backend.close()
