@@ -24,12 +24,13 @@ _EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_pro
 
 
 def to_hub_state(model: Transformer) -> dict[str, torch.Tensor]:
-    """In-memory names -> hub names (model. prefix, one tensor per expert projection)."""
-    cfg = model.cfg
+    """In-memory names -> hub names (model. prefix, one tensor per expert projection).
+
+    lm_head.weight is written even when tied: SGLang's Qwen2-MoE never ties it and would
+    otherwise serve an uninitialised output layer.
+    """
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
         hub = name if name.startswith("lm_head") else f"model.{name}"
         if name.endswith("experts.gate_up_proj"):
             prefix = hub.removesuffix(".gate_up_proj")
@@ -63,13 +64,14 @@ def from_hub_state(hub: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
         state[f"{local}.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)
         state[f"{local}.down_proj"] = stack["down_proj"]
     if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
+        state.setdefault("lm_head.weight", state["embed_tokens.weight"])
     return state
 
 
 def save_model(model: Transformer, directory: Path, dtype: torch.dtype = torch.bfloat16) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in to_hub_state(model).items()}
+    # clone: tied tensors must not share memory in a safetensors file
+    tensors = {k: v.detach().to(dtype).clone() for k, v in to_hub_state(model).items()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(model.cfg.to_hf_dict(), indent=2) + "\n")
 
