@@ -26,7 +26,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from service.model import ModelConfig, Transformer, init_weights  # noqa: E402
-from service.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, MODELS_DIR, save_model  # noqa: E402
+from service.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, MODELS_DIR, load_model, save_model  # noqa: E402
 from training.model_card import render as render_model_card  # noqa: E402
 
 EOS = "<|endoftext|>"
@@ -178,36 +178,61 @@ def evaluate(target: Transformer, draft: Transformer, data: torch.Tensor, window
             "uniform_routing_5_window": round(E * (1 - (1 - m / E) ** 5), 1)}
 
 
+def combine(previous: dict | None, run: dict) -> dict:
+    """Cumulative figures over a resumed model's runs; each run kept under "runs"."""
+    if not previous:
+        return {**run, "runs": [run]}
+    runs = previous.get("runs", [previous]) + [run]
+    total = {k: sum(r[k] for r in runs) for k in ("steps", "tokens")}
+    total["minutes"] = round(sum(r["minutes"] for r in runs), 1)
+    return {**run, **total, "peak_lr": "/".join(str(r["peak_lr"]) for r in runs), "runs": runs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target-minutes", type=float, default=28)
     ap.add_argument("--draft-minutes", type=float, default=12)
+    ap.add_argument("--target-lr", type=float, default=3e-3)
+    ap.add_argument("--draft-lr", type=float, default=3e-3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--resume", action="store_true",
+                    help="continue training the shipped checkpoints (same tokenizer) with a fresh schedule")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     t0 = time.time()
     train_files, heldout_files = corpus_files()
-    tok = train_tokenizer(train_files)
-    for d in (DEFAULT_TARGET_DIR, DEFAULT_DRAFT_DIR):
-        save_tokenizer(tok, d)
+    previous = None
+    if args.resume:
+        tok = Tokenizer.from_file(str(DEFAULT_TARGET_DIR / "tokenizer.json"))
+        previous = json.loads((MODELS_DIR / "training_report.json").read_text())
+    else:
+        tok = train_tokenizer(train_files)
+        for d in (DEFAULT_TARGET_DIR, DEFAULT_DRAFT_DIR):
+            save_tokenizer(tok, d)
     train_ids, heldout_ids = encode(tok, train_files), encode(tok, heldout_files)
     print(f"tokenizer done in {time.time() - t0:.0f}s: {train_ids.numel()} train / "
           f"{heldout_ids.numel()} held-out tokens", flush=True)
     eos = tok.token_to_id(EOS)
-    target, draft = Transformer(target_config(eos)), Transformer(draft_config(eos))
-    init_weights(target)
-    init_weights(draft)
-    save_model(target, DEFAULT_TARGET_DIR)
-    save_model(draft, DEFAULT_DRAFT_DIR)
-    target_run = train(target, train_ids, args.target_minutes, 3e-3, DEFAULT_TARGET_DIR)
-    draft_run = train(draft, train_ids, args.draft_minutes, 3e-3, DEFAULT_DRAFT_DIR, teacher=target, seed=1)
+    if args.resume:
+        target, draft = (load_model(d).requires_grad_(True) for d in (DEFAULT_TARGET_DIR, DEFAULT_DRAFT_DIR))
+    else:
+        target, draft = Transformer(target_config(eos)), Transformer(draft_config(eos))
+        init_weights(target)
+        init_weights(draft)
+        save_model(target, DEFAULT_TARGET_DIR)
+        save_model(draft, DEFAULT_DRAFT_DIR)
+    seed = 10 * len((previous or {}).get("target", {}).get("runs", [None] if previous else []))  # new batches
+    target_run = train(target, train_ids, args.target_minutes, args.target_lr, DEFAULT_TARGET_DIR, seed=seed)
+    draft_run = train(draft, train_ids, args.draft_minutes, args.draft_lr, DEFAULT_DRAFT_DIR, teacher=target,
+                      seed=seed + 1)
     metrics = evaluate(target, draft, heldout_ids)
     card = {"corpus": f"CPython {sys.version.split()[0]} standard library, non-test .py files",
             "train_files": len(train_files), "heldout_files": len(heldout_files),
             "train_tokens": train_ids.numel(), "heldout_tokens": heldout_ids.numel(),
-            "target": target_run, "draft": draft_run, "threads": args.threads,
-            "wall_minutes": round((time.time() - t0) / 60, 1), **metrics}
+            "target": combine(previous and previous["target"], target_run),
+            "draft": combine(previous and previous["draft"], draft_run), "threads": args.threads,
+            "wall_minutes": round((time.time() - t0) / 60 + (previous or {}).get("wall_minutes", 0), 1), **metrics}
     (MODELS_DIR / "training_report.json").write_text(json.dumps(card, indent=2) + "\n")
     (MODELS_DIR / "MODEL_CARD.md").write_text(render_model_card(card))
     print(json.dumps(card, indent=2))
