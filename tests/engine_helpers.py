@@ -16,4 +16,5 @@ def heldout_prompts(count: int) -> list[str]:
 
 
 def make_engine(**overrides) -> Engine:
-    return Engine(EngineConfig(**overrides))
+    # One intra-op thread: the per-step ops are small, and other test processes may share the cores.
+    return Engine(EngineConfig(**{"threads": 1, **overrides}))
