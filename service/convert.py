@@ -1,0 +1,223 @@
+"""Protobuf <-> dataclass conversion for the moespec.v1 API, both directions, nothing else.
+
+Contract: `*_from_pb` never validates (the dataclasses' `validate()` does that, so every entry point
+refuses bad input with the same message); unset `optional` fields take the dataclass defaults. The
+only error raised here is InvalidRequest for a value the dataclass cannot even hold (an unknown
+drafter enum number).
+"""
+
+from __future__ import annotations
+
+from service.proto_gen.moespec.v1 import moespec_pb2 as pb
+from service.types import (
+    MAX_DRAFT_TEMPERATURE,
+    Drafter,
+    DraftPolicy,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    InvalidRequest,
+    ModelInfo,
+    SamplingParams,
+    SpecStats,
+)
+
+DEFAULT_MAX_NEW_TOKENS = GenerationRequest().max_new_tokens
+
+_DRAFTER_TO_PB = {Drafter.MODEL: pb.DraftPolicy.MODEL, Drafter.NGRAM: pb.DraftPolicy.NGRAM}
+_DRAFTER_FROM_PB = {v: k for k, v in _DRAFTER_TO_PB.items()}
+
+
+def drafter_from_pb(value: int, field_name: str = "policy.drafter") -> Drafter:
+    # proto3 enums are open: an unknown number arrives intact and must be refused here.
+    try:
+        return _DRAFTER_FROM_PB[value]
+    except KeyError:
+        raise InvalidRequest(field_name, f"unknown drafter {value}") from None
+
+
+def drafter_to_pb(drafter: Drafter) -> int:
+    return _DRAFTER_TO_PB[drafter]
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    d = SamplingParams()
+    return SamplingParams(
+        temperature=msg.temperature if msg.HasField("temperature") else d.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else d.top_p,
+        top_k=msg.top_k if msg.HasField("top_k") else d.top_k,
+        seed=msg.seed if msg.HasField("seed") else d.seed,
+    )
+
+
+def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def request_from_pb(msg: pb.GenerateRequest) -> GenerationRequest:
+    return GenerationRequest(
+        prompt=msg.prompt,
+        prompt_token_ids=tuple(msg.prompt_token_ids),
+        max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS,
+        sampling=sampling_from_pb(msg.sampling),
+        stop=tuple(msg.stop),
+    )
+
+
+def request_to_pb(request: GenerationRequest) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt=request.prompt,
+        prompt_token_ids=list(request.prompt_token_ids),
+        max_new_tokens=request.max_new_tokens,
+        sampling=sampling_to_pb(request.sampling),
+        stop=list(request.stop),
+    )
+
+
+# -- policy -----------------------------------------------------------------------------------
+
+
+def policy_from_pb(msg: pb.DraftPolicy) -> DraftPolicy:
+    return DraftPolicy(
+        drafter=drafter_from_pb(msg.drafter),
+        draft_length=msg.draft_length,
+        draft_temperature=(
+            msg.draft_temperature if msg.HasField("draft_temperature") else DraftPolicy().draft_temperature
+        ),
+        policy_id=msg.policy_id,
+    )
+
+
+def policy_to_pb(policy: DraftPolicy) -> pb.DraftPolicy:
+    return pb.DraftPolicy(
+        drafter=drafter_to_pb(policy.drafter),
+        draft_length=policy.draft_length,
+        draft_temperature=policy.draft_temperature,
+        policy_id=policy.policy_id,
+    )
+
+
+# -- results ----------------------------------------------------------------------------------
+
+
+def spec_to_pb(spec: SpecStats) -> pb.SpecStats:
+    return pb.SpecStats(
+        verify_steps=spec.verify_steps,
+        drafted_tokens=spec.drafted_tokens,
+        accepted_tokens=spec.accepted_tokens,
+        committed_tokens=spec.committed_tokens,
+        accepted_per_position=list(spec.accepted_per_position),
+        unique_experts_mean=list(spec.unique_experts_mean),
+        unique_experts_max=list(spec.unique_experts_max),
+        draft_seconds=spec.draft_seconds,
+        verify_seconds=spec.verify_seconds,
+        seconds_per_committed_token=spec.seconds_per_committed_token,
+        policy_id=spec.policy_id,
+        empty_drafts=spec.empty_drafts,
+        drafter=drafter_to_pb(spec.drafter),
+        draft_length=spec.draft_length,
+        draft_temperature=spec.draft_temperature,
+    )
+
+
+def spec_from_pb(msg: pb.SpecStats) -> SpecStats:
+    # seconds_per_committed_token is derived by the dataclass, so it is not read back.
+    return SpecStats(
+        verify_steps=msg.verify_steps,
+        drafted_tokens=msg.drafted_tokens,
+        accepted_tokens=msg.accepted_tokens,
+        committed_tokens=msg.committed_tokens,
+        accepted_per_position=tuple(msg.accepted_per_position),
+        unique_experts_mean=tuple(msg.unique_experts_mean),
+        unique_experts_max=tuple(msg.unique_experts_max),
+        draft_seconds=msg.draft_seconds,
+        verify_seconds=msg.verify_seconds,
+        empty_drafts=msg.empty_drafts,
+        policy_id=msg.policy_id,
+        drafter=drafter_from_pb(msg.drafter, "spec.drafter"),
+        draft_length=msg.draft_length,
+        draft_temperature=msg.draft_temperature,
+    )
+
+
+def response_to_pb(result: GenerationResult, trace_id: str) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        text=result.text,
+        token_ids=list(result.token_ids),
+        finish_reason=result.finish_reason.value,
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens,
+        trace_id=trace_id,
+        spec=spec_to_pb(result.spec),
+        seconds=result.seconds,
+        time_to_first_token=result.time_to_first_token,
+    )
+
+
+def final_chunk_to_pb(
+    result: GenerationResult, trace_id: str, text: str, token_ids: tuple[int, ...]
+) -> pb.GenerateChunk:
+    """The stream's last chunk: the unary response's summary plus whatever was not yet streamed."""
+    return pb.GenerateChunk(
+        text=text,
+        token_ids=list(token_ids),
+        finish_reason=result.finish_reason.value,
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens,
+        trace_id=trace_id,
+        spec=spec_to_pb(result.spec),
+        seconds=result.seconds,
+        time_to_first_token=result.time_to_first_token,
+    )
+
+
+def finish_reason_from_pb(value: str) -> FinishReason:
+    return FinishReason(value)
+
+
+# -- model info -------------------------------------------------------------------------------
+
+
+def info_to_pb(info: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        backend=info.backend,
+        model_name=info.model_name,
+        draft_model_name=info.draft_model_name,
+        num_layers=info.num_layers,
+        num_experts=info.num_experts,
+        top_k=info.top_k,
+        shared_experts=info.shared_experts,
+        vocab_size=info.vocab_size,
+        max_context=info.max_context,
+        max_draft_length=info.max_draft_length,
+        drafters=[drafter_to_pb(d) for d in info.drafters],
+        tunable=list(info.tunable),
+        expert_bytes=info.expert_bytes,
+        decode_step_seconds=info.decode_step_seconds,
+        max_draft_temperature=MAX_DRAFT_TEMPERATURE,
+    )
+
+
+def info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        backend=msg.backend,
+        model_name=msg.model_name,
+        draft_model_name=msg.draft_model_name,
+        num_layers=msg.num_layers,
+        num_experts=msg.num_experts,
+        top_k=msg.top_k,
+        shared_experts=msg.shared_experts,
+        vocab_size=msg.vocab_size,
+        max_context=msg.max_context,
+        max_draft_length=msg.max_draft_length,
+        drafters=tuple(drafter_from_pb(d, "drafters") for d in msg.drafters),
+        tunable=tuple(msg.tunable),
+        expert_bytes=msg.expert_bytes,
+        decode_step_seconds=msg.decode_step_seconds,
+    )

@@ -1,0 +1,138 @@
+"""`moespec serve`: the gRPC Inference and PolicyAdmin services on the chosen backend.
+
+Telemetry follows the standard OTEL_* variables (and the --otel-* flags that override them; see
+otel.cli); it is off unless an exporter or endpoint is configured.
+
+Prints one machine-readable line once the server accepts requests:
+    moespec serving on HOST:PORT
+(the real port when --port 0), so scripts and tests can parse where to connect.
+Environment is read here, at run time, and passed down explicitly: MOESPEC_ADMIN_TOKEN, OTEL_*.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import os
+from pathlib import Path
+
+from otel import cli as otel_cli
+from service.backend import Backend
+from service.cli import UsageError
+from service.server import MoespecServer, ServerConfig, serve
+from service.types import Drafter, DraftPolicy, InvalidRequest
+
+ADMIN_TOKEN_ENV = "MOESPEC_ADMIN_TOKEN"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
+    parser.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one (printed)")
+    parser.add_argument("--backend", choices=("torch", "sglang"), default="torch",
+                        help="torch: the embedded engine on the shipped model (CPU or GPU); sglang: GPU")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="engine threads; the torch engine runs one request at a time, so 1 suffices")
+    parser.add_argument("--max-queue", type=int, default=16,
+                        help="generations that may wait for a worker; beyond that RESOURCE_EXHAUSTED")
+    parser.add_argument("--admin-token", default=None,
+                        help=f"bearer token PolicyAdmin requires (default: ${ADMIN_TOKEN_ENV}); "
+                             "without one SetPolicy is refused")
+    parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain; with --tls-key serves TLS only")
+    parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
+    parser.add_argument("--max-message-bytes", type=int, default=1 << 20,
+                        help="largest request or response message accepted")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds in-flight requests get to finish after SIGTERM")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (torch backend)")
+    parser.add_argument("--drafter", choices=[d.value for d in Drafter], default=Drafter.MODEL.value,
+                        help="initial draft policy: drafter")
+    parser.add_argument("--draft-length", type=int, default=0,
+                        help="initial draft policy: tokens drafted per step (0 = no speculation)")
+    parser.add_argument("--draft-temperature", type=float, default=1.0,
+                        help="initial draft policy: draft sampling temperature (model drafter)")
+    parser.add_argument("--log-level", default="WARNING", help="python logging level")
+    otel_cli.add_arguments(parser)
+    sglang = _sglang_module()
+    if sglang is not None:  # its options all have defaults and are checked only by create_backend
+        sglang.add_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = server_config(args, os.environ.get(ADMIN_TOKEN_ENV))
+    otel_cli.config_from_args(args, os.environ)  # bad OTEL_* / flags: exit 2 before loading a model
+    backend = create_backend(args)
+    try:
+        telemetry = otel_cli.build_telemetry(args, os.environ, backend.info)
+        try:
+            asyncio.run(serve(backend, config, telemetry, interceptors=telemetry.server_interceptors(),
+                              on_ready=_announce))
+        finally:
+            telemetry.shutdown()  # flushes what is still buffered
+    finally:
+        backend.close()
+    return 0
+
+
+def server_config(args: argparse.Namespace, env_token: str | None) -> ServerConfig:
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    if args.workers < 1 or args.max_queue < 0:
+        raise UsageError("--workers must be >= 1 and --max-queue >= 0")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
+    if args.max_message_bytes < 1024:
+        raise UsageError("--max-message-bytes must be at least 1024")
+    policy = DraftPolicy(Drafter(args.drafter), args.draft_length, args.draft_temperature, policy_id="default")
+    try:
+        policy.validate()
+    except InvalidRequest as e:
+        raise UsageError(f"initial draft policy: {e}") from None
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        max_queue=args.max_queue,
+        admin_token=args.admin_token or env_token or None,
+        tls_cert=_read(args.tls_cert),
+        tls_key=_read(args.tls_key),
+        max_message_bytes=args.max_message_bytes,
+        grace_seconds=args.grace,
+        initial_policy=policy,
+    )
+
+
+def create_backend(args: argparse.Namespace) -> Backend:
+    if args.backend == "sglang":
+        sglang = _sglang_module()
+        if sglang is None:
+            raise UsageError("the sglang backend is not part of this installation")
+        return sglang.create_backend(args)
+    from service.engine import Engine, EngineConfig  # imported here: torch loads only when serving with it
+
+    return Engine(EngineConfig(threads=args.threads))
+
+
+def _sglang_module():
+    """service.sglang_backend's CLI hooks; importing it imports neither sglang nor CUDA."""
+    try:
+        return importlib.import_module("service.sglang_backend")
+    except ModuleNotFoundError as e:
+        if e.name and "service.sglang_backend".startswith(e.name):
+            return None
+        raise
+
+
+def _read(path: Path | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
+
+
+def _announce(server: MoespecServer) -> None:
+    print(f"moespec serving on {server.address}", flush=True)

@@ -1,0 +1,137 @@
+"""Assembles and runs the gRPC server: servicers, health, reflection, limits, TLS, graceful stop.
+
+Contract:
+- `MoespecServer(backend, config, telemetry)`; `await start()` binds (port 0 picks a free port,
+  see `.port`), marks health SERVING and returns; `await stop(grace)` marks health NOT_SERVING,
+  refuses new RPCs, lets in-flight ones finish for `grace` seconds, then cancels the rest (which
+  stops their generations) and joins the engine workers. The backend is not closed here: whoever
+  created it closes it.
+- `serve(...)` runs a server until SIGTERM / SIGINT, then stops it gracefully.
+- Generation admission is the runner's (RESOURCE_EXHAUSTED when its queue is full); health,
+  reflection, model info and PolicyAdmin are never queued behind generations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from otel.api import Telemetry
+from service.backend import Backend
+from service.proto_gen.moespec.v1 import moespec_pb2 as pb
+from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
+from service.runner import EngineRunner
+from service.servicer import InferenceServicer, PolicyAdminServicer, PolicyStore
+from service.types import DraftPolicy
+
+SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in ("Inference", "PolicyAdmin"))
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = pick a free port
+    workers: int = 1  # engine threads
+    max_queue: int = 16  # generations waiting for a worker before RESOURCE_EXHAUSTED
+    admin_token: str | None = None  # None: SetPolicy refused
+    tls_cert: bytes | None = None  # PEM; with tls_key, serve TLS only
+    tls_key: bytes | None = None
+    max_message_bytes: int = 1 << 20  # larger requests are refused by gRPC (RESOURCE_EXHAUSTED)
+    grace_seconds: float = 10.0  # in-flight requests get this long after SIGTERM
+    initial_policy: DraftPolicy = field(default_factory=DraftPolicy)
+
+
+class MoespecServer:
+    def __init__(
+        self,
+        backend: Backend,
+        config: ServerConfig = ServerConfig(),
+        telemetry: Telemetry | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ):
+        self.config = config
+        self.info = backend.info
+        self.runner = EngineRunner(backend, workers=config.workers, max_queue=config.max_queue)
+        self.policies = PolicyStore(self.info, config.initial_policy)
+        self._telemetry = telemetry
+        self._interceptors = tuple(interceptors)
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> int:
+        cfg = self.config
+        options = [
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0),  # port 0 must really be free, not shared with another server
+        ]
+        server = grpc.aio.server(options=options, interceptors=self._interceptors)
+        pb_grpc.add_InferenceServicer_to_server(
+            InferenceServicer(self.runner, self.info, self.policies, self._telemetry), server
+        )
+        pb_grpc.add_PolicyAdminServicer_to_server(PolicyAdminServicer(self.policies, cfg.admin_token), server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
+        target = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert and cfg.tls_key:
+            creds = grpc.ssl_server_credentials([(cfg.tls_key, cfg.tls_cert)])
+            self.port = server.add_secure_port(target, creds)
+        else:
+            self.port = server.add_insecure_port(target)
+        await server.start()
+        self._server = server
+        for name in ("", *SERVICE_NAMES):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self._server is None:
+            return
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(self.config.grace_seconds if grace is None else grace)
+        # Blocking join of the worker threads: off the loop, it can take one engine step.
+        await asyncio.to_thread(self.runner.close)
+        self._server = None
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+async def serve(
+    backend: Backend,
+    config: ServerConfig,
+    telemetry: Telemetry | None = None,
+    on_ready: Callable[[MoespecServer], None] | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> None:
+    """Serve until SIGTERM or SIGINT, then stop gracefully."""
+    server = MoespecServer(backend, config, telemetry, interceptors)
+    await server.start()
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    if on_ready is not None:
+        on_ready(server)
+    try:
+        await stopping.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await server.stop()

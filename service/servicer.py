@@ -1,0 +1,240 @@
+"""The moespec.v1 servicers: protobuf in, dataclasses to the engine runner, protobuf out.
+
+Contract:
+- Every generation runs under the draft policy current when it starts (read once, reported in
+  spec.policy_id) and inside `telemetry.request(...)`, opened in the RPC's own context, ended by
+  exactly one of `finish(result)` (also for a partial, cancelled generation) or `fail(error, ...)`.
+- Errors map to status codes here and only here: InvalidRequest -> INVALID_ARGUMENT (message starts
+  with the field; the field is also the trailing metadata "moespec-invalid-field"), Overloaded ->
+  RESOURCE_EXHAUSTED, a deadline that stopped the engine -> DEADLINE_EXCEEDED, anything else from
+  the backend -> INTERNAL (a server fault). A cancelled RPC stops its generation (see runner).
+- PolicyAdmin wants `authorization: Bearer <token>`, compared in constant time. With no token
+  configured GetPolicy is open (the policy is public in every response anyway) and SetPolicy is
+  refused with PERMISSION_DENIED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+import grpc
+
+from otel.api import RequestObservation, Telemetry
+from service import convert
+from service.proto_gen.moespec.v1 import moespec_pb2 as pb
+from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
+from service.runner import EngineRunner, GenerationCancelled, Overloaded
+from service.types import (
+    DraftPolicy,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    InvalidRequest,
+    ModelInfo,
+    StreamDelta,
+)
+
+log = logging.getLogger(__name__)
+
+INVALID_FIELD_KEY = "moespec-invalid-field"
+
+
+class PolicyStore:
+    """The current draft policy. Read and replaced on the event loop only, so no lock is needed."""
+
+    def __init__(self, info: ModelInfo, initial: DraftPolicy):
+        self._info = info
+        self._current = self.check(initial)
+
+    def current(self) -> DraftPolicy:
+        return self._current
+
+    def set(self, policy: DraftPolicy) -> DraftPolicy:
+        self._current = self.check(policy)
+        return self._current
+
+    def check(self, policy: DraftPolicy) -> DraftPolicy:
+        """Validate against this backend's bounds; an empty policy_id is derived from the fields."""
+        policy.validate(self._info.max_draft_length)
+        if policy.draft_length and policy.drafter not in self._info.drafters:
+            raise InvalidRequest("policy.drafter", f"{policy.drafter.value!r} is not offered by this backend")
+        if not policy.policy_id:
+            policy = replace(
+                policy, policy_id=f"{policy.drafter.value}-k{policy.draft_length}-t{policy.draft_temperature:g}"
+            )
+        return policy
+
+
+@dataclass(eq=False)  # identity equality and hashing, as exceptions need
+class _Failure(Exception):
+    """A status to answer with; raised inside the generation, turned into context.abort outside it."""
+
+    code: grpc.StatusCode
+    details: str
+    field: str = ""
+
+    async def abort(self, context: grpc.aio.ServicerContext) -> None:
+        metadata = ((INVALID_FIELD_KEY, self.field),) if self.field else ()
+        await context.abort(self.code, self.details, trailing_metadata=metadata)
+
+
+class _NoObservation:
+    trace_id = ""
+
+    def finish(self, result: GenerationResult) -> None:
+        pass
+
+    def fail(self, error: BaseException, server_fault: bool) -> None:
+        pass
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, runner: EngineRunner, info: ModelInfo, policies: PolicyStore, telemetry: Telemetry | None):
+        self._runner = runner
+        self._info = info
+        self._info_pb = convert.info_to_pb(info)
+        self._policies = policies
+        self._telemetry = telemetry
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        try:
+            result, trace_id = await self._generate(request, context, on_delta=None)
+        except _Failure as f:
+            await f.abort(context)
+        return convert.response_to_pb(result, trace_id)
+
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateChunk]:
+        # An async generator (what server interceptors such as OpenTelemetry's expect). The engine
+        # runs in a task of its own, cancelled when the RPC ends for any reason: a generator left
+        # suspended at `yield` by a vanished client is only closed later, when it is collected.
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[StreamDelta | None] = asyncio.Queue()
+
+        def on_delta(delta: StreamDelta) -> None:  # engine thread -> event loop, in order
+            loop.call_soon_threadsafe(deltas.put_nowait, delta)
+
+        task = asyncio.ensure_future(self._generate(request, context, on_delta=on_delta))
+        # Runs after every on_delta already scheduled, since the result is delivered the same way.
+        task.add_done_callback(lambda _: deltas.put_nowait(None))
+        context.add_done_callback(lambda _: task.cancel())
+        text, token_ids = "", ()
+        try:
+            while (delta := await deltas.get()) is not None:
+                if delta.text or delta.token_ids:
+                    text += delta.text
+                    token_ids += delta.token_ids
+                    yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids)
+            result, trace_id = task.result()
+        except _Failure as f:
+            await f.abort(context)
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        # Whatever the deltas did not carry (normally nothing) rides on the final chunk, so the
+        # concatenated stream always equals the unary response.
+        tail_text = result.text[len(text):] if result.text.startswith(text) else ""
+        tail_ids = result.token_ids[len(token_ids):]
+        yield convert.final_chunk_to_pb(result, trace_id, tail_text, tail_ids)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        return self._info_pb
+
+    async def _generate(
+        self,
+        request_pb: pb.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        on_delta: Callable[[StreamDelta], None] | None,
+    ) -> tuple[GenerationResult, str]:
+        request = convert.request_from_pb(request_pb)
+        policy = self._policies.current()
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        with self._observe(request, policy) as obs:
+            try:
+                # Checked here as well as in the engine so bad input never waits in the queue.
+                request.validate(self._info.vocab_size, self._info.max_context)
+                result = await self._runner.run(request, policy, deadline=deadline, on_delta=on_delta)
+            except GenerationCancelled as e:
+                if e.result is not None:
+                    obs.finish(e.result)
+                else:
+                    obs.fail(e, server_fault=False)
+                raise
+            except InvalidRequest as e:
+                obs.fail(e, server_fault=False)
+                raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
+            except Overloaded as e:
+                obs.fail(e, server_fault=False)
+                raise _Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+            except Exception as e:
+                log.exception("generation failed")
+                obs.fail(e, server_fault=True)
+                raise _Failure(grpc.StatusCode.INTERNAL, f"generation failed: {type(e).__name__}") from None
+            obs.finish(result)
+            trace_id = obs.trace_id
+        if result.finish_reason is FinishReason.CANCELLED and deadline is not None and time.monotonic() >= deadline:
+            raise _Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
+        return result, trace_id
+
+    def _observe(
+        self, request: GenerationRequest, policy: DraftPolicy
+    ) -> contextlib.AbstractContextManager[RequestObservation]:
+        if self._telemetry is None:
+            return contextlib.nullcontext(_NoObservation())
+        return self._telemetry.request(self._info, request, policy)
+
+
+class PolicyAdminServicer(pb_grpc.PolicyAdminServicer):
+    def __init__(self, policies: PolicyStore, admin_token: str | None):
+        self._policies = policies
+        self._token = admin_token.encode() if admin_token else None
+
+    async def GetPolicy(self, request: pb.GetPolicyRequest, context: grpc.aio.ServicerContext) -> pb.DraftPolicy:
+        if self._token is not None:
+            await self._authenticate(context)
+        return convert.policy_to_pb(self._policies.current())
+
+    async def SetPolicy(self, request: pb.SetPolicyRequest, context: grpc.aio.ServicerContext) -> pb.DraftPolicy:
+        if self._token is None:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "SetPolicy is disabled: the server has no admin token (start it with --admin-token "
+                "or MOESPEC_ADMIN_TOKEN)",
+            )
+        await self._authenticate(context)
+        try:
+            if not request.HasField("policy"):
+                raise InvalidRequest("policy", "is missing")
+            stored = self._policies.set(convert.policy_from_pb(request.policy))
+        except InvalidRequest as e:
+            await _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field).abort(context)
+        log.info("draft policy set: %s", stored)
+        return convert.policy_to_pb(stored)
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        presented = _bearer_token(context.invocation_metadata() or ())
+        # compare_digest on bytes: constant time in the token's content.
+        if presented is None or not hmac.compare_digest(presented.encode(), self._token):
+            reason = "missing" if presented is None else "wrong"
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, f"{reason} admin token: send 'authorization: Bearer <token>'"
+            )
+
+
+def _bearer_token(metadata) -> str | None:
+    for key, value in metadata:
+        if key.lower() == "authorization" and isinstance(value, str):
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None

@@ -1,0 +1,88 @@
+"""`moespec client` against a real server, and `moespec serve`'s argument errors (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from service.cli import main
+from tests.conftest import ADMIN_TOKEN
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse and UsageError exit this way
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_client_generate_prints_the_text_and_a_summary(server, capsys):
+    code, out, err = run_cli(capsys, "client", "generate", "--server", server.address, "--prompt", "x =",
+                             "--max-new-tokens", "4", "--seed", "1")
+    assert code == 0 and out.strip() and "policy default" in err
+
+
+def test_client_generate_stream_prints_the_same_text_as_unary(server, capsys):
+    args = ["client", "generate", "--server", server.address, "--prompt", "x =", "--max-new-tokens", "6",
+            "--seed", "3", "--json"]
+    _, unary, _ = run_cli(capsys, *args)
+    _, streamed, _ = run_cli(capsys, *args, "--stream")
+    assert json.loads(unary)["text"] == json.loads(streamed)["text"]
+
+
+def test_client_policy_set_then_get_with_the_token(server, capsys, default_policy):
+    code, out, _ = run_cli(capsys, "client", "policy", "set", "--server", server.address, "--admin-token",
+                           ADMIN_TOKEN, "--drafter", "ngram", "--draft-length", "2", "--policy-id", "cli")
+    assert code == 0 and json.loads(out)["policy_id"] == "cli"
+    code, out, _ = run_cli(capsys, "client", "policy", "get", "--server", server.address, "--admin-token", ADMIN_TOKEN)
+    assert code == 0 and json.loads(out) == {"drafter": "ngram", "draft_length": 2, "draft_temperature": 1.0,
+                                             "policy_id": "cli"}
+
+
+def test_client_policy_without_the_token_exits_1_with_the_status(server, capsys, monkeypatch):
+    monkeypatch.delenv("MOESPEC_ADMIN_TOKEN", raising=False)
+    code, _, err = run_cli(capsys, "client", "policy", "get", "--server", server.address)
+    assert code == 1 and err.startswith("UNAUTHENTICATED")
+
+
+def test_client_info_and_health(server, capsys):
+    code, out, _ = run_cli(capsys, "client", "info", "--server", server.address)
+    assert code == 0 and json.loads(out)["num_experts"] > 0
+    code, out, _ = run_cli(capsys, "client", "health", "--server", server.address)
+    assert code == 0 and out.strip() == "SERVING"
+
+
+def test_client_invalid_argument_exits_1_naming_the_field(server, capsys):
+    code, _, err = run_cli(capsys, "client", "generate", "--server", server.address, "--prompt", "x",
+                           "--top-p", "2")
+    assert code == 1 and err.startswith("INVALID_ARGUMENT: sampling.top_p")
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["--backend", "sglang", "--port", "0"], "model"),
+        (["--tls-cert", "cert.pem", "--port", "0"], "--tls-cert and --tls-key go together"),
+        (["--port", "70000"], "--port must be in"),
+        (["--draft-length", "99", "--port", "0"], "initial draft policy"),
+    ],
+    ids=["sglang-without-model", "tls-half", "port-range", "policy-bounds"],
+)
+def test_serve_bad_arguments_exit_2_with_a_one_line_reason(args, reason, capsys):
+    code, _, err = run_cli(capsys, "serve", *args)
+    assert code == 2, err
+    assert reason in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_bad_argument_exits_2_from_a_real_process():
+    # Through service.cli.main, as the `moespec` script runs it (`python -m service.cli` would define
+    # a second UsageError class in __main__ that main() does not catch).
+    entry = "import sys; from service.cli import main; sys.exit(main())"
+    proc = subprocess.run([sys.executable, "-c", entry, "serve", "--port", "70000"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "--port must be in" in proc.stderr
