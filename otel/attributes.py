@@ -1,0 +1,178 @@
+"""Every span name, attribute key, metric name, unit and bucket list moespec emits, in one place.
+
+These names are the public contract of ARCHITECTURE.md ("OpenTelemetry"): the tuner, the Grafana
+dashboard and the tests are written against them, so code elsewhere refers to these constants and
+never spells a key itself. `prometheus_name` gives the name a metric has once the Prometheus
+exporter (ours or the Collector's) has translated it, so dashboards can be checked against this file.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+from types import MappingProxyType
+
+# ---------------------------------------------------------------- span names
+GEN_AI_OPERATION = "text_completion"
+VERIFY_SPAN_NAME = "verify"
+
+
+def request_span_name(model: str) -> str:
+    """GenAI convention: '{gen_ai.operation.name} {gen_ai.request.model}'."""
+    return f"{GEN_AI_OPERATION} {model}"
+
+
+# ------------------------------------------------ GenAI semantic-convention keys
+GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
+GEN_AI_PROVIDER_NAME = "gen_ai.provider.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+ERROR_TYPE = "error.type"
+
+# A self-hosted server is its own provider; the conventions let custom providers name themselves.
+GEN_AI_PROVIDER = "moespec"
+
+# ------------------------------------------------------- moespec request aggregates
+SPEC_POLICY_ID = "moespec.spec.policy_id"
+SPEC_DRAFTER = "moespec.spec.drafter"
+SPEC_DRAFT_LENGTH = "moespec.spec.draft_length"
+SPEC_DRAFT_TEMPERATURE = "moespec.spec.draft_temperature"
+SPEC_VERIFY_STEPS = "moespec.spec.verify_steps"
+SPEC_DRAFTED_TOKENS = "moespec.spec.drafted_tokens"
+SPEC_ACCEPTED_TOKENS = "moespec.spec.accepted_tokens"
+SPEC_COMMITTED_TOKENS = "moespec.spec.committed_tokens"
+MOE_UNIQUE_EXPERTS_MEAN = "moespec.moe.unique_experts_mean"  # double[L]
+MOE_UNIQUE_EXPERTS_MAX = "moespec.moe.unique_experts_max"  # int[L]
+COST_DRAFT_SECONDS = "moespec.cost.draft_seconds"
+COST_VERIFY_SECONDS = "moespec.cost.verify_seconds"
+
+# ------------------------------------------------------------- verify-step span
+MOE_UNIQUE_EXPERTS = "moespec.moe.unique_experts"  # int[L]
+MOE_UNIQUE_EXPERTS_BOUND = "moespec.moe.unique_experts_bound"  # min(E, w*m)
+MOE_SHARED_EXPERTS = "moespec.moe.shared_experts"
+MOE_WIDEST_LAYER = "moespec.moe.widest_layer"
+COST_DECODE_STEP_EQUIVALENTS = "moespec.cost.decode_step_equivalents"
+# (the verify span also carries SPEC_DRAFTER, SPEC_DRAFT_LENGTH, SPEC_ACCEPTED_TOKENS,
+#  SPEC_COMMITTED_TOKENS and COST_VERIFY_SECONDS, with per-step values)
+
+REQUEST_SPAN_KEYS = (
+    GEN_AI_OPERATION_NAME, GEN_AI_PROVIDER_NAME, GEN_AI_REQUEST_MODEL, GEN_AI_REQUEST_TEMPERATURE,
+    GEN_AI_REQUEST_MAX_TOKENS, GEN_AI_USAGE_INPUT_TOKENS, GEN_AI_USAGE_OUTPUT_TOKENS,
+    GEN_AI_RESPONSE_FINISH_REASONS, SPEC_POLICY_ID, SPEC_DRAFTER, SPEC_DRAFT_LENGTH, SPEC_DRAFT_TEMPERATURE,
+    SPEC_VERIFY_STEPS, SPEC_DRAFTED_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_COMMITTED_TOKENS,
+    MOE_UNIQUE_EXPERTS_MEAN, MOE_UNIQUE_EXPERTS_MAX, COST_DRAFT_SECONDS, COST_VERIFY_SECONDS,
+)
+VERIFY_SPAN_KEYS = (
+    SPEC_DRAFTER, SPEC_DRAFT_LENGTH, SPEC_ACCEPTED_TOKENS, SPEC_COMMITTED_TOKENS, MOE_UNIQUE_EXPERTS,
+    MOE_UNIQUE_EXPERTS_BOUND, MOE_SHARED_EXPERTS, MOE_WIDEST_LAYER, COST_VERIFY_SECONDS,
+    COST_DECODE_STEP_EQUIVALENTS,
+)
+
+# ------------------------------------------------------------------ resource
+# No semantic convention names a served model on the resource, so these live under moespec.
+RESOURCE_SERVICE_NAME = "service.name"
+RESOURCE_MODEL_NAME = "moespec.model.name"
+RESOURCE_DRAFT_MODEL_NAME = "moespec.model.draft"
+RESOURCE_BACKEND = "moespec.backend"
+
+# ---------------------------------------------------------- metric attributes
+MOE_LAYER = "moespec.moe.layer"
+STEP_METRIC_KEYS = (SPEC_POLICY_ID, SPEC_DRAFTER, SPEC_DRAFT_LENGTH)  # on every moespec.* step metric
+
+
+# ------------------------------------------------------------------ metrics
+class Kind(StrEnum):
+    HISTOGRAM = "histogram"
+    COUNTER = "counter"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: Kind
+    unit: str
+    description: str
+    buckets: tuple[float, ...] | None = None  # None: derived from the model (see otel.metrics)
+    attributes: tuple[str, ...] = ()
+
+
+# Bucket boundaries advised by the GenAI semantic conventions (gen-ai-metrics.md).
+REQUEST_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                               7.5, 10.0)
+TIME_PER_OUTPUT_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+# Verify cost in decode steps: 1 = as cheap as plain decoding; the note measured 1.3-3.6 on CPU.
+DECODE_STEP_EQUIVALENT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.0)
+STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024)
+
+_GEN_AI_METRIC_KEYS = (GEN_AI_OPERATION_NAME, GEN_AI_PROVIDER_NAME, GEN_AI_REQUEST_MODEL)
+
+REQUEST_DURATION = MetricSpec(
+    "gen_ai.server.request.duration", Kind.HISTOGRAM, "s",
+    "Generative AI server request duration such as time-to-last byte or last output token.",
+    REQUEST_DURATION_BUCKETS, (*_GEN_AI_METRIC_KEYS, ERROR_TYPE))
+TIME_TO_FIRST_TOKEN = MetricSpec(
+    "gen_ai.server.time_to_first_token", Kind.HISTOGRAM, "s",
+    "Time to generate first token for successful responses.", TIME_TO_FIRST_TOKEN_BUCKETS, _GEN_AI_METRIC_KEYS)
+TIME_PER_OUTPUT_TOKEN = MetricSpec(
+    "gen_ai.server.time_per_output_token", Kind.HISTOGRAM, "s",
+    "Time per output token generated after the first token for successful responses.",
+    TIME_PER_OUTPUT_TOKEN_BUCKETS, _GEN_AI_METRIC_KEYS)
+STEP_ACCEPTED_TOKENS = MetricSpec(
+    "moespec.spec.step.accepted_tokens", Kind.HISTOGRAM, "{token}",
+    "Draft tokens the target accepted in one verify step.", None, STEP_METRIC_KEYS)
+STEP_UNIQUE_EXPERTS = MetricSpec(
+    "moespec.moe.step.unique_experts", Kind.HISTOGRAM, "{expert}",
+    "Distinct routed experts one verify pass touched in one MoE layer.", None, (*STEP_METRIC_KEYS, MOE_LAYER))
+STEP_DECODE_STEP_EQUIVALENTS = MetricSpec(
+    "moespec.cost.step.decode_step_equivalents", Kind.HISTOGRAM, "1",
+    "Verify pass wall time in plain decode steps.", DECODE_STEP_EQUIVALENT_BUCKETS, STEP_METRIC_KEYS)
+STEP_SECONDS = MetricSpec(
+    "moespec.cost.step.duration", Kind.HISTOGRAM, "s",
+    "Draft plus verify wall time of one step (sum / committed tokens = seconds per committed token).",
+    STEP_SECONDS_BUCKETS, STEP_METRIC_KEYS)
+DRAFTED_TOKENS = MetricSpec(
+    "moespec.spec.drafted_tokens", Kind.COUNTER, "{token}",
+    "Draft tokens proposed (accepted / drafted = acceptance rate).", None, STEP_METRIC_KEYS)
+COMMITTED_TOKENS = MetricSpec(
+    "moespec.spec.committed_tokens", Kind.COUNTER, "{token}",
+    "Tokens committed by verify steps (accepted drafts plus the target's own token).", None, STEP_METRIC_KEYS)
+DROPPED_SPANS = MetricSpec(
+    "moespec.telemetry.dropped_spans", Kind.COUNTER, "{span}",
+    "Spans lost because the export queue was full or the exporter failed.")
+
+METRICS = (REQUEST_DURATION, TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, STEP_ACCEPTED_TOKENS, STEP_UNIQUE_EXPERTS,
+           STEP_DECODE_STEP_EQUIVALENTS, STEP_SECONDS, DRAFTED_TOKENS, COMMITTED_TOKENS, DROPPED_SPANS)
+
+
+# ------------------------------------------------------ Prometheus translation
+# OpenTelemetry -> Prometheus compatibility rules, as both the Python exporter and the Collector's
+# `prometheus` exporter apply them: non [a-zA-Z0-9_] -> '_', annotation units ({token}) dropped,
+# known units spelled out as a suffix, counters end in _total, histograms add _bucket/_sum/_count.
+_PROMETHEUS_UNITS = MappingProxyType({"s": "seconds", "ms": "milliseconds", "By": "bytes", "1": ""})
+
+
+def prometheus_label(key: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+def prometheus_name(spec: MetricSpec) -> str:
+    """The family name (histograms: before _bucket/_sum/_count; counters: with _total)."""
+    name = prometheus_label(spec.name)
+    unit = "" if spec.unit.startswith("{") else _PROMETHEUS_UNITS.get(spec.unit, spec.unit)
+    if unit and not name.endswith("_" + unit):
+        name += "_" + unit
+    return name + "_total" if spec.kind is Kind.COUNTER else name
+
+
+def prometheus_series(spec: MetricSpec) -> tuple[str, ...]:
+    """Every series name a scrape shows for this metric."""
+    base = prometheus_name(spec)
+    if spec.kind is Kind.HISTOGRAM:
+        return (base + "_bucket", base + "_sum", base + "_count")
+    return (base,)

@@ -1,0 +1,88 @@
+"""The metric instruments and how one finished request is recorded into them.
+
+Recorded after the request from its StepRecords (never from the engine thread). Every verify step
+is counted: metrics are not sampled, only verify spans are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+from otel import attributes as a
+from service.types import DraftPolicy, GenerationResult, ModelInfo, StepRecord
+
+
+def unique_expert_buckets(info: ModelInfo) -> tuple[float, ...]:
+    """From m (one position) to the widest possible window, in steps of m/2 (at most ~32 buckets)."""
+    m, top = max(1, info.top_k), min(info.num_experts, (info.max_draft_length + 1) * max(1, info.top_k))
+    step = max(1, m // 2, (top - m) // 32)
+    return tuple(float(b) for b in range(m, top + 1, step))
+
+
+def accepted_token_buckets(info: ModelInfo) -> tuple[float, ...]:
+    return tuple(float(k) for k in range(info.max_draft_length + 1))  # one bucket per count
+
+
+class Instruments:
+    def __init__(self, meter: Meter, info: ModelInfo, dropped_spans: Callable[[], int] | None = None):
+        def histogram(spec: a.MetricSpec, buckets: tuple[float, ...] | None = None):
+            return meter.create_histogram(spec.name, unit=spec.unit, description=spec.description,
+                                          explicit_bucket_boundaries_advisory=list(buckets or spec.buckets))
+
+        def counter(spec: a.MetricSpec):
+            return meter.create_counter(spec.name, unit=spec.unit, description=spec.description)
+
+        self.request_duration = histogram(a.REQUEST_DURATION)
+        self.time_to_first_token = histogram(a.TIME_TO_FIRST_TOKEN)
+        self.time_per_output_token = histogram(a.TIME_PER_OUTPUT_TOKEN)
+        self.step_accepted = histogram(a.STEP_ACCEPTED_TOKENS, accepted_token_buckets(info))
+        self.step_unique = histogram(a.STEP_UNIQUE_EXPERTS, unique_expert_buckets(info))
+        self.step_cost = histogram(a.STEP_DECODE_STEP_EQUIVALENTS)
+        self.step_seconds = histogram(a.STEP_SECONDS)
+        self.drafted = counter(a.DRAFTED_TOKENS)
+        self.committed = counter(a.COMMITTED_TOKENS)
+        if dropped_spans is not None:
+            def observe(_: CallbackOptions) -> Iterable[Observation]:
+                return [Observation(dropped_spans())]
+
+            meter.create_observable_counter(a.DROPPED_SPANS.name, [observe], unit=a.DROPPED_SPANS.unit,
+                                            description=a.DROPPED_SPANS.description)
+        self.gen_ai_attributes = {
+            a.GEN_AI_OPERATION_NAME: a.GEN_AI_OPERATION,
+            a.GEN_AI_PROVIDER_NAME: a.GEN_AI_PROVIDER,
+            a.GEN_AI_REQUEST_MODEL: info.model_name,
+        }
+
+    def record_request(self, result: GenerationResult, duration_s: float, policy: DraftPolicy) -> None:
+        base = self.gen_ai_attributes
+        self.request_duration.record(duration_s, base)
+        self.time_to_first_token.record(result.time_to_first_token, base)
+        if result.completion_tokens > 1:
+            tpot = (result.seconds - result.time_to_first_token) / (result.completion_tokens - 1)
+            self.time_per_output_token.record(max(0.0, tpot), base)
+        self.record_steps(result.steps, policy)
+
+    def record_failure(self, duration_s: float, error_type: str) -> None:
+        self.request_duration.record(duration_s, {**self.gen_ai_attributes, a.ERROR_TYPE: error_type})
+
+    def record_steps(self, steps: Iterable[StepRecord], policy: DraftPolicy) -> None:
+        attrs = {a.SPEC_POLICY_ID: policy.policy_id, a.SPEC_DRAFTER: policy.drafter.value,
+                 a.SPEC_DRAFT_LENGTH: policy.draft_length}
+        # One attribute dict per layer, built once per request rather than once per step.
+        per_layer: list[dict] = []
+        drafted = committed = 0
+        for step in steps:
+            self.step_accepted.record(step.accepted, attrs)
+            self.step_cost.record(step.decode_step_equivalents, attrs)
+            self.step_seconds.record(step.seconds, attrs)
+            while len(per_layer) < len(step.unique_experts):
+                per_layer.append({**attrs, a.MOE_LAYER: len(per_layer)})
+            for layer_attrs, unique in zip(per_layer, step.unique_experts, strict=False):
+                self.step_unique.record(unique, layer_attrs)
+            drafted += step.drafted
+            committed += step.committed
+        # Added even when 0 so every policy has both series (acceptance = accepted / drafted).
+        self.drafted.add(drafted, attrs)
+        self.committed.add(committed, attrs)
