@@ -201,6 +201,8 @@ def info_to_pb(info: ModelInfo) -> pb.ModelInfo:
         expert_bytes=info.expert_bytes,
         decode_step_seconds=info.decode_step_seconds,
         max_draft_temperature=MAX_DRAFT_TEMPERATURE,
+        policy_switch_seconds=info.policy_switch_seconds,
+        policy_switches=info.policy_switches,
     )
 
 
@@ -220,4 +222,6 @@ def info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
         tunable=tuple(msg.tunable),
         expert_bytes=msg.expert_bytes,
         decode_step_seconds=msg.decode_step_seconds,
+        policy_switch_seconds=msg.policy_switch_seconds,
+        policy_switches=msg.policy_switches,
     )

@@ -224,3 +224,7 @@ class ModelInfo:
     tunable: tuple[str, ...]  # knobs the tuner may search: "drafter", "draft_length", "draft_temperature"
     expert_bytes: int  # bytes of one routed expert's weights (the modelled cost's unit)
     decode_step_seconds: float  # the engine's calibrated plain decode step
+    # What changing the policy costs: 0 for the embedded engine (any policy, any request); SGLang
+    # fixes speculation at start-up, so a change swaps engines (the last swap's wall time).
+    policy_switch_seconds: float = 0.0
+    policy_switches: int = 0

@@ -30,7 +30,6 @@ from types import ModuleType
 from service.sglang_backend.adapter import FinishedRequest, adapt
 from service.sglang_backend.attribution import RequestTokens
 from service.sglang_backend.engine_slot import EngineSlot
-from service.sglang_backend.info import SGLangModelInfo
 from service.sglang_backend.meta_info import finish_reason
 from service.sglang_backend.model_config import MoeGeometry
 from service.sglang_backend.policy import SpecConfig, effective_policy, speculative_kwargs
@@ -40,6 +39,7 @@ from service.types import (
     GenerationRequest,
     GenerationResult,
     InvalidRequest,
+    ModelInfo,
     StreamDelta,
 )
 
@@ -52,7 +52,7 @@ CALIBRATION_WINDOW = 64  # recent plain-decode requests the decode-step median i
 @dataclass(frozen=True)
 class BackendConfig:
     target: MoeGeometry
-    info: SGLangModelInfo
+    info: ModelInfo
     spec: SpecConfig
     base_kwargs: dict  # sglang.Engine arguments shared by every policy
     record_dir: Path | None  # None: expert recording off (counts only, no unions)
@@ -65,7 +65,7 @@ class BackendConfig:
 class SGLangBackend:
     def __init__(self, config: BackendConfig, sglang: ModuleType, initial_policy: DraftPolicy):
         self.config = config
-        self.info: SGLangModelInfo = config.info
+        self.info: ModelInfo = config.info
         self._lock = threading.Lock()
         self._slot = EngineSlot(sglang, config.base_kwargs, config.record_dir)
         self._tokenizer = _load_tokenizer(config.tokenizer_path)
