@@ -1,0 +1,222 @@
+"""The tuner against real components on loopback: `moespec serve` (embedded model, spans exported to
+the tuner), the load generator, and `moespec tune` as its own process (so it can be SIGKILLed).
+
+Budgets are tiny (16-token requests, 48-token windows) so the module runs in about a minute."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from service.client import MoespecClient
+from tuner import study as st
+from tuner.loadgen import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, load_prompts
+from tuner.server_proc import MOESPEC, REPO_ROOT, start_server, telemetry_env
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+TOKEN = "test-admin-token"
+WINDOW = ("--min-tokens", "48", "--min-steps", "8", "--max-window-seconds", "30")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def otlp_port() -> int:
+    # The tuner's receiver port must be known before the server starts (its OTEL endpoint), and a
+    # restarted tuner binds the same one again.
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def served(otlp_port):
+    proc = start_server(telemetry_env(f"http://127.0.0.1:{otlp_port}"), TOKEN, ("--threads", "1"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def admin_client(served):
+    with MoespecClient(served.address, admin_token=TOKEN) as c:
+        c.wait_ready(timeout=60)
+        yield c
+
+
+@pytest.fixture
+def load(admin_client):
+    """Closed-loop traffic for the duration of one test."""
+    stop = threading.Event()
+    gen = LoadGenerator(admin_client, load_prompts(DEFAULT_PROMPTS), LoadSpec(concurrency=2, max_new_tokens=16))
+    thread = threading.Thread(target=gen.run, args=(stop,), daemon=True)
+    thread.start()
+    yield gen
+    stop.set()
+    thread.join(30)
+
+
+def tune_cmd(server_address: str, otlp_port: int, storage: str, *extra: str, study: str = "t") -> list[str]:
+    return [*MOESPEC, "tune", "--server", server_address, "--otlp-listen", f"127.0.0.1:{otlp_port}",
+            "--storage", storage, "--study", study, "--admin-token", TOKEN, "--seed", "0", *WINDOW, *extra]
+
+
+def run_tune(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "MOESPEC_ADMIN_TOKEN": ""})
+
+
+def load_study(storage: str, study: str = "t") -> optuna.Study:
+    return optuna.load_study(study_name=study, storage=storage)
+
+
+def test_tuner_stores_valued_trials_with_attrs_and_leaves_the_best_policy_applied(served, admin_client, load,
+                                                                                   otlp_port, tmp_path):
+    storage = f"sqlite:///{tmp_path / 't.db'}"
+    result = run_tune(tune_cmd(served.address, otlp_port, storage, "--trials", "4", "--remeasure", "1",
+                               study="basic"))
+    assert result.returncode == 0, result.stderr
+    study = load_study(storage, "basic")
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    assert len(complete) >= 2
+    for t in complete:
+        assert t.value > 0
+        assert t.user_attrs["committed_tokens"] >= 48 and t.user_attrs["verify_steps"] >= 8
+        assert len(t.user_attrs["unique_experts_mean"]) == admin_client.model_info().num_layers
+        for key in ("acceptance_rate", "mean_accepted_per_step", "widest_layer", "decode_step_equivalents",
+                    "modelled_bytes_per_token", "requests"):
+            assert key in t.user_attrs
+    assert [t.user_attrs["role"] for t in study.trials].count(st.ROLE_REMEASURE) == 1
+    winner = study.user_attrs["winner"]
+    applied = admin_client.get_policy()
+    assert applied.policy_id == winner["policy_id"]
+    assert applied.draft_length == winner["params"]["draft_length"]
+    assert "best policy:" in result.stdout and "optuna-dashboard" in result.stdout
+
+
+def test_sigkill_mid_trial_then_restart_resumes_without_losing_finished_trials(served, admin_client, load, otlp_port,
+                                                                               tmp_path):
+    storage = f"sqlite:///{tmp_path / 't.db'}"
+    cmd = tune_cmd(served.address, otlp_port, storage, "--trials", "3", "--remeasure", "0", "--tuner-id", "me",
+                   study="killed")
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        for line in proc.stderr:  # wait until trial 1 has started (trial 0 is finished by then)
+            if line.startswith("trial 1 ["):
+                break
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    before = load_study(storage, "killed")
+    assert before.trials[1].state is TrialState.RUNNING
+    finished = {t.number: (t.state, t.value) for t in before.trials if t.state.is_finished()}
+    assert finished and all(state.is_finished() for state, _ in finished.values())
+
+    result = run_tune(cmd)
+    assert result.returncode == 0, result.stderr
+    after = load_study(storage, "killed")
+    assert after.trials[1].state is TrialState.FAIL
+    assert after.trials[1].user_attrs["fail_reason"] == st.FAIL_INTERRUPTED
+    assert {n: (after.trials[n].state, after.trials[n].value) for n in finished} == finished
+    assert "1 interrupted marked FAIL" in result.stderr
+    assert st.search_trials_done(after) == 3
+    assert admin_client.get_policy().policy_id == after.user_attrs["winner"]["policy_id"]
+
+
+def test_sigterm_mid_trial_fails_it_restores_the_incumbent_and_exits_130(served, admin_client, load, otlp_port,
+                                                                          tmp_path):
+    storage = f"sqlite:///{tmp_path / 't.db'}"
+    cmd = tune_cmd(served.address, otlp_port, storage, "--trials", "3", "--prune-factor", "0", study="termed")
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        for line in proc.stderr:
+            if line.startswith("trial 1 ["):
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    study = load_study(storage, "termed")
+    assert study.trials[0].state is TrialState.COMPLETE
+    assert study.trials[1].state is TrialState.FAIL
+    assert study.trials[1].user_attrs["fail_reason"] == st.FAIL_INTERRUPTED
+    assert admin_client.get_policy().policy_id == "termed/0"  # the only complete trial is the incumbent
+
+
+def test_window_without_traffic_is_told_fail_and_the_tuner_exits_5(served, otlp_port, tmp_path):
+    storage = f"sqlite:///{tmp_path / 't.db'}"
+    # Its own study name: the server may still export spans of the previous tests' "t/..." ids.
+    cmd = tune_cmd(served.address, otlp_port, storage, "--trials", "3", "--max-failures", "1", study="idle")
+    cmd[cmd.index("--max-window-seconds") + 1] = "1"
+    result = run_tune(cmd)
+    assert result.returncode == 5, result.stderr
+    assert "starved" in result.stderr
+    trial = load_study(storage, "idle").trials[0]
+    assert trial.state is TrialState.FAIL and trial.value is None
+    assert trial.user_attrs["fail_reason"].startswith("starved")
+
+
+def test_wrong_admin_token_exits_4(served, otlp_port, tmp_path):
+    cmd = tune_cmd(served.address, otlp_port, f"sqlite:///{tmp_path / 't.db'}", "--trials", "1")
+    cmd[cmd.index("--admin-token") + 1] = "wrong"
+    result = run_tune(cmd, timeout=60)
+    assert result.returncode == 4, result.stderr
+    assert "admin token" in result.stderr
+
+
+def test_unreachable_server_is_a_clear_error_with_exit_3(tmp_path):
+    cmd = tune_cmd(f"127.0.0.1:{free_port()}", free_port(), f"sqlite:///{tmp_path / 't.db'}", "--connect-timeout",
+                   "1")
+    result = run_tune(cmd, timeout=60)
+    assert result.returncode == 3
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("moespec tune: error: server unreachable")
+
+
+@pytest.mark.parametrize("storage", ["nosuchdialect://x", "sqlite:////nonexistent-dir/x/t.db", "journal:"])
+def test_bad_storage_url_is_a_one_line_usage_error(storage):
+    result = run_tune(tune_cmd("127.0.0.1:1", free_port(), storage), timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("moespec tune: error:") and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_loadgen_command_prints_a_summary(served):
+    result = subprocess.run([*MOESPEC, "loadgen", "--server", served.address, "--count", "3", "--concurrency", "1",
+                             "--max-new-tokens", "8", "--no-progress", "--json"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["requests_ok"] == 3 and summary["output_tokens"] > 0
+    assert summary["latency_p99_seconds"] >= summary["latency_p50_seconds"] > 0
+
+
+def test_demo_runs_server_load_and_tuner_and_writes_the_report(tmp_path):
+    out = tmp_path / "report"
+    result = subprocess.run([*MOESPEC, "demo", "--out", str(out), "--trials", "3", "--remeasure", "1",
+                             "--compare-rounds", "1", "--min-tokens", "32", "--min-steps", "8",
+                             "--max-new-tokens", "16", "--threads", "1"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("report.md", "report.json", "history.png", "cost_vs_length.png", "experts_vs_length.png",
+                 "comparison.png", "study.db"):
+        assert (out / name).exists(), name
+    report = json.loads((out / "report.json").read_text())
+    assert [c["name"] for c in report["comparison"]] == ["best", "plain", "default"]
+    assert report["comparison"][2]["policy"] == "model k=3 T=1.00"
+    assert "optuna-dashboard" in report["open_dashboard"]
+    assert "trial 0 [1/3]" in result.stderr  # live progress
+    assert "winner:" in result.stdout

@@ -1,0 +1,120 @@
+"""Wire a Tuner from explicit settings: storage + server admin + span collector -> Tuner.
+
+One place builds the object graph so the CLI, the demo, the benchmark and the tests assemble the
+same thing; every knob arrives in `TuneSettings` (nothing read from the environment here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import optuna
+
+from service.types import ModelInfo
+from tuner.admin import PolicyAdmin
+from tuner.collector import SpanCollector
+from tuner.measure import MeasureConfig, Measurer
+from tuner.pruning import PruneRule
+from tuner.sampler import SamplerKind, initial_policies, make_sampler, rationale, temperature_step
+from tuner.space import SearchSpace
+from tuner.study import open_study
+from tuner.tuning import Tuner, TunerConfig, TunerEvent
+from tuner.window import CostModel, Objective, WindowSpec
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    study_name: str
+    trials: int
+    tuner_id: str
+    objective: Objective = Objective.MEASURED
+    sampler: SamplerKind = SamplerKind.TPE
+    seed: int | None = None
+    window: WindowSpec = field(default_factory=WindowSpec)
+    prune: PruneRule = field(default_factory=PruneRule)
+    remeasure_top: int = 3
+    max_consecutive_failures: int = 3
+    stale_seconds: float = 120.0
+    poll_seconds: float = 0.25
+    policy_check_seconds: float = 1.0
+    fixed_bytes_per_pass: int | None = None  # None: estimate from ModelInfo (see cost_model)
+    enqueue_baselines: bool = True
+
+
+def cost_model(info: ModelInfo, fixed_bytes_per_pass: int | None) -> CostModel:
+    """ModelInfo has no dense-weight size, so by default the fixed part per pass is the shared
+    experts counted at one routed expert's size each: a lower bound (the shipped model's shared
+    expert is 4x wider, and attention and the LM head come on top). Pass the real figure to be exact."""
+    fixed = fixed_bytes_per_pass
+    if fixed is None:
+        fixed = info.num_layers * info.shared_experts * info.expert_bytes
+    return CostModel(expert_bytes=info.expert_bytes, fixed_bytes_per_pass=fixed)
+
+
+@dataclass(frozen=True)
+class Assembled:
+    tuner: Tuner
+    study: optuna.Study
+    space: SearchSpace
+    info: ModelInfo
+    cost: CostModel
+
+
+def assemble(
+    settings: TuneSettings,
+    storage: optuna.storages.BaseStorage,
+    admin: PolicyAdmin,
+    collector: SpanCollector,
+    on_event: Callable[[TunerEvent], None] = lambda e: None,
+) -> Assembled:
+    info = admin.model_info()
+    space = SearchSpace.from_model_info(info, temperature_step=temperature_step(settings.sampler))
+    sampler = make_sampler(settings.sampler, settings.seed, settings.trials)
+    study = open_study(storage, settings.study_name, sampler, settings.objective.value)
+    cost = cost_model(info, settings.fixed_bytes_per_pass)
+    if "model_info" not in study.user_attrs:
+        # For the report and the dashboard: what the space and the modelled cost were derived from.
+        study.set_user_attr("model_info", _info_dict(info))
+        study.set_user_attr("sampler", settings.sampler.value)
+        study.set_user_attr("sampler_why", rationale(settings.sampler))
+        study.set_user_attr("window", asdict(settings.window))
+    measurer = Measurer(
+        admin,
+        collector,
+        MeasureConfig(
+            window=settings.window,
+            prune=settings.prune,
+            objective=settings.objective,
+            cost=cost,
+            poll_seconds=settings.poll_seconds,
+            policy_check_seconds=settings.policy_check_seconds,
+        ),
+    )
+    tuner = Tuner(
+        study,
+        storage,
+        space,
+        admin,
+        measurer,
+        TunerConfig(
+            study_name=settings.study_name,
+            trials=settings.trials,
+            tuner_id=settings.tuner_id,
+            remeasure_top=settings.remeasure_top,
+            stale_seconds=settings.stale_seconds,
+            max_consecutive_failures=settings.max_consecutive_failures,
+            initial_policies=tuple(initial_policies(settings.sampler, space, settings.enqueue_baselines)),
+        ),
+        user_attrs=lambda stats: stats.user_attrs(cost, info.decode_step_seconds),
+        traffic=collector.traffic,
+        on_event=on_event,
+    )
+    return Assembled(tuner, study, space, info, cost)
+
+
+def _info_dict(info: ModelInfo) -> dict[str, object]:
+    d = asdict(info)
+    d["drafters"] = [x.value for x in info.drafters]
+    d["tunable"] = list(info.tunable)
+    return d

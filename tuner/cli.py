@@ -1,0 +1,197 @@
+"""`moespec tune`: the online draft-policy tuner, as its own process.
+
+It listens for the server's request spans on --otlp-listen (OTLP/gRPC), keeps its Optuna study in
+--storage, and sets policies through PolicyAdmin. Environment read here, at run time:
+MOESPEC_ADMIN_TOKEN (when --admin-token is not given).
+
+Exit codes: 0 done (winner applied), 2 bad arguments (incl. a storage URL that cannot be opened),
+3 server unreachable, 4 admin token refused, 5 no traffic (trial windows kept starving), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+from contextlib import suppress
+
+from service.cli import UsageError
+from service.client import MoespecClient
+from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
+from tuner.assemble import TuneSettings, assemble
+from tuner.collector import SpanCollector
+from tuner.progress import ProgressPrinter, fmt_cost
+from tuner.pruning import PruneRule
+from tuner.sampler import SamplerKind, rationale
+from tuner.spans import request_sample
+from tuner.study import StorageError, StudyMismatch, open_storage
+from tuner.tuning import NoTraffic
+from tuner.window import Objective, WindowSpec
+
+ADMIN_TOKEN_ENV = "MOESPEC_ADMIN_TOKEN"
+DEFAULT_STORAGE = "sqlite:///moespec-tuner.db"
+EXIT_UNREACHABLE, EXIT_REJECTED, EXIT_NO_TRAFFIC = 3, 4, 5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = (
+        "Tune the server's draft policy (drafter, draft length, draft temperature) online: each Optuna\n"
+        "trial sets a policy, measures seconds per committed token from the request spans the server\n"
+        "exports to --otlp-listen, and tells the value. The study lives in --storage, so the tuner can\n"
+        "be stopped and restarted without losing a finished trial. Point the server's\n"
+        "OTEL_EXPORTER_OTLP_ENDPOINT at http://<otlp-listen> (and set OTEL_BSP_SCHEDULE_DELAY=200\n"
+        "or so: the SDK's 5 s batching delay makes every window 5 s longer)."
+    )
+    parser.epilog = ("exit codes: 0 done, 2 bad arguments or storage, 3 server unreachable, "
+                     "4 admin token refused, 5 no traffic, 130 interrupted")
+    parser.add_argument("--server", required=True, help="HOST:PORT of the moespec server")
+    parser.add_argument("--otlp-listen", default="127.0.0.1:4317",
+                        help="HOST:PORT the tuner's OTLP/gRPC trace receiver binds (default 127.0.0.1:4317)")
+    parser.add_argument("--storage", default=DEFAULT_STORAGE,
+                        help=f"Optuna storage: sqlite:///FILE, postgresql://..., mysql://..., journal:FILE or "
+                             f"redis://... (default {DEFAULT_STORAGE})")
+    parser.add_argument("--study", default="moespec", help="study name; the same name resumes it (default moespec)")
+    parser.add_argument("--trials", type=int, default=30,
+                        help="search trials the study should have in total; a restart continues to this number "
+                             "(default 30; re-measurements come on top)")
+    parser.add_argument("--admin-token", default=None, help=f"PolicyAdmin bearer token (default ${ADMIN_TOKEN_ENV})")
+    parser.add_argument("--objective", choices=[o.value for o in Objective], default=Objective.MEASURED.value,
+                        help="measured: seconds per committed token; modelled: weight bytes touched per token")
+    parser.add_argument("--sampler", choices=[s.value for s in SamplerKind], default=SamplerKind.TPE.value,
+                        help="tpe (default; see tuner/sampler.py for why), grid (exhaustive), random")
+    parser.add_argument("--seed", type=int, default=None, help="sampler seed")
+    parser.add_argument("--min-tokens", type=int, default=256, help="committed tokens a trial window needs")
+    parser.add_argument("--min-steps", type=int, default=32, help="verify steps a trial window needs")
+    parser.add_argument("--max-window-seconds", type=float, default=60.0,
+                        help="a window still short of tokens after this long is told FAIL")
+    parser.add_argument("--prune-factor", type=float, default=1.5,
+                        help="prune a trial whose running cost exceeds this x the incumbent's (0 = never)")
+    parser.add_argument("--remeasure", type=int, default=3, help="re-measure the best N policies before the winner")
+    parser.add_argument("--max-failures", type=int, default=3,
+                        help="stop after this many starved windows in a row (exit 5)")
+    parser.add_argument("--connect-timeout", type=float, default=10.0,
+                        help="seconds to keep retrying an unreachable server before giving up (exit 3)")
+    parser.add_argument("--tuner-id", default=None,
+                        help="identity for crash recovery: a restarted tuner with the same id fails its own "
+                             "unfinished trial at once (default HOSTNAME:SERVER)")
+    parser.add_argument("--fixed-bytes-per-pass", type=int, default=None,
+                        help="modelled cost: bytes every verify pass reads besides routed experts "
+                             "(default: shared experts at routed-expert size, a lower bound)")
+
+
+def parse_hostport(value: str, flag: str, allow_zero: bool) -> tuple[str, int]:
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise UsageError(f"{flag} must be HOST:PORT, got {value!r}")
+    port = int(port_text)
+    if not (0 if allow_zero else 1) <= port <= 65535:
+        raise UsageError(f"{flag}: port out of range in {value!r}")
+    return host, port
+
+
+def settings_from_args(args: argparse.Namespace) -> TuneSettings:
+    checks = [
+        (args.trials >= 1, "--trials must be >= 1"),
+        (args.min_tokens >= 1 and args.min_steps >= 1, "--min-tokens and --min-steps must be >= 1"),
+        (args.max_window_seconds > 0, "--max-window-seconds must be > 0"),
+        (args.prune_factor == 0 or args.prune_factor > 1, "--prune-factor must be > 1 (or 0 to disable)"),
+        (args.remeasure >= 0 and args.max_failures >= 1, "--remeasure must be >= 0 and --max-failures >= 1"),
+        (args.connect_timeout >= 0, "--connect-timeout must be >= 0"),
+    ]
+    for ok, reason in checks:
+        if not ok:
+            raise UsageError(reason)
+    if "/" in args.study or not args.study:
+        raise UsageError("--study must be a non-empty name without '/' (policy ids are <study>/<trial>)")
+    return TuneSettings(
+        study_name=args.study,
+        trials=args.trials,
+        tuner_id=args.tuner_id or f"{socket.gethostname()}:{args.server}",
+        objective=Objective(args.objective),
+        sampler=SamplerKind(args.sampler),
+        seed=args.seed,
+        window=WindowSpec(args.min_tokens, args.min_steps, args.max_window_seconds),
+        prune=PruneRule(factor=args.prune_factor),
+        remeasure_top=args.remeasure,
+        max_consecutive_failures=args.max_failures,
+        fixed_bytes_per_pass=args.fixed_bytes_per_pass,
+    )
+
+
+def dashboard_hint(storage_url: str) -> str:
+    target = storage_url.removeprefix("journal:") if storage_url.startswith("journal:") else storage_url
+    return f"pip install optuna-dashboard && optuna-dashboard {target}"
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    parse_hostport(args.server, "--server", allow_zero=False)
+    listen_host, listen_port = parse_hostport(args.otlp_listen, "--otlp-listen", allow_zero=True)
+    token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
+    err = sys.stderr
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM takes the Ctrl-C path: the running trial is told FAIL and the incumbent restored.
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        storage = open_storage(args.storage)
+    except StorageError as e:
+        raise UsageError(str(e)) from None
+
+    from otel.receiver import OtlpTraceReceiver  # grpc server machinery: only once the arguments are good
+
+    collector = SpanCollector(request_sample)
+    receiver = OtlpTraceReceiver(listen_host, listen_port, on_spans=collector.on_spans)
+    client = MoespecClient(args.server, admin_token=token)
+    admin = PolicyAdmin(client, args.server, retry_seconds=args.connect_timeout)
+    printer = ProgressPrinter(err, settings.objective.value)
+    built = None
+    try:
+        try:
+            receiver.start()
+        except (OSError, RuntimeError) as e:
+            raise UsageError(f"--otlp-listen: cannot listen on {args.otlp_listen}: {e}") from None
+        print(f"tuner: receiving spans on {receiver.endpoint}; study {settings.study_name!r} in {args.storage}",
+              file=err, flush=True)
+        print(f"tuner: sampler {rationale(settings.sampler)}", file=err, flush=True)
+        built = assemble(settings, storage, admin, collector, printer)
+        best = built.tuner.run()
+    except StudyMismatch as e:
+        raise UsageError(str(e)) from None
+    except StorageError as e:
+        raise UsageError(str(e)) from None
+    except ServerUnavailable as e:
+        print(f"moespec tune: error: server unreachable: {e}", file=err)
+        return EXIT_UNREACHABLE
+    except AdminRejected as e:
+        print(f"moespec tune: error: {e}", file=err)
+        return EXIT_REJECTED
+    except NoTraffic as e:
+        print(f"moespec tune: error: {e}", file=err)
+        with suppress(Exception):
+            built.tuner.apply_incumbent()
+        return EXIT_NO_TRAFFIC
+    except KeyboardInterrupt:
+        # The interrupted trial is already told FAIL (tuning.Tuner); leave the server on the best.
+        if built is not None:
+            with suppress(Exception):
+                built.tuner.apply_incumbent()
+        print("moespec tune: interrupted; the study resumes where it stopped", file=err)
+        return 130
+    finally:
+        receiver.stop(grace=0.5)
+        client.close()
+    if best is None:
+        print("moespec tune: no trial completed; nothing applied", file=err)
+        return EXIT_NO_TRAFFIC
+    print(f"best policy: {best.key.label()} ({fmt_cost(best.mean, settings.objective.value)}, "
+          f"policy id {best.policy.policy_id})")
+    print(f"open the study: {dashboard_hint(args.storage)}")
+    return 0
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,73 @@
+"""Measure a few named policies side by side on live traffic (the demo's and the benchmark's final table).
+
+Contract: `rounds` rounds, each measuring every policy once through the same `Measurer` (same window,
+no pruning), with the order rotated every round so a drift in load or machine speed does not
+favour whichever policy happens to go first. Each policy's windows are merged (exact sums), so its
+figure is total seconds / total committed tokens over all its rounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from service.types import DraftPolicy
+from tuner.measure import Measurement, Measurer, Outcome
+from tuner.space import policy_key
+from tuner.window import WindowStats
+
+
+@dataclass
+class Compared:
+    name: str
+    policy: DraftPolicy
+    stats: WindowStats  # all rounds merged
+    per_round: list[float]  # seconds per committed token of each round (inf when starved)
+    starved: int = 0
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.stats.seconds_per_token
+
+    def as_dict(self, decode_step_seconds: float) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "policy": policy_key(self.policy).label(),
+            "drafter": self.policy.drafter.value,
+            "draft_length": self.policy.draft_length,
+            "draft_temperature": self.policy.draft_temperature,
+            "seconds_per_token": self.seconds_per_token if self.stats.committed else None,
+            "per_round": [x if x != float("inf") else None for x in self.per_round],
+            "starved_rounds": self.starved,
+            "acceptance_rate": self.stats.acceptance_rate,
+            "committed_per_step": self.stats.committed / self.stats.steps if self.stats.steps else 0.0,
+            "unique_experts_mean": list(self.stats.unique_experts_mean),
+            "decode_step_equivalents": self.stats.decode_step_equivalents(decode_step_seconds),
+            "committed_tokens": self.stats.committed,
+            "requests": self.stats.requests,
+        }
+
+
+def compare(
+    measurer: Measurer,
+    policies: dict[str, DraftPolicy],
+    rounds: int,
+    id_prefix: str,
+    on_measured: Callable[[str, int, float], None] = lambda name, rnd, value: None,
+    on_starved: Callable[[str, int, Measurement], None] = lambda name, rnd, m: None,
+) -> list[Compared]:
+    names = list(policies)
+    out = {n: Compared(n, policies[n], WindowStats(f"{id_prefix}/{n}"), []) for n in names}
+    for rnd in range(rounds):
+        shift = rnd % len(names)
+        for name in names[shift:] + names[:shift]:
+            policy = replace(policies[name], policy_id=f"{id_prefix}/{name}-r{rnd}")
+            m = measurer.measure(policy, incumbent_value=None)
+            entry = out[name]
+            if m.outcome is Outcome.STARVED:
+                entry.starved += 1
+                on_starved(name, rnd, m)
+            entry.stats.merge(m.stats)
+            entry.per_round.append(m.stats.seconds_per_token)
+            on_measured(name, rnd, m.stats.seconds_per_token)
+    return [out[n] for n in names]

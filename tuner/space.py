@@ -1,0 +1,135 @@
+"""The draft-policy search space, derived from the server's ModelInfo (never hard-coded).
+
+Contract: the space is conditional, asked in this order so that equivalent policies are one point:
+  draft_length in 0..max_draft_length            (0 = plain decoding: nothing else is asked)
+  drafter in ModelInfo.drafters                  (only when draft_length > 0 and "drafter" is tunable)
+  draft_temperature in [0, max_temperature]      (only for the model drafter and when tunable)
+Knobs missing from ModelInfo.tunable keep the server's defaults. `temperature_step` makes the space
+discrete (for the exhaustive grid); without it the temperature is continuous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import optuna
+
+from service.types import MAX_DRAFT_TEMPERATURE, Drafter, DraftPolicy, ModelInfo
+
+DEFAULT_TEMPERATURE = DraftPolicy().draft_temperature
+# The issue's range; the service accepts more, but beyond ~1.5 a small draft is close to uniform.
+SEARCH_MAX_TEMPERATURE = 1.5
+
+
+@dataclass(frozen=True)
+class PolicyKey:
+    """What makes two policies the same measurement (the policy id deliberately excluded)."""
+
+    drafter: str  # "plain" for draft_length 0, else the drafter's value
+    draft_length: int
+    draft_temperature: float | None  # None where it has no effect
+
+    def label(self) -> str:
+        if self.drafter == "plain":
+            return "plain"
+        if self.draft_temperature is None:
+            return f"{self.drafter} k={self.draft_length}"
+        return f"{self.drafter} k={self.draft_length} T={self.draft_temperature:.2f}"
+
+
+def policy_key(policy: DraftPolicy) -> PolicyKey:
+    if policy.draft_length == 0:
+        return PolicyKey("plain", 0, None)
+    if policy.drafter is Drafter.NGRAM:
+        return PolicyKey(policy.drafter.value, policy.draft_length, None)
+    # Rounded so that a re-measured continuous temperature groups with its original trial.
+    return PolicyKey(policy.drafter.value, policy.draft_length, round(policy.draft_temperature, 4))
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    max_draft_length: int
+    drafters: tuple[Drafter, ...]
+    tune_drafter: bool
+    tune_length: bool
+    tune_temperature: bool
+    max_temperature: float = SEARCH_MAX_TEMPERATURE
+    temperature_step: float | None = None
+
+    @classmethod
+    def from_model_info(
+        cls, info: ModelInfo, max_temperature: float = SEARCH_MAX_TEMPERATURE, temperature_step: float | None = None
+    ) -> SearchSpace:
+        return cls(
+            max_draft_length=info.max_draft_length,
+            drafters=tuple(info.drafters) or (Drafter.MODEL,),
+            tune_drafter="drafter" in info.tunable and len(info.drafters) > 1,
+            tune_length="draft_length" in info.tunable,
+            tune_temperature="draft_temperature" in info.tunable,
+            max_temperature=min(max_temperature, MAX_DRAFT_TEMPERATURE),
+            temperature_step=temperature_step,
+        )
+
+    def suggest(self, trial: optuna.Trial, policy_id: str) -> DraftPolicy:
+        """Ask the trial for a policy, following the conditional order above."""
+        length = trial.suggest_int("draft_length", 0, self.max_draft_length) if self.tune_length else 0
+        if length == 0:
+            return DraftPolicy(draft_length=0, policy_id=policy_id)
+        drafter = self.drafters[0]
+        if self.tune_drafter:
+            drafter = Drafter(trial.suggest_categorical("drafter", [d.value for d in self.drafters]))
+        temperature = DEFAULT_TEMPERATURE
+        if drafter is Drafter.MODEL and self.tune_temperature:
+            temperature = trial.suggest_float(
+                "draft_temperature", 0.0, self.max_temperature, step=self.temperature_step
+            )
+        return DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=temperature, policy_id=policy_id)
+
+    def policy_from_params(self, params: dict[str, object], policy_id: str) -> DraftPolicy:
+        """Rebuild a stored trial's policy (the inverse of `suggest`)."""
+        length = int(params.get("draft_length", 0))
+        if length == 0:
+            return DraftPolicy(draft_length=0, policy_id=policy_id)
+        drafter = Drafter(params.get("drafter", self.drafters[0].value))
+        temperature = float(params.get("draft_temperature", DEFAULT_TEMPERATURE))
+        return DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=temperature, policy_id=policy_id)
+
+    def params_of(self, policy: DraftPolicy) -> dict[str, object]:
+        """The Optuna params that make `suggest` return `policy` (for enqueue_trial)."""
+        params: dict[str, object] = {"draft_length": policy.draft_length}
+        if policy.draft_length and self.tune_drafter:
+            params["drafter"] = policy.drafter.value
+        if policy.draft_length and policy.drafter is Drafter.MODEL and self.tune_temperature:
+            params["draft_temperature"] = policy.draft_temperature
+        return params
+
+    def contains(self, policy: DraftPolicy) -> bool:
+        return (
+            0 <= policy.draft_length <= self.max_draft_length
+            and (policy.draft_length == 0 or policy.drafter in self.drafters)
+            and 0.0 <= policy.draft_temperature <= self.max_temperature
+        )
+
+    def baselines(self) -> list[DraftPolicy]:
+        """Policies worth measuring first: plain decoding, the default policy, a short n-gram."""
+        out = [DraftPolicy(draft_length=0)]
+        if self.tune_length and self.max_draft_length >= 1:
+            length = min(3, self.max_draft_length)
+            out.append(DraftPolicy(drafter=Drafter.MODEL, draft_length=length, draft_temperature=1.0))
+            if Drafter.NGRAM in self.drafters and self.tune_drafter:
+                out.append(DraftPolicy(drafter=Drafter.NGRAM, draft_length=length))
+        return [p for p in out if p.drafter in self.drafters or p.draft_length == 0]
+
+    def grid(self, temperatures: tuple[float, ...]) -> Iterator[DraftPolicy]:
+        """Every point of the discrete space (plain once, n-gram per length, model per length x T)."""
+        yield DraftPolicy(draft_length=0)
+        if not self.tune_length:
+            return
+        for length in range(1, self.max_draft_length + 1):
+            for drafter in self.drafters if self.tune_drafter else self.drafters[:1]:
+                if drafter is Drafter.MODEL and self.tune_temperature:
+                    for t in temperatures:
+                        yield DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=t)
+                else:
+                    yield DraftPolicy(drafter=drafter, draft_length=length)

@@ -1,0 +1,193 @@
+"""The tuner's Optuna study: storage URLs, resume after a crash, incumbent and winner selection.
+
+Contract:
+- `open_storage(url)`: `sqlite:///file.db`, `postgresql://...`, `mysql://...` (RDB), or
+  `journal:PATH` (journal file, safe for several processes on one host), or `redis://...`
+  (journal on Redis). Any failure raises `StorageError` with a one-line reason.
+- `open_study` creates or loads (`load_if_exists`) a minimising study and refuses one that was
+  created for the other objective (their values are not comparable).
+- Trials carry user attributes `role` ("search" | "remeasure"), `tuner_id` and `heartbeat`;
+  `recover_interrupted` fails RUNNING trials left by a dead tuner: its own (same tuner id: it was
+  this tuner, killed) at once, other tuners' only once their heartbeat is stale.
+- The incumbent is the policy with the lowest *mean* over its COMPLETE trials, so a re-measurement
+  pulls a lucky first measurement back towards the truth.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from service.types import DraftPolicy
+from tuner.space import PolicyKey, SearchSpace, policy_key
+
+ROLE_SEARCH = "search"
+ROLE_REMEASURE = "remeasure"
+FAIL_INTERRUPTED = "interrupted"
+
+
+class StorageError(Exception):
+    """The storage URL is malformed, its driver is missing, or it cannot be reached."""
+
+
+class StudyMismatch(Exception):
+    """An existing study was created for a different objective."""
+
+
+def open_storage(url: str) -> optuna.storages.BaseStorage:
+    try:
+        if url.startswith("journal:"):
+            path = url.removeprefix("journal:").removeprefix("//")
+            if not path:
+                raise StorageError("journal storage needs a file path, e.g. journal:./tuner.log")
+            return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
+        if url.startswith("redis://"):
+            return optuna.storages.JournalStorage(optuna.storages.journal.JournalRedisBackend(url))
+        if "://" not in url:
+            raise StorageError(f"{url!r} is not a storage URL (try sqlite:///tuner.db or journal:tuner.log)")
+        return optuna.storages.RDBStorage(url)
+    except StorageError:
+        raise
+    except Exception as e:  # sqlalchemy, driver and OS errors all mean "cannot use this storage"
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise StorageError(f"cannot open storage {url!r}: {type(e).__name__}: {first_line}") from e
+
+
+def open_study(
+    storage: optuna.storages.BaseStorage, name: str, sampler: optuna.samplers.BaseSampler, objective: str
+) -> optuna.Study:
+    try:
+        study = optuna.create_study(
+            storage=storage, study_name=name, sampler=sampler, direction="minimize", load_if_exists=True
+        )
+    except Exception as e:
+        raise StorageError(f"cannot create or load study {name!r}: {type(e).__name__}: {e}") from e
+    stored = study.user_attrs.get("objective")
+    if stored is None:
+        study.set_user_attr("objective", objective)
+    elif stored != objective:
+        raise StudyMismatch(
+            f"study {name!r} was created for --objective {stored}, not {objective}; use another --study"
+        )
+    return study
+
+
+def trial_id(storage: optuna.storages.BaseStorage, study: optuna.Study, number: int) -> int:
+    """Storage id of a trial, through the public storage API (for attributes of finished-to-be trials)."""
+    study_id = storage.get_study_id_from_name(study.study_name)
+    return storage.get_trial_id_from_study_id_trial_number(study_id, number)
+
+
+def recover_interrupted(
+    storage: optuna.storages.BaseStorage, study: optuna.Study, tuner_id: str, grace_seconds: float, now: float
+) -> list[int]:
+    """Tell FAIL for RUNNING trials a dead tuner left behind; returns their numbers."""
+    failed = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        owner = trial.user_attrs.get("tuner_id")
+        heartbeat = float(trial.user_attrs.get("heartbeat", 0.0))
+        if owner != tuner_id and now - heartbeat < grace_seconds:
+            continue  # another tuner's live trial
+        tid = trial_id(storage, study, trial.number)
+        storage.set_trial_user_attr(tid, "fail_reason", FAIL_INTERRUPTED)
+        study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
+        failed.append(trial.number)
+    return failed
+
+
+def beat(trial: optuna.Trial, clock=time.time) -> None:
+    trial.set_user_attr("heartbeat", clock())
+
+
+def role(trial: FrozenTrial) -> str:
+    return str(trial.user_attrs.get("role", ROLE_SEARCH))
+
+
+def search_trials_done(study: optuna.Study) -> int:
+    """Finished search trials that count towards --trials (interrupted ones are redone)."""
+    done = 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
+        if role(t) == ROLE_SEARCH and t.user_attrs.get("fail_reason") != FAIL_INTERRUPTED:
+            done += 1
+    return done
+
+
+@dataclass(frozen=True)
+class PolicyScore:
+    key: PolicyKey
+    policy: DraftPolicy  # policy_id = <study>/<first trial number>
+    mean: float
+    values: tuple[float, ...]
+    trials: tuple[int, ...]
+
+
+def policy_id(study_name: str, number: int) -> str:
+    return f"{study_name}/{number}"
+
+
+def scores(
+    study: optuna.Study, space: SearchSpace, roles: tuple[str, ...] = (ROLE_SEARCH, ROLE_REMEASURE)
+) -> list[PolicyScore]:
+    """COMPLETE trials grouped by policy, best mean first."""
+    groups: dict[PolicyKey, list[FrozenTrial]] = {}
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        if role(t) not in roles or t.value is None or not math.isfinite(t.value) or "duplicate_of" in t.user_attrs:
+            continue
+        policy = space.policy_from_params(t.params, policy_id(study.study_name, t.number))
+        groups.setdefault(policy_key(policy), []).append(t)
+    out = []
+    for key, trials in groups.items():
+        trials.sort(key=lambda t: t.number)
+        values = tuple(float(t.value) for t in trials)
+        first = trials[0]
+        out.append(
+            PolicyScore(
+                key=key,
+                policy=space.policy_from_params(first.params, policy_id(study.study_name, first.number)),
+                mean=sum(values) / len(values),
+                values=values,
+                trials=tuple(t.number for t in trials),
+            )
+        )
+    out.sort(key=lambda s: s.mean)
+    return out
+
+
+def previous_result(study: optuna.Study, space: SearchSpace, key: PolicyKey) -> FrozenTrial | None:
+    """The latest measured (COMPLETE or PRUNED, not itself a copy) trial of the same policy."""
+    for t in reversed(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))):
+        if "duplicate_of" not in t.user_attrs and policy_key(space.policy_from_params(t.params, "")) == key:
+            return t
+    return None
+
+
+def incumbent(study: optuna.Study, space: SearchSpace) -> PolicyScore | None:
+    ranked = scores(study, space)
+    return ranked[0] if ranked else None
+
+
+def remeasure_candidates(study: optuna.Study, space: SearchSpace, top: int) -> list[PolicyScore]:
+    """The best `top` policies by their search measurements (stable across restarts)."""
+    return scores(study, space, roles=(ROLE_SEARCH,))[:top]
+
+
+def remeasured(study: optuna.Study, space: SearchSpace) -> dict[PolicyKey, int]:
+    """How many remeasure trials each policy has finished or lost (attempts, not successes)."""
+    counts: dict[PolicyKey, int] = {}
+    finished = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+    for t in study.get_trials(deepcopy=False, states=finished):
+        if role(t) == ROLE_REMEASURE:
+            key = policy_key(space.policy_from_params(t.params, ""))
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def winner(study: optuna.Study, space: SearchSpace, top: int) -> PolicyScore | None:
+    """Among the re-measured top policies, the lowest mean over all their measurements."""
+    keys = {c.key for c in remeasure_candidates(study, space, top)}
+    ranked = [s for s in scores(study, space) if s.key in keys]
+    return ranked[0] if ranked else incumbent(study, space)

@@ -1,0 +1,284 @@
+"""The online tuning loop: Optuna ask -> apply + measure -> tell, with the incumbent in between.
+
+Contract (what survives what):
+- Start: RUNNING trials a killed tuner left behind are told FAIL (`study.recover_interrupted`),
+  then the incumbent (best mean over COMPLETE trials) is re-applied, so a restart never leaves the
+  server on an abandoned trial policy. Finished trials are never touched.
+- Budget: `trials` counts finished search trials in the study, so a restarted tuner continues to
+  the same total instead of starting over. Interrupted trials do not count (they are redone).
+- Each trial: COMPLETE with the objective, PRUNED (intermediate value reported first, so samplers
+  still learn from it) when far worse than the incumbent, or FAIL when the window starved. The
+  incumbent is applied after every trial. `max_consecutive_failures` starved windows in a row stop
+  the tuner with `NoTraffic` (a diagnosis, not an endless loop of FAILs).
+- End: the best `remeasure_top` policies are measured once more (new trials, role "remeasure",
+  never pruned);
+  the winner is the lowest mean over all measurements of those, applied and stored as the study's
+  user attribute "winner".
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from service.types import DraftPolicy
+from tuner import study as st
+from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
+from tuner.collector import Traffic
+from tuner.measure import Measurement, Measurer, Outcome
+from tuner.space import SearchSpace, policy_key
+from tuner.window import WindowStats
+
+
+class NoTraffic(Exception):
+    """Several windows in a row starved: no load, or spans are not reaching the tuner."""
+
+
+@dataclass(frozen=True)
+class TunerConfig:
+    study_name: str
+    trials: int
+    tuner_id: str
+    remeasure_top: int = 3
+    stale_seconds: float = 120.0  # another tuner's RUNNING trial with no heartbeat this long is dead
+    max_consecutive_failures: int = 3
+    initial_policies: tuple[DraftPolicy, ...] = ()  # enqueued, in order, when the study is fresh
+
+
+class EventKind(enum.StrEnum):
+    RESUMED = "resumed"
+    INCUMBENT = "incumbent"
+    TRIAL_STARTED = "trial_started"
+    TRIAL_PROGRESS = "trial_progress"
+    TRIAL_FINISHED = "trial_finished"
+    WINNER = "winner"
+
+
+@dataclass(frozen=True)
+class TunerEvent:
+    kind: EventKind
+    trial: int | None = None
+    role: str = ""
+    policy: DraftPolicy | None = None
+    state: str = ""  # COMPLETE / PRUNED / FAIL for TRIAL_FINISHED
+    value: float | None = None
+    stats: WindowStats | None = None
+    best: st.PolicyScore | None = None
+    done: int = 0  # finished search trials
+    total: int = 0
+    message: str = ""
+
+
+class Tuner:
+    def __init__(
+        self,
+        study: optuna.Study,
+        storage: optuna.storages.BaseStorage,
+        space: SearchSpace,
+        admin: PolicyAdmin,
+        measurer: Measurer,
+        config: TunerConfig,
+        user_attrs: Callable[[WindowStats], dict[str, object]],
+        traffic: Callable[[], Traffic],
+        on_event: Callable[[TunerEvent], None] = lambda e: None,
+        wall_clock: Callable[[], float] = time.time,
+    ):
+        self._study = study
+        self._storage = storage
+        self._space = space
+        self._admin = admin
+        self._measurer = measurer
+        self._config = config
+        self._user_attrs = user_attrs
+        self._traffic = traffic
+        self._emit = on_event
+        self._wall_clock = wall_clock
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> st.PolicyScore | None:
+        cfg, study = self._config, self._study
+        # Fail fast, before touching the study, on an unreachable server or a refused admin token.
+        self._admin.current()
+        recovered = st.recover_interrupted(
+            self._storage, study, cfg.tuner_id, cfg.stale_seconds, self._wall_clock()
+        )
+        done = st.search_trials_done(study)
+        self._emit(TunerEvent(EventKind.RESUMED, done=done, total=cfg.trials,
+                              message=f"{len(study.trials)} trials stored, {len(recovered)} interrupted marked FAIL"
+                              + (f" ({', '.join(map(str, recovered))})" if recovered else "")))
+        self.apply_incumbent()
+        if not study.trials:
+            for policy in cfg.initial_policies[: cfg.trials]:
+                study.enqueue_trial(self._space.params_of(policy), user_attrs={"role": st.ROLE_SEARCH})
+        failures = 0
+        while st.search_trials_done(study) < cfg.trials:
+            state = self._run_trial(st.ROLE_SEARCH)
+            failures = failures + 1 if state is TrialState.FAIL else 0
+            self.apply_incumbent()
+            if failures >= cfg.max_consecutive_failures:
+                raise NoTraffic(self._diagnose(failures))
+        self._remeasure()
+        return self._finish()
+
+    def _remeasure(self) -> None:
+        attempts = st.remeasured(self._study, self._space)
+        for candidate in st.remeasure_candidates(self._study, self._space, self._config.remeasure_top):
+            if attempts.get(candidate.key, 0):
+                continue  # already re-measured (possibly before a restart)
+            self._study.enqueue_trial(
+                self._space.params_of(candidate.policy),
+                user_attrs={"role": st.ROLE_REMEASURE, "remeasure_of": candidate.trials[0]},
+            )
+            self._run_trial(st.ROLE_REMEASURE)
+            self.apply_incumbent()
+
+    def _finish(self) -> st.PolicyScore | None:
+        best = st.winner(self._study, self._space, self._config.remeasure_top)
+        if best is None:
+            return None
+        self._admin.apply(best.policy)
+        self._study.set_user_attr(
+            "winner",
+            {
+                "policy": best.key.label(),
+                "params": self._space.params_of(best.policy),
+                "policy_id": best.policy.policy_id,
+                "mean": best.mean,
+                "values": list(best.values),
+                "trials": list(best.trials),
+            },
+        )
+        self._emit(TunerEvent(EventKind.WINNER, policy=best.policy, value=best.mean, best=best,
+                              done=st.search_trials_done(self._study), total=self._config.trials))
+        return best
+
+    def apply_incumbent(self) -> st.PolicyScore | None:
+        best = st.incumbent(self._study, self._space)
+        if best is not None:
+            self._admin.apply(best.policy)
+            self._emit(TunerEvent(EventKind.INCUMBENT, policy=best.policy, value=best.mean, best=best))
+        return best
+
+    # -- one trial ---------------------------------------------------------------------------
+
+    def _run_trial(self, role: str) -> TrialState:
+        trial = self._study.ask()
+        try:
+            return self._run_asked(trial, role)
+        except ServerUnavailable as e:
+            self._fail(trial, f"server unreachable: {e}")
+            raise
+        except AdminRejected:
+            self._fail(trial, "admin token refused")
+            raise
+        except BaseException:
+            # Ctrl-C / SIGTERM (or a bug): the bookkeeping a restart would do, done now.
+            self._fail(trial, st.FAIL_INTERRUPTED)
+            raise
+
+    def _run_asked(self, trial: optuna.Trial, role: str) -> TrialState:
+        study, cfg = self._study, self._config
+        role = str(trial.user_attrs.get("role", role))
+        trial.set_user_attr("role", role)
+        trial.set_user_attr("tuner_id", cfg.tuner_id)
+        st.beat(trial, self._wall_clock)
+        policy = self._space.suggest(trial, st.policy_id(study.study_name, trial.number))
+        best = st.incumbent(study, self._space)
+        done = st.search_trials_done(study)
+        if role == st.ROLE_SEARCH:
+            previous = st.previous_result(study, self._space, policy_key(policy))
+            if previous is not None:
+                return self._tell_duplicate(trial, policy, previous)
+        self._emit(TunerEvent(EventKind.TRIAL_STARTED, trial.number, role, policy, best=best, done=done,
+                              total=cfg.trials))
+
+        def progress(stats: WindowStats) -> None:
+            self._emit(TunerEvent(EventKind.TRIAL_PROGRESS, trial.number, role, policy, stats=stats, best=best,
+                                  done=done, total=cfg.trials))
+
+        # Re-measurements are never pruned: cutting short the one that disagrees with a lucky first
+        # measurement would keep exactly the noise they exist to remove.
+        prune_against = best.mean if best and role == st.ROLE_SEARCH else None
+        m = self._measurer.measure(
+            policy, prune_against, progress, heartbeat=lambda: st.beat(trial, self._wall_clock)
+        )
+        state = self._tell(trial, m, best)
+        self._emit(TunerEvent(EventKind.TRIAL_FINISHED, trial.number, role, policy, state.name,
+                              m.value if state is not TrialState.FAIL else None, m.stats,
+                              st.incumbent(study, self._space), st.search_trials_done(study), cfg.trials,
+                              str(trial.user_attrs.get("fail_reason") or trial.user_attrs.get("prune_reason") or "")))
+        return state
+
+    def _tell_duplicate(self, trial: optuna.Trial, policy: DraftPolicy, previous: FrozenTrial) -> TrialState:
+        """The sampler asked for a policy already measured: reuse that result instead of spending
+        traffic on it (noise is handled by the re-measure phase, not by random repeats). The trial
+        still counts towards --trials, so a converged sampler cannot loop forever."""
+        for key, value in previous.user_attrs.items():
+            if key not in ("role", "tuner_id", "heartbeat"):
+                trial.set_user_attr(key, value)
+        trial.set_user_attr("duplicate_of", previous.number)
+        if previous.state is TrialState.COMPLETE:
+            score = next(s for s in st.scores(self._study, self._space) if s.key == policy_key(policy))
+            self._study.tell(trial, score.mean)
+            state, value = TrialState.COMPLETE, score.mean
+        else:
+            step, value = max(previous.intermediate_values.items()) if previous.intermediate_values else (0, None)
+            if value is not None:
+                trial.report(value, step=step)
+            self._study.tell(trial, state=TrialState.PRUNED)
+            state = TrialState.PRUNED
+        self._emit(TunerEvent(EventKind.TRIAL_FINISHED, trial.number, st.ROLE_SEARCH, policy, state.name, value,
+                              None, st.incumbent(self._study, self._space), st.search_trials_done(self._study),
+                              self._config.trials, f"same policy as trial {previous.number}: result reused"))
+        return state
+
+    def _tell(self, trial: optuna.Trial, m: Measurement, best: st.PolicyScore | None) -> TrialState:
+        for key, value in self._user_attrs(m.stats).items():
+            trial.set_user_attr(key, value)
+        trial.set_user_attr("window_seconds", round(m.seconds, 3))
+        trial.set_user_attr("policy_reapplied", m.reapplied)
+        window = self._measurer.window
+        if m.outcome is Outcome.COMPLETE:
+            self._study.tell(trial, m.value)
+            return TrialState.COMPLETE
+        if m.outcome is Outcome.PRUNED:
+            trial.report(m.value, step=m.stats.committed)
+            trial.set_user_attr(
+                "prune_reason",
+                f"running cost {m.value:.4g} > {self._measurer.prune.factor} x incumbent {best.mean:.4g} "
+                f"after {m.stats.committed} tokens",
+            )
+            self._study.tell(trial, state=TrialState.PRUNED)
+            self.apply_incumbent()  # restore at once: this policy is hurting traffic
+            return TrialState.PRUNED
+        self._fail(
+            trial,
+            f"starved: {m.stats.committed} tokens / {m.stats.steps} steps / {m.stats.requests} requests in "
+            f"{m.seconds:.1f} s (need {window.min_tokens} tokens and {window.min_steps} steps; "
+            f"{m.other_spans} spans of other policies arrived meanwhile)",
+        )
+        return TrialState.FAIL
+
+    def _fail(self, trial: optuna.Trial, reason: str) -> None:
+        try:
+            trial.set_user_attr("fail_reason", reason)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return  # interrupted after it was told: its result stands
+        self._study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+
+    def _diagnose(self, failures: int) -> str:
+        t = self._traffic()
+        if t.request_spans == 0:
+            hint = ("no request spans reached the tuner at all: point the server's OTEL_EXPORTER_OTLP_ENDPOINT "
+                    "(or its Collector) at --otlp-listen, and check the server has traffic")
+        elif t.unwatched_spans == t.request_spans:
+            hint = "spans arrive, but none for the tuner's policy ids: is another tuner or operator setting policies?"
+        else:
+            hint = "too little traffic for the window: add load or lower --min-tokens / raise --max-window-seconds"
+        return f"{failures} trial windows in a row starved; {hint}"
