@@ -19,6 +19,7 @@ import dataclasses
 import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,9 @@ class Engine:
         self.draft_cache = KVCache(self.draft.cfg, self.max_context) if self.draft else None
         self._lock = threading.Lock()
         self.decode_step_seconds = self._calibrate_decode_step()
+        # Recent plain (one-position) verify passes: the unit of decode_step_equivalents follows the
+        # machine's current speed instead of the start-up calibration (which a busy CPU distorts).
+        self._plain_steps: deque[float] = deque(maxlen=64)
         self.info = self._model_info()
 
     # ----------------------------------------------------------------- public API
@@ -118,6 +122,15 @@ class Engine:
     def draft_step(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """Feed tokens [n] to the draft at positions start.. -> logits of the last position [V]."""
         return self.draft.forward(tokens, start, self.draft_cache).logits[-1]
+
+    def observe_plain_step(self, seconds: float) -> None:
+        self._plain_steps.append(seconds)
+
+    def current_decode_step_seconds(self) -> float:
+        """Median of the recent plain decode steps; the start-up calibration until there are 8."""
+        if len(self._plain_steps) < 8:
+            return self.decode_step_seconds
+        return statistics.median(self._plain_steps)
 
     def _calibrate_decode_step(self, steps: int = 24) -> float:
         """Median wall time of a plain decode step: the unit of `decode_step_equivalents`."""
@@ -240,6 +253,8 @@ class _Generation:
 
     def _record(self, drafted: int, accepted: int, flags: torch.Tensor, window: torch.Tensor, routed: torch.Tensor,
                 draft_s: float, verify_s: float) -> StepRecord:
+        if window.shape[0] == 1:
+            self.e.observe_plain_step(verify_s)
         cfg, policy, capture = self.e.target.cfg, self.policy, self.e.config.capture_topk
         L, E, m = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
         if self.e.config.capture_routing:
@@ -263,7 +278,7 @@ class _Generation:
             unique_experts_bound=min(E, window.shape[0] * m),
             draft_seconds=draft_s,
             verify_seconds=verify_s,
-            decode_step_equivalents=verify_s / self.e.decode_step_seconds,
+            decode_step_equivalents=verify_s / self.e.current_decode_step_seconds(),
             topk_ids=tuple(tuple(tuple(pos) for pos in layer) for layer in routed.tolist()) if capture else None,
             window_ids=tuple(window.tolist()) if capture else None,
         )

@@ -118,7 +118,7 @@ class StepRecord:
     unique_experts_bound: int  # min(E, window * m)
     draft_seconds: float
     verify_seconds: float
-    decode_step_equivalents: float  # verify_seconds / the engine's plain decode step time
+    decode_step_equivalents: float  # verify_seconds / the engine's recent plain decode step time
     topk_ids: tuple[tuple[tuple[int, ...], ...], ...] | None = None  # [L, w, m] when captured
     window_ids: tuple[int, ...] | None = None  # [w] the verified tokens, captured with topk_ids
 
