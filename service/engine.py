@@ -29,7 +29,7 @@ from tokenizers import Tokenizer
 
 from service import ngram
 from service.model import KVCache
-from service.sampling import accept, draft_probs, point_mass, sample, target_probs
+from service.sampling import accept, accept_greedy, draft_probs, point_mass, sample, target_probs
 from service.types import (
     MAX_DRAFT_LENGTH,
     Drafter,
@@ -43,7 +43,7 @@ from service.types import (
     StepRecord,
     StreamDelta,
 )
-from service.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_model
+from service.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_for_inference
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,8 @@ class Engine:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
-        self.target = load_model(config.target_dir)
-        self.draft = load_model(config.draft_dir) if config.draft_dir else None
+        self.target = load_for_inference(config.target_dir)
+        self.draft = load_for_inference(config.draft_dir) if config.draft_dir else None
         self.tokenizer = Tokenizer.from_file(str(Path(config.target_dir) / "tokenizer.json"))
         cfg = self.target.cfg
         if not cfg.is_moe:
@@ -223,8 +223,11 @@ class _Generation:
         t1 = time.perf_counter()
         window = torch.cat([self.tokens[-1:], drafts])  # [w] last committed token + drafts
         logits, routed = e.verify_window(window, n_tokens - 1)
-        p = target_probs(logits, self.request.sampling)  # [w, V]
-        n_ok, flags, bonus = accept(drafts, q if q is not None else p[:0], p, self.gen)
+        if self.request.sampling.greedy:  # p is a point mass: acceptance is an exact prefix match
+            n_ok, flags, bonus = accept_greedy(drafts, logits.argmax(-1))
+        else:
+            p = target_probs(logits, self.request.sampling)  # [w, V]
+            n_ok, flags, bonus = accept(drafts, q if q is not None else p[:0], p, self.gen)
         t2 = time.perf_counter()
         if policy.drafter is Drafter.MODEL and k > 0:
             # The draft cache holds the old tokens plus drafts 1..k-1; keep those that were accepted.
@@ -243,8 +246,10 @@ class _Generation:
         pending, start = self.tokens[self.draft_valid:], self.draft_valid
         drafts, qs = [], []
         for _ in range(k):
-            q = draft_probs(e.draft_step(pending, start).unsqueeze(0), policy.draft_temperature)  # [1, V]
-            token = sample(q, self.gen)
+            logits = e.draft_step(pending, start).unsqueeze(0)  # [1, V]
+            q = draft_probs(logits, policy.draft_temperature)
+            # A greedy draft's q is a point mass: its argmax is the sample, no random draw needed.
+            token = logits.argmax(-1) if policy.draft_temperature == 0 else sample(q, self.gen)
             drafts.append(token)
             qs.append(q)
             start += pending.shape[0]

@@ -124,12 +124,15 @@ class Router(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)  # [w, E]
+        return self.route(F.linear(x, self.weight))  # logits [w, E]
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Router logits [w, E] -> (logits, routing weights [w, m], expert ids [w, m])."""
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         weights, ids = probs.topk(self.top_k, dim=-1)  # [w, m]
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        return logits, weights.to(x.dtype), ids
+        return logits, weights.to(logits.dtype), ids
 
 
 class Experts(nn.Module):
@@ -182,15 +185,27 @@ class SparseMoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.fused: tuple[torch.Tensor, torch.Tensor] | None = None  # see fuse()
+
+    def fuse(self) -> None:
+        """Inference only: router + shared-expert gate in one matmul, shared gate/up in another."""
+        self.fused = (torch.cat([self.gate.weight, self.shared_expert_gate.weight]),  # [E+1, H]
+                      torch.cat([self.shared_expert.gate_proj.weight, self.shared_expert.up_proj.weight]))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [w, H] -> (out [w, H], router logits [w, E], routed ids [w, m])."""
-        logits, weights, ids = self.gate(x)
+        if self.fused is None:
+            logits, weights, ids = self.gate(x)
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        else:
+            router_and_gate = F.linear(x, self.fused[0])  # [w, E+1]
+            logits, weights, ids = self.gate.route(router_and_gate[:, :-1])
+            g, u = F.linear(x, self.fused[1]).chunk(2, dim=-1)  # [w, Is] each
+            shared = torch.sigmoid(router_and_gate[:, -1:]) * self.shared_expert.down_proj(F.silu(g) * u)
         if x.shape[0] <= UNION_WINDOW_MAX and not torch.is_grad_enabled():
             routed, _ = self.experts.forward_union(x, ids, weights)
         else:
             routed = self.experts.forward_grouped(x, ids, weights)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared, logits, ids
 
 
@@ -203,14 +218,25 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(H, K * D, bias=True)
         self.v_proj = nn.Linear(H, K * D, bias=True)
         self.o_proj = nn.Linear(A * D, H, bias=False)
+        self.qkv: tuple[torch.Tensor, torch.Tensor] | None = None  # see fuse()
+
+    def fuse(self) -> None:
+        """Inference only: q, k and v projections as one matmul."""
+        self.qkv = (torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
+                    torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
                 layer: int, start: int) -> torch.Tensor:
         """x [B, w, H]; with a cache, B = 1 and positions are start..start+w-1."""
         B, w, _ = x.shape
-        q = self.q_proj(x).view(B, w, self.n_heads, self.head_dim).transpose(1, 2)  # [B, A, w, D]
-        k = self.k_proj(x).view(B, w, self.n_kv, self.head_dim).transpose(1, 2)  # [B, K, w, D]
-        v = self.v_proj(x).view(B, w, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            kv = self.n_kv * self.head_dim
+            q, k, v = F.linear(x, *self.qkv).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
+        q = q.reshape(B, w, self.n_heads, self.head_dim).transpose(1, 2)  # [B, A, w, D]
+        k = k.reshape(B, w, self.n_kv, self.head_dim).transpose(1, 2)  # [B, K, w, D]
+        v = v.reshape(B, w, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -276,6 +302,16 @@ class Transformer(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)  # [S, D]
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
+
+    def fuse_for_inference(self) -> None:
+        """Concatenate projections that read the same input, for fewer matmuls per step.
+
+        The fused tensors are copies: call after the weights are final (training never fuses).
+        """
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            if self.cfg.is_moe:
+                layer.mlp.fuse()
 
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache,
                 return_router_logits: bool = False) -> ForwardOutput:

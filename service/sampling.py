@@ -52,6 +52,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=generator).view(-1)
 
 
+def accept_greedy(draft: torch.Tensor, target: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """`accept` for a greedy target (p a point mass at target [k+1] argmaxes), whatever q was:
+    drafts are accepted while they equal the target's argmax; the next token is the argmax after."""
+    k = draft.shape[0]
+    ok = draft == target[:k]
+    n = int(ok.long().cumprod(0).sum())
+    return n, ok, target[n:n + 1]
+
+
 def accept(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
            generator: torch.Generator) -> tuple[int, torch.Tensor, torch.Tensor]:
     """Verify k drafts against the target.

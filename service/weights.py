@@ -93,3 +93,10 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32) -> Transform
         raise ValueError(f"{directory}: weights do not match config.json "
                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     return model.to(dtype).eval().requires_grad_(False)
+
+
+def load_for_inference(directory: Path, dtype: torch.dtype = torch.float32) -> Transformer:
+    """load_model with the projections fused for decoding (not for training: the copies would drift)."""
+    model = load_model(directory, dtype)
+    model.fuse_for_inference()
+    return model

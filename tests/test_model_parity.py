@@ -6,19 +6,20 @@ import pytest
 import torch
 
 from service.model import KVCache
-from service.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_model
+from service.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_for_inference, load_model
 
 transformers = pytest.importorskip("transformers")
 
 TEXT = "import os\n\n\ndef read_config(path):\n    with open(path) as f:\n        return f.read()\n"
 
 
+@pytest.mark.parametrize("loader", [load_model, load_for_inference], ids=["plain", "fused"])
 @pytest.mark.parametrize("directory", [DEFAULT_TARGET_DIR, DEFAULT_DRAFT_DIR], ids=["target", "draft"])
-def test_logits_match_transformers_through_the_static_cache(directory):
+def test_logits_match_transformers_through_the_static_cache(directory, loader):
     oracle = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     ids = torch.tensor(tokenizer(TEXT)["input_ids"])
-    model = load_model(directory)
+    model = loader(directory)
     cache = KVCache(model.cfg, 128)
     with torch.no_grad():
         expected = oracle(ids[None]).logits[0]
