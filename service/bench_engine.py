@@ -106,16 +106,21 @@ def transformers_rows(prompts: list[str], max_new: int) -> list[Row]:
     return rows
 
 
-def capture_overhead(prompts: list[str], max_new: int, rounds: int = 3) -> dict:
-    """Interleave engines with routing capture on and off so drift hits both alike."""
+def capture_overhead(prompts: list[str], max_new: int, rounds: int = 6) -> dict:
+    """Routing capture on vs off: two engines alternate request by request (order flipped every
+    round) so the machine's drift hits both alike; the overhead is the ratio of summed times."""
     from service.engine import Engine, EngineConfig
 
     engines = {True: Engine(EngineConfig(capture_routing=True)), False: Engine(EngineConfig(capture_routing=False))}
     seconds = {True: 0.0, False: 0.0}
-    for _ in range(rounds):
-        for capture, engine in engines.items():
-            row, _ = run_policy(engine, prompts, max_new, DraftPolicy(draft_length=4, draft_temperature=0), "capture")
-            seconds[capture] += row.seconds
+    policy = DraftPolicy(draft_length=4, draft_temperature=0)
+    for round_ in range(rounds):
+        for prompt in prompts:
+            for capture in ((True, False) if round_ % 2 else (False, True)):
+                request = GenerationRequest(prompt=prompt, max_new_tokens=max_new, sampling=GREEDY)
+                t0 = time.perf_counter()
+                engines[capture].generate(request, policy)
+                seconds[capture] += time.perf_counter() - t0
     return {"seconds_capture_on": round(seconds[True], 3), "seconds_capture_off": round(seconds[False], 3),
             "overhead_percent": round(100 * (seconds[True] / seconds[False] - 1), 2)}
 
