@@ -45,6 +45,7 @@ def result_attributes(result: GenerationResult) -> dict:
         a.SPEC_DRAFTED_TOKENS: spec.drafted_tokens,
         a.SPEC_ACCEPTED_TOKENS: spec.accepted_tokens,
         a.SPEC_COMMITTED_TOKENS: spec.committed_tokens,
+        a.SPEC_EMPTY_DRAFTS: spec.empty_drafts,
         a.MOE_UNIQUE_EXPERTS_MEAN: tuple(float(x) for x in spec.unique_experts_mean),
         a.MOE_UNIQUE_EXPERTS_MAX: tuple(int(x) for x in spec.unique_experts_max),
         a.COST_DRAFT_SECONDS: float(spec.draft_seconds),

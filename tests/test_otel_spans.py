@@ -68,6 +68,7 @@ def expected_request_attributes(engine, request, policy, result) -> dict:
         a.SPEC_DRAFTED_TOKENS: sum(s.drafted for s in steps),
         a.SPEC_ACCEPTED_TOKENS: sum(s.accepted for s in steps),
         a.SPEC_COMMITTED_TOKENS: sum(s.committed for s in steps),
+        a.SPEC_EMPTY_DRAFTS: sum(1 for s in steps if s.draft_length and not s.drafted),
         a.MOE_UNIQUE_EXPERTS_MEAN: tuple(sum(s.unique_experts[i] for s in steps) / len(steps) for i in range(L)),
         a.MOE_UNIQUE_EXPERTS_MAX: tuple(max(s.unique_experts[i] for s in steps) for i in range(L)),
         a.COST_DRAFT_SECONDS: sum(s.draft_seconds for s in steps),
@@ -130,7 +131,7 @@ def test_request_and_verify_spans_match_the_engine_step_records(engine, receiver
         assert attrs[a.SPEC_DRAFTER] == policy.drafter.value
         assert attrs[a.SPEC_DRAFT_LENGTH] == policy.draft_length
         assert attrs[a.COST_VERIFY_SECONDS] == step.verify_seconds
-        assert attrs[a.COST_DECODE_STEP_EQUIVALENTS] == pytest.approx(step.verify_seconds / info.decode_step_seconds)
+        assert attrs[a.COST_DECODE_STEP_EQUIVALENTS] == pytest.approx(step.decode_step_equivalents)
     # Every output token comes from a verify step.
     assert sum(s["attributes"][a.SPEC_COMMITTED_TOKENS] for s in verify) == result.completion_tokens
     assert root["attributes"][a.SPEC_COMMITTED_TOKENS] == root["attributes"][a.GEN_AI_USAGE_OUTPUT_TOKENS]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from service.sampling import accept, draft_probs, sample, target_probs
+from service.sampling import accept, draft_probs, point_mass, sample, target_probs
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 from tests.engine_helpers import heldout_prompts, make_engine
 
@@ -109,6 +109,15 @@ def _committed_first_tokens(p, q_sampled, q_claimed, n, seed=0):
 def test_acceptance_rule_reproduces_the_target_distribution(next_token_distributions):
     p, draft_logits = next_token_distributions
     q = draft_probs(draft_logits, 1.3)  # draft temperature differs from the target's 0.9
+    samples = _committed_first_tokens(p[0:1], q, q, 4000)
+    assert _fit_pvalue(samples, p[0]) > 1e-3
+
+
+def test_point_mass_proposals_like_the_ngram_drafter_keep_the_target_distribution(next_token_distributions):
+    """The n-gram drafter proposes a fixed token (q a point mass): the output still follows p."""
+    p, _ = next_token_distributions
+    proposed = torch.tensor([int(p[0].argsort(descending=True)[1])])  # a plausible, not the likeliest, token
+    q = point_mass(proposed, p.shape[-1])
     samples = _committed_first_tokens(p[0:1], q, q, 4000)
     assert _fit_pvalue(samples, p[0]) > 1e-3
 
