@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from otel.api import RequestObservation, Telemetry
+from otel.telemetry import NoTelemetry
 from service import convert
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
@@ -84,23 +85,13 @@ class _Failure(Exception):
         await context.abort(self.code, self.details, trailing_metadata=metadata)
 
 
-class _NoObservation:
-    trace_id = ""
-
-    def finish(self, result: GenerationResult) -> None:
-        pass
-
-    def fail(self, error: BaseException, server_fault: bool) -> None:
-        pass
-
-
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, runner: EngineRunner, info: ModelInfo, policies: PolicyStore, telemetry: Telemetry | None):
         self._runner = runner
         self._info = info
         self._info_pb = convert.info_to_pb(info)
         self._policies = policies
-        self._telemetry = telemetry
+        self._telemetry = telemetry or NoTelemetry()
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         try:
@@ -189,8 +180,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def _observe(
         self, request: GenerationRequest, policy: DraftPolicy
     ) -> contextlib.AbstractContextManager[RequestObservation]:
-        if self._telemetry is None:
-            return contextlib.nullcontext(_NoObservation())
         return self._telemetry.request(self._info, request, policy)
 
 
