@@ -1,0 +1,26 @@
+"""`moespec generate` as a user runs it: completion on stdout, the per-step table on stderr, and a
+one-line error with exit code 2 for a bad argument."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+COMMAND = [sys.executable, "-m", "service.cli", "generate"]
+
+
+def test_generate_prints_the_completion_and_a_step_table():
+    out = subprocess.run([*COMMAND, "--prompt", "def add(a, b):\n", "--max-new-tokens", "12",
+                          "--drafter", "ngram", "--draft-length", "3"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+    table = out.stderr.splitlines()
+    assert table[0].split()[:4] == ["step", "drafted", "accepted", "committed"]
+    assert "committed 12" in table[-1] and "per committed token" in table[-1]
+
+
+def test_bad_argument_exits_2_with_a_one_line_reason():
+    out = subprocess.run([*COMMAND, "--prompt", "x", "--top-p", "1.5"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "sampling.top_p" in lines[0]
