@@ -145,6 +145,28 @@ def print_table(rows: list[Row]) -> None:
               f"{r.acceptance:6.2f} {r.proposals_per_step:9.2f} {r.empty_draft_steps:5d}  {experts}")
 
 
+def markdown(rows: list[Row], summary: dict) -> str:
+    """The table and headline figures as Markdown (what the README quotes)."""
+    lines = ["| mode | drafter | k | draft T | tokens/s | ms / committed token | acceptance | drafted / step | "
+             "unique experts / layer |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        experts = " / ".join(f"{u:.1f}" for u in r.unique_experts_mean)
+        lines.append(f"| {r.mode} | {r.drafter} | {r.draft_length} | {r.draft_temperature:g} | "
+                     f"{r.tokens_per_second:.1f} | {r.seconds_per_committed_token * 1e3:.2f} | {r.acceptance:.2f} | "
+                     f"{r.proposals_per_step:.2f} | {experts} |")
+    curves = summary["verify_cost_decode_steps"]
+    fmt = lambda d: ", ".join(f"{k}: {v}" for k, v in d.items())  # noqa: E731
+    lines += [
+        "",
+        f"- plain decode step: {summary['decode_step_ms']} ms; best policy: {summary['best_policy']}",
+        f"- best policy vs best transformers mode: {summary['best_vs_best_transformers']}x tokens/s",
+        f"- verify cost in plain decode steps by window size: {fmt(curves['by_window'])}",
+        f"- ... by mean unique experts per layer: {fmt(curves['by_unique_experts'])}",
+        f"- routing capture overhead: {summary['routing_capture']['overhead_percent']}%",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[Row], curves: dict, path: Path) -> None:
     import matplotlib
 
@@ -231,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows_json = [dict(r.__dict__, tokens_per_second=round(r.tokens_per_second, 2)) for r in rows]
     (out / "bench.json").write_text(json.dumps({"summary": summary, "rows": rows_json}, indent=2) + "\n")
+    (out / "bench.md").write_text(markdown(rows, summary))
     plot(rows, curves, out / "bench.png")
-    print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and {out / 'bench.png'}")
     return 0
