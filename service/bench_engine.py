@@ -68,8 +68,8 @@ def run_policy(engine, prompts: list[str], max_new: int, policy: DraftPolicy, mo
     drafted = sum(s.drafted for s in steps)
     layers = len(steps[0].unique_experts)
     row = Row(
-        mode=mode, drafter=policy.drafter.value, draft_length=policy.draft_length,
-        draft_temperature=policy.draft_temperature if policy.drafter is Drafter.MODEL else 0.0,
+        mode=mode, drafter=policy.drafter.value if policy.draft_length else "-", draft_length=policy.draft_length,
+        draft_temperature=policy.draft_temperature if policy.drafter is Drafter.MODEL and policy.draft_length else 0.0,
         tokens=tokens, seconds=seconds,
         seconds_per_committed_token=sum(s.seconds for s in steps) / max(1, sum(s.committed for s in steps)),
         acceptance=sum(s.accepted for s in steps) / drafted if drafted else 0.0,
@@ -159,7 +159,7 @@ def markdown(rows: list[Row], summary: dict) -> str:
     lines += [
         "",
         f"- plain decode step: {summary['decode_step_ms']} ms; best policy: {summary['best_policy']}",
-        f"- best policy vs best transformers mode: {summary['best_vs_best_transformers']}x tokens/s",
+        f"- best policy vs best transformers mode: {summary['best_vs_best_transformers'] or 'not measured'}x tokens/s",
         f"- verify cost in plain decode steps by window size: {fmt(curves['by_window'])}",
         f"- ... by mean unique experts per layer: {fmt(curves['by_unique_experts'])}",
         f"- routing capture overhead: {summary['routing_capture']['overhead_percent']}%",
