@@ -169,6 +169,13 @@ class Engine:
         )
 
 
+def unique_experts_per_layer(routed: torch.Tensor, num_experts: int) -> tuple[int, ...]:
+    """routed ids [L, w, m] -> distinct experts per layer: mark every expert any position picked."""
+    L = routed.shape[0]
+    touched = torch.zeros(L, num_experts, dtype=torch.bool).scatter_(1, routed.reshape(L, -1), True)  # [L, E]
+    return tuple(touched.sum(-1).tolist())
+
+
 class _Generation:
     """The state of one request; `run` is the decode loop."""
 
@@ -262,12 +269,7 @@ class _Generation:
             self.e.observe_plain_step(verify_s)
         cfg, policy, capture = self.e.target.cfg, self.policy, self.e.config.capture_topk
         L, E, m = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
-        if self.e.config.capture_routing:
-            # Union per layer: mark every expert any window position picked, count the marks.
-            touched = torch.zeros(L, E, dtype=torch.bool).scatter_(1, routed.reshape(L, -1), True)  # [L, E]
-            unique = tuple(touched.sum(-1).tolist())
-        else:
-            unique = (0,) * L
+        unique = unique_experts_per_layer(routed, E) if self.e.config.capture_routing else (0,) * L
         return StepRecord(
             drafter=policy.drafter,
             draft_length=policy.draft_length,
