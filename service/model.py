@@ -142,7 +142,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
-    def forward_union(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def forward_union(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Short windows: gather the U experts the window touched and run each on every position."""
         union, slot = torch.unique(ids, return_inverse=True)  # [U], [w, m] index into union
         w, U = x.shape[0], union.shape[0]
@@ -153,7 +153,7 @@ class Experts(nn.Module):
         y = torch.bmm(F.silu(g) * u, down.transpose(1, 2))  # [U, w, H]
         # Routing weight of each (position, union expert); zero where the position did not pick it.
         mix = x.new_zeros(w, U).scatter_(1, slot, weights)  # [w, U]
-        return torch.einsum("wu,uwh->wh", mix, y), U
+        return torch.einsum("wu,uwh->wh", mix, y)
 
     def forward_grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Long windows and training: run each expert on the tokens that picked it."""
@@ -203,7 +203,7 @@ class SparseMoE(nn.Module):
             g, u = F.linear(x, self.fused[1]).chunk(2, dim=-1)  # [w, Is] each
             shared = torch.sigmoid(router_and_gate[:, -1:]) * self.shared_expert.down_proj(F.silu(g) * u)
         if x.shape[0] <= UNION_WINDOW_MAX and not torch.is_grad_enabled():
-            routed, _ = self.experts.forward_union(x, ids, weights)
+            routed = self.experts.forward_union(x, ids, weights)
         else:
             routed = self.experts.forward_grouped(x, ids, weights)
         return routed + shared, logits, ids
@@ -284,7 +284,6 @@ class KVCache:
 class ForwardOutput:
     logits: torch.Tensor  # [w, V]
     routed_ids: torch.Tensor | None  # [L, w, m] for MoE models
-    router_logits: torch.Tensor | None  # [L, w, E], only when asked for
 
 
 class Transformer(nn.Module):
@@ -313,30 +312,22 @@ class Transformer(nn.Module):
             if self.cfg.is_moe:
                 layer.mlp.fuse()
 
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache,
-                return_router_logits: bool = False) -> ForwardOutput:
+    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache) -> ForwardOutput:
         """tokens [w] at positions start..start+w-1 -> logits [w, V] and the routed ids."""
         w = tokens.shape[0]
         cos, sin = self.rope_cos[start:start + w], self.rope_sin[start:start + w]  # [w, D]
         x = self.embed_tokens(tokens).unsqueeze(0)  # [1, w, H]
-        ids, router = [], []
+        ids = []
         for i, layer in enumerate(self.layers):
             x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, cache, i, start)
             h = layer.post_attention_layernorm(x)[0]  # [w, H]
             if self.cfg.is_moe:
-                h, logits, routed = layer.mlp(h)
+                h, _, routed = layer.mlp(h)
                 ids.append(routed)
-                if return_router_logits:
-                    router.append(logits)
             else:
                 h = layer.mlp(h)
             x = x + h.unsqueeze(0)
-        logits = self.lm_head(self.norm(x[0]))  # [w, V]
-        return ForwardOutput(
-            logits=logits,
-            routed_ids=torch.stack(ids) if ids else None,
-            router_logits=torch.stack(router) if router else None,
-        )
+        return ForwardOutput(logits=self.lm_head(self.norm(x[0])), routed_ids=torch.stack(ids) if ids else None)
 
     def forward_train(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] -> (logits [B, T, V], load-balancing loss); no cache."""
