@@ -113,3 +113,24 @@ def test_concurrent_callers_get_their_own_outputs(engine):
     with ThreadPoolExecutor(4) as pool:
         together = list(pool.map(lambda r: engine.generate(r, DraftPolicy(draft_length=2)).token_ids, requests))
     assert together == alone
+
+
+def test_eos_ends_the_output_mid_window_and_is_kept_in_token_ids(engine):
+    """Make a token the greedy continuation really produces act as EOS: output ends right after it,
+    also when it arrives inside an accepted speculative window, and committed counts still add up."""
+    request = GenerationRequest(prompt=heldout_prompts(1)[0], max_new_tokens=32, sampling=SamplingParams(temperature=0))
+    free = engine.generate(request, DraftPolicy()).token_ids
+    eos = free[5]
+    cut = free[:free.index(eos) + 1]
+    real_eos = engine.eos_id
+    engine.eos_id = eos
+    try:
+        for policy in (DraftPolicy(), DraftPolicy(drafter=Drafter.NGRAM, draft_length=6),
+                       DraftPolicy(draft_length=6, draft_temperature=0)):
+            result = engine.generate(request, policy)
+            assert result.token_ids == cut
+            assert result.finish_reason == FinishReason.STOP
+            assert sum(s.committed for s in result.steps) == result.completion_tokens == len(cut)
+            assert all(s.committed == s.accepted + 1 for s in result.steps[:-1])
+    finally:
+        engine.eos_id = real_eos
