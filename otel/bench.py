@@ -1,7 +1,7 @@
 """Throughput with telemetry off, on with a live OTLP receiver, and on with an unreachable endpoint.
 
     python -m otel.bench [--cycles 3] [--block 4] [--max-new-tokens 32] [--draft-length 3]
-    moespec bench telemetry [same options]   (service/bench.py dispatches to add_arguments / run)
+    moespec bench telemetry [same options]   (service/bench/__init__.py dispatches to add_arguments / run)
     run_benchmark(backend, ...) -> [ModeResult]; format_report(results) -> str   (library use)
 
 Method: the same greedy requests (identical work) run in blocks, one telemetry mode per block, the

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from otel.receiver import OtlpTraceReceiver  # noqa: E402
-from service.client import MoespecClient  # noqa: E402
+from service.server.client import MoespecClient  # noqa: E402
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams  # noqa: E402
 
 TOKEN = "gpu-check-token"

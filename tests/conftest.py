@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
-from service.client import MoespecClient
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
-from service.server import MoespecServer, ServerConfig
+from service.server.client import MoespecClient
+from service.server.server import MoespecServer, ServerConfig
 from service.types import DraftPolicy, GenerationRequest, GenerationResult, ModelInfo, StreamDelta
 
 ADMIN_TOKEN = "test-admin-token"

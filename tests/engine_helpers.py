@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from service.engine import Engine, EngineConfig
-from service.weights import MODELS_DIR
+from service.engine.weights import MODELS_DIR
 
 PROMPTS_FILE = MODELS_DIR.parent / "prompts" / "heldout.jsonl"
 

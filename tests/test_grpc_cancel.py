@@ -14,8 +14,8 @@ import time
 import grpc
 import pytest
 
-from service.client import MoespecClient
-from service.server import ServerConfig
+from service.server.client import MoespecClient
+from service.server.server import ServerConfig
 from service.types import FinishReason, GenerationRequest, SamplingParams
 from tests.conftest import ServerThread, wait_until
 
@@ -60,7 +60,7 @@ def test_deadline_is_deadline_exceeded_and_stops_the_engine(client, backend, ser
 def test_killed_client_process_stops_its_generation(server, backend):
     # A real disconnect: the client process dies mid-stream without cancelling anything.
     script = textwrap.dedent(f"""
-        from service.client import MoespecClient
+        from service.server.client import MoespecClient
         from service.types import GenerationRequest, SamplingParams
         c = MoespecClient({server.address!r})
         req = GenerationRequest(prompt={PROMPT!r}, max_new_tokens={LONG},

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from service import convert
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
+from service.server import convert
 from service.types import Drafter, DraftPolicy, FinishReason, GenerationRequest, SamplingParams
 
 PROMPT = "def add(a, b):"

@@ -13,8 +13,8 @@ from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from service.client import MoespecClient
-from service.server import SERVICE_NAMES, ServerConfig
+from service.server.client import MoespecClient
+from service.server.server import SERVICE_NAMES, ServerConfig
 from service.types import FinishReason, GenerationRequest, SamplingParams
 from tests.conftest import ServerThread
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from service.client import MoespecClient
-from service.server import ServerConfig
+from service.server.client import MoespecClient
+from service.server.server import ServerConfig
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 from tests.conftest import ServerThread
 

@@ -12,8 +12,8 @@ import threading
 import grpc
 import pytest
 
-from service.client import MoespecClient
-from service.server import ServerConfig
+from service.server.client import MoespecClient
+from service.server.server import ServerConfig
 from service.types import FinishReason, GenerationRequest, InvalidRequest, SamplingParams
 from tests.conftest import ServerThread, wait_until
 

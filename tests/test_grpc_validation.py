@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
-from service.servicer import INVALID_FIELD_KEY
+from service.server.servicer import INVALID_FIELD_KEY
 from tests.conftest import ADMIN_TOKEN
 
 AUTH = (("authorization", f"Bearer {ADMIN_TOKEN}"),)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.model import KVCache
-from service.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_for_inference, load_model
+from service.engine.model import KVCache
+from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_for_inference, load_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from service.ngram import propose
+from service.engine.ngram import propose
 
 
 def t(*ids):

@@ -18,10 +18,10 @@ from otel import attributes as a
 from otel.config import TelemetryConfig
 from otel.receiver import OtlpTraceReceiver
 from otel.setup import build_telemetry_from_config
-from service import convert
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
-from service.server import MoespecServer, ServerConfig
+from service.server import convert
+from service.server.server import MoespecServer, ServerConfig
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
 GENERATE = "/moespec.v1.Inference/Generate"

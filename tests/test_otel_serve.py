@@ -12,8 +12,8 @@ import pytest
 
 from otel import attributes as a
 from otel.receiver import OtlpTraceReceiver
-from service import convert
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
+from service.server import convert
 from service.types import GenerationRequest, SamplingParams
 from tuner.server_proc import MOESPEC, REPO_ROOT, start_server
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from service.engine.weights import DEFAULT_TARGET_DIR
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
-from service.weights import DEFAULT_TARGET_DIR
 from tests.engine_helpers import heldout_prompts, make_engine
 
 transformers = pytest.importorskip("transformers")

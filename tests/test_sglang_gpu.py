@@ -12,8 +12,8 @@ import importlib.util
 import pytest
 import torch
 
+from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
-from service.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
 
 pytestmark = [
     pytest.mark.gpu,

@@ -165,7 +165,7 @@ def _shipped_like(tmp_path):
 
 
 def test_the_servicer_can_send_the_backend_info(tmp_path):
-    from service.convert import info_to_pb
+    from service.server.convert import info_to_pb
 
     msg = info_to_pb(build_info(moe_geometry(_shipped_like(tmp_path)), "draft", STANDALONE, max_context=512))
     assert msg.backend == "sglang" and list(msg.tunable) == ["drafter", "draft_length"] and msg.num_layers == 4

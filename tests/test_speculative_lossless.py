@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from service.sampling import accept, draft_probs, point_mass, sample, target_probs
+from service.engine.sampling import accept, draft_probs, point_mass, sample, target_probs
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 from tests.engine_helpers import heldout_prompts, make_engine
 

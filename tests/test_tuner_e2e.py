@@ -17,7 +17,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from service.client import MoespecClient
+from service.server.client import MoespecClient
 from tuner import study as st
 from tuner.loadgen import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, load_prompts
 from tuner.server_proc import MOESPEC, REPO_ROOT, start_server, telemetry_env

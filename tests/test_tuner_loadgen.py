@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from service.cli import UsageError
-from service.client import Reply
+from service.server.client import Reply
 from service.types import FinishReason
 from tests.tuner_fixtures import FakeRpcError
 from tuner.loadgen import (

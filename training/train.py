@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from service.model import ModelConfig, Transformer, init_weights  # noqa: E402
-from service.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, MODELS_DIR, load_model, save_model  # noqa: E402
+from service.engine.model import ModelConfig, Transformer, init_weights  # noqa: E402
+from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, MODELS_DIR, load_model, save_model  # noqa: E402
 from training.model_card import render as render_model_card  # noqa: E402
 
 EOS = "<|endoftext|>"

@@ -28,7 +28,7 @@ from pathlib import Path
 import optuna
 
 from service.cli import UsageError
-from service.client import MoespecClient
+from service.server.client import MoespecClient
 from service.types import DraftPolicy
 from tuner.admin import PolicyAdmin
 from tuner.assemble import TuneSettings, assemble

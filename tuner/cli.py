@@ -19,7 +19,7 @@ import threading
 from contextlib import suppress
 
 from service.cli import UsageError
-from service.client import MoespecClient
+from service.server.client import MoespecClient
 from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
 from tuner.assemble import TuneSettings, assemble
 from tuner.collector import SpanCollector

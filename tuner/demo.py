@@ -30,7 +30,7 @@ from typing import TextIO
 import optuna
 
 from service.cli import UsageError
-from service.client import MoespecClient
+from service.server.client import MoespecClient
 from service.types import Drafter, DraftPolicy
 from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
 from tuner.assemble import Assembled, TuneSettings, assemble

@@ -27,7 +27,7 @@ from typing import TextIO
 import grpc
 
 from service.cli import UsageError
-from service.client import MoespecClient, Reply
+from service.server.client import MoespecClient, Reply
 from service.types import GenerationRequest, SamplingParams
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "service" / "prompts" / "heldout.jsonl"

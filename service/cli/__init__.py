@@ -10,16 +10,16 @@ import argparse
 import importlib
 import sys
 
-from service.usage import UsageError
+from service.cli.usage import UsageError
 
 __all__ = ["COMMANDS", "UsageError", "main"]
 
 # name -> (module, one-line help). Modules are imported only when their command runs, so
 # `moespec --help` stays fast and optional extras (sglang) are never imported by accident.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("service.serve_cli", "serve the gRPC Inference and PolicyAdmin services"),
-    "generate": ("service.generate_cli", "generate in-process and print a per-step table"),
-    "client": ("service.client_cli", "talk to a running server: generate, policy get|set, info"),
+    "serve": ("service.cli.serve", "serve the gRPC Inference and PolicyAdmin services"),
+    "generate": ("service.cli.generate", "generate in-process and print a per-step table"),
+    "client": ("service.cli.client", "talk to a running server: generate, policy get|set, info"),
     "bench": ("service.bench", "benchmark the engine (and a server) and print figures"),
     "loadgen": ("tuner.loadgen", "send the shipped prompt workload to a server"),
     "tune": ("tuner.cli", "run the online draft-policy tuner against a server"),

@@ -26,8 +26,8 @@ from otel.api import Telemetry
 from service.backend import Backend
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
-from service.runner import EngineRunner
-from service.servicer import InferenceServicer, PolicyAdminServicer, PolicyStore
+from service.server.runner import EngineRunner
+from service.server.servicer import InferenceServicer, PolicyAdminServicer, PolicyStore
 from service.types import DraftPolicy
 
 SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in ("Inference", "PolicyAdmin"))

@@ -27,10 +27,10 @@ import grpc
 
 from otel.api import RequestObservation, Telemetry
 from otel.telemetry import NoTelemetry
-from service import convert
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
-from service.runner import EngineRunner, GenerationCancelled, Overloaded
+from service.server import convert
+from service.server.runner import EngineRunner, GenerationCancelled, Overloaded
 from service.types import (
     DraftPolicy,
     FinishReason,

@@ -1,6 +1,6 @@
 """Benchmark of the gRPC server: overhead against the in-process engine, and load at concurrency N.
 
-    python -m service.bench_server [--requests 8] [--max-new-tokens 32] [--concurrency 1 4 16]
+    python -m service.bench.server [--requests 8] [--max-new-tokens 32] [--concurrency 1 4 16]
     (or from `moespec bench --server`: `add_arguments(parser)` + `run(args)`, or `bench_server(...)`)
 
 1. Overhead: the same workload (the shipped held-out prompts, greedy, fixed policy) runs one request
@@ -26,10 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from service.client import MoespecClient
+from service.server.client import MoespecClient
 from service.types import DraftPolicy, GenerationRequest, SamplingParams
 
-PROMPTS = Path(__file__).parent / "prompts" / "heldout.jsonl"
+PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "heldout.jsonl"
 SERVE = (sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())", "serve")
 
 
@@ -208,6 +208,6 @@ class _ServerProcess:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m service.bench_server", description=__doc__.splitlines()[0])
+    _parser = argparse.ArgumentParser(prog="python -m service.bench.server", description=__doc__.splitlines()[0])
     add_arguments(_parser)
     sys.exit(run(_parser.parse_args()))

@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from service import ngram
-from service.model import KVCache
-from service.sampling import accept, accept_greedy, draft_probs, point_mass, sample, target_probs
+from service.engine import ngram
+from service.engine.model import KVCache
+from service.engine.sampling import accept, accept_greedy, draft_probs, point_mass, sample, target_probs
+from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_for_inference
 from service.types import (
     MAX_DRAFT_LENGTH,
     Drafter,
@@ -43,7 +44,6 @@ from service.types import (
     StepRecord,
     StreamDelta,
 )
-from service.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_for_inference
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,6 @@
 """The error a subcommand raises for a bad argument found after parsing (exit 2, one line).
 
-Kept out of cli.py so that `python -m service.cli` (which runs cli.py as __main__ and imports it
-again as service.cli) still catches the one class the subcommands raise.
+Its own module so that subcommand modules can raise it without importing the dispatcher.
 """
 
 

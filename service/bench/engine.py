@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_prompts(count: int) -> list[str]:
-    path = Path(__file__).resolve().parent / "prompts" / "heldout.jsonl"
+    path = Path(__file__).resolve().parent.parent / "prompts" / "heldout.jsonl"
     return [json.loads(line)["prompt"] for line in path.read_text().splitlines()[:count]]
 
 
@@ -86,7 +86,7 @@ def transformers_rows(prompts: list[str], max_new: int) -> list[Row]:
     import torch
     import transformers
 
-    from service.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
+    from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
 
     tok = transformers.AutoTokenizer.from_pretrained(DEFAULT_TARGET_DIR)
     target = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_TARGET_DIR, dtype=torch.float32).eval()

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from service.model import ModelConfig, Transformer
+from service.engine.model import ModelConfig, Transformer
 
-MODELS_DIR = Path(__file__).resolve().parent / "models"
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_TARGET_DIR = MODELS_DIR / "target"
 DEFAULT_DRAFT_DIR = MODELS_DIR / "draft"
 

@@ -15,7 +15,7 @@ from dataclasses import asdict
 import grpc
 
 from service.cli import UsageError
-from service.client import MoespecClient, Reply
+from service.server.client import MoespecClient, Reply
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
 ADMIN_TOKEN_ENV = "MOESPEC_ADMIN_TOKEN"

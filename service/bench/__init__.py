@@ -12,8 +12,8 @@ import argparse
 import importlib
 
 SUITES: dict[str, tuple[str, str]] = {
-    "engine": ("service.bench_engine", "the embedded engine: every policy vs plain decoding and transformers"),
-    "server": ("service.bench_server", "the gRPC server: overhead vs in-process, load at several concurrencies"),
+    "engine": ("service.bench.engine", "the embedded engine: every policy vs plain decoding and transformers"),
+    "server": ("service.bench.server", "the gRPC server: overhead vs in-process, load at several concurrencies"),
     "telemetry": ("otel.bench", "throughput with telemetry off, on, and with an unreachable endpoint"),
     "tuner": ("tuner.bench", "exhaustive grid vs the tuner's pick"),
 }
