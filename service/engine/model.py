@@ -26,8 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.engine.kernels import Kernels
+
 # Windows up to this many positions run every expert of the union on every position (a few
-# batched matmuls, cost ~ U); longer ones (prefill, training) gather the tokens of each expert.
+# batched matmuls, cost ~ U), or the fused kernel (kernels.py) when the model has one; longer ones
+# (prefill, training) gather the tokens of each expert.
 UNION_WINDOW_MAX = 16
 
 
@@ -98,8 +101,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.single_op = False  # see Transformer.fuse_for_inference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.single_op:  # one dispatch instead of five; the same formula
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
@@ -111,9 +117,21 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.kernels: Kernels | None = None  # see Transformer.fuse_for_inference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dim() == 2 and x.shape[0] <= UNION_WINDOW_MAX \
+                and not torch.is_grad_enabled():
+            out = torch.empty_like(x)
+            self.add_to(x.contiguous(), x.new_ones(x.shape[0], 1), out, accumulate=False)
+            return out
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def add_to(self, x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+        """Fused kernel: out[p] (+)= scale[p] * mlp(x[p]); x, out [w, H], scale [w, 1]."""
+        ids = torch.zeros(x.shape[0], 1, dtype=torch.long)  # [w, 1]: one "expert", this MLP
+        self.kernels.swiglu_experts(x, self.gate_proj.weight[None], self.up_proj.weight[None],
+                                    self.down_proj.weight[None], ids, scale, out, accumulate)
 
 
 class Router(nn.Module):
@@ -186,14 +204,20 @@ class SparseMoE(nn.Module):
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.fused: tuple[torch.Tensor, torch.Tensor] | None = None  # see fuse()
+        self.kernels: Kernels | None = None
 
-    def fuse(self) -> None:
-        """Inference only: router + shared-expert gate in one matmul, shared gate/up in another."""
+    def fuse(self, kernels: Kernels | None = None) -> None:
+        """Inference only: router + shared-expert gate in one matmul, shared gate/up in another;
+        with kernels, short windows run the routed and shared experts in the fused kernel."""
         self.fused = (torch.cat([self.gate.weight, self.shared_expert_gate.weight]),  # [E+1, H]
                       torch.cat([self.shared_expert.gate_proj.weight, self.shared_expert.up_proj.weight]))
+        self.kernels = kernels
+        self.shared_expert.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [w, H] -> (out [w, H], router logits [w, E], routed ids [w, m])."""
+        if self.kernels is not None and x.shape[0] <= UNION_WINDOW_MAX and not torch.is_grad_enabled():
+            return self.forward_kernel(x.contiguous())
         if self.fused is None:
             logits, weights, ids = self.gate(x)
             shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -207,6 +231,19 @@ class SparseMoE(nn.Module):
         else:
             routed = self.experts.forward_grouped(x, ids, weights)
         return routed + shared, logits, ids
+
+    def forward_kernel(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Short windows, fused: two kernel calls (routed experts, then the shared one) write out."""
+        router_and_gate = F.linear(x, self.fused[0])  # [w, E+1]
+        logits, weights, ids = self.gate.route(router_and_gate[:, :-1])  # [w, E], [w, m], [w, m]
+        out = torch.empty_like(x)  # [w, H]
+        gate_up = self.experts.gate_up_proj  # [E, 2I, H]: gate rows then up rows of each expert
+        I = self.experts.down_proj.shape[2]
+        self.kernels.swiglu_experts(x, gate_up[:, :I], gate_up[:, I:], self.experts.down_proj, ids, weights, out,
+                                    accumulate=False)
+        shared_scale = torch.sigmoid(router_and_gate[:, -1:])  # [w, 1]
+        self.shared_expert.add_to(x, shared_scale, out, accumulate=True)
+        return out, logits, ids
 
 
 class Attention(nn.Module):
@@ -302,15 +339,22 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
 
-    def fuse_for_inference(self) -> None:
-        """Concatenate projections that read the same input, for fewer matmuls per step.
+    def fuse_for_inference(self, kernels: Kernels | None = None) -> None:
+        """Concatenate projections that read the same input, for fewer matmuls per step; with
+        kernels (kernels.build()), also the fast step: experts and MLPs of short windows in the
+        fused kernel, norms as one op. Without, the previous eager step (kept to measure against).
 
         The fused tensors are copies: call after the weights are final (training never fuses).
         """
         for layer in self.layers:
             layer.self_attn.fuse()
             if self.cfg.is_moe:
-                layer.mlp.fuse()
+                layer.mlp.fuse(kernels)
+            else:
+                layer.mlp.kernels = kernels
+        for norm in self.modules():
+            if isinstance(norm, RMSNorm):
+                norm.single_op = kernels is not None
 
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache) -> ForwardOutput:
         """tokens [w] at positions start..start+w-1 -> logits [w, V] and the routed ids."""
