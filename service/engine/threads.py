@@ -1,0 +1,105 @@
+"""Pick torch's intra-op thread count for the machine the server runs on, by measuring.
+
+Rule (measured on the 2-core development machine, README "Thread default"): the engine shares the
+machine with the gRPC event loop, its I/O threads and the worker that waits on the engine; when
+torch's intra-op threads take every core, OpenMP workers spin against those threads and a served
+decode step runs at about half speed. So the candidates leave one core to the server: 1, 2, 4, ...
+and cores - 1 (just 1 on a 1- or 2-core machine). Among them the start-up measurement decides:
+plain decode steps of the model at each candidate, interleaved over rounds so drift hits all alike;
+the lowest median wins, and a candidate within `tolerance` of a faster one with fewer threads loses
+to it (fewer threads leave more CPU to everything else for the same speed).
+
+`choose` takes the measurement as a callable so the selection can be tested on any real workload;
+`decode_step_timer` is the measurement the server uses.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    threads: int
+    cores: int
+    candidates: tuple[int, ...]
+    seconds: dict[int, float] = field(default_factory=dict)  # median seconds per candidate; empty: no choice
+
+    def describe(self) -> str:
+        """One line for the start-up log: what was picked, from what, and why."""
+        if len(self.candidates) == 1:
+            return (f"torch intra-op threads: {self.threads} ({self.cores} usable cores; one is left to the "
+                    "gRPC threads, so there was nothing to measure)")
+        timed = ", ".join(f"{t}: {s * 1e3:.2f} ms" for t, s in sorted(self.seconds.items()))
+        return (f"torch intra-op threads: {self.threads} ({self.cores} usable cores; plain decode step by "
+                f"threads, median: {timed})")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def candidates(cores: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below cores, and cores - 1: every count that leaves one core to the server."""
+    top = max(1, cores - 1)
+    counts = {top}
+    t = 1
+    while t < top:
+        counts.add(t)
+        t *= 2
+    return tuple(sorted(counts))
+
+
+def choose(cores: int, measure: Callable[[int], float], rounds: int = 3, tolerance: float = 0.05) -> ThreadChoice:
+    """Measure every candidate `rounds` times, interleaved (order reversed every other round)."""
+    options = candidates(cores)
+    if len(options) == 1:
+        return ThreadChoice(options[0], cores, options)
+    samples: dict[int, list[float]] = {t: [] for t in options}
+    for r in range(rounds):
+        for t in options if r % 2 == 0 else reversed(options):
+            samples[t].append(measure(t))
+    medians = {t: statistics.median(v) for t, v in samples.items()}
+    fastest = min(medians.values())
+    # The fewest threads whose median is within tolerance of the fastest.
+    pick = min(t for t, s in medians.items() if s <= fastest * (1 + tolerance))
+    return ThreadChoice(pick, cores, options, medians)
+
+
+def decode_step_timer(model, steps: int = 16, prompt_tokens: int = 16) -> Callable[[int], float]:
+    """A measurement for `choose`: the median wall time of plain decode steps of `model` (an
+    inference Transformer) on a scratch cache, with torch set to the given thread count."""
+    from service.engine.model import KVCache
+
+    cache = KVCache(model.cfg, prompt_tokens + steps + 1)
+    prompt = torch.arange(prompt_tokens) % model.cfg.vocab_size
+
+    def measure(threads: int) -> float:
+        torch.set_num_threads(threads)
+        times = []
+        with torch.inference_mode():
+            token = model.forward(prompt, 0, cache).logits[-1:].argmax(-1)
+            for i in range(steps):
+                t0 = time.perf_counter()
+                token = model.forward(token, prompt_tokens + i, cache).logits.argmax(-1)
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times[steps // 4:])  # the first steps warm the caches
+
+    return measure
+
+
+def pick_threads(model, cores: int | None = None) -> ThreadChoice:
+    """Choose for this machine by timing `model`, and leave torch set to the choice."""
+    choice = choose(cores or usable_cores(), decode_step_timer(model))
+    torch.set_num_threads(choice.threads)
+    return choice
