@@ -1,4 +1,4 @@
-"""A fused CPU kernel for SwiGLU experts on short windows, built from C source at first use.
+"""Fused CPU kernels for short windows (decode steps, verify passes), built from C source at first use.
 
 Why: a decode step of the shipped MoE spends more time moving expert weights than computing with
 them, and eager PyTorch moves them three times (index_select copies the touched experts, the matmul
@@ -15,6 +15,8 @@ Contract of `swiglu_experts(x, gate, up, down, ids, weights, out, accumulate)`:
 - Each position's result depends only on its own row: it is bitwise the same whatever else is in the
   window, so a verify pass and a plain decode step of the same token agree exactly.
 - Experts are visited in ascending id, each read once per call (cost follows the window's union).
+
+`linear(x, weight)`: x [w, H] @ weight [V, H]^T with the same row independence (the output layer).
 
 The library is compiled with the system C compiler into a cache folder keyed by the source, the
 flags and this CPU's feature flags (so a shared home folder never serves code for another CPU), and
@@ -60,8 +62,7 @@ static float dot(const float *a, const float *b, int64_t n) {
 void swiglu_experts(const float *x, int64_t w, int64_t H, int64_t I,
                     const float *gate, const float *up, int64_t gate_up_stride,
                     const float *down, int64_t down_stride, int64_t num_experts,
-                    const int64_t *ids, const float *weights, int64_t n,
-                    float *out, int accumulate) {
+                    const int64_t *ids, const float *weights, int64_t n, float *out, int accumulate) {
     unsigned char touched[num_experts];
     float act[I];
     memset(touched, 0, (size_t)num_experts);
@@ -87,6 +88,12 @@ void swiglu_experts(const float *x, int64_t w, int64_t H, int64_t I,
         }
     }
 }
+
+/* out [w, V] = x [w, H] @ W [V, H]^T, each weight row read once for every position. */
+void linear(const float *x, int64_t w, int64_t H, const float *W, int64_t V, float *out) {
+    for (int64_t v = 0; v < V; v++)
+        for (int64_t p = 0; p < w; p++) out[p * V + v] = dot(W + v * H, x + p * H, H);
+}
 """
 
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
@@ -98,16 +105,18 @@ class Kernels:
     def __init__(self, library_path: Path):
         self.path = library_path
         lib = ctypes.CDLL(str(library_path))
-        fn = lib.swiglu_experts
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
-        fn.restype = None
-        self._swiglu = fn
+        self._swiglu = lib.swiglu_experts
+        self._swiglu.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+        self._swiglu.restype = None
+        self._linear = lib.linear
+        self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+        self._linear.restype = None
 
     def swiglu_experts(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                        ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
         """See the module docstring. gate/up [E, I, H] (rows contiguous), down [E, H, I] contiguous per
-        expert; x, out [w, H] contiguous float32; ids [w, n] int64 and weights [w, n] float32 contiguous."""
+        expert; x, out [w, H], ids [w, n] int64, weights [w, n], all contiguous; float32 throughout."""
         E, I, H = gate.shape
         w, n = ids.shape
         # The C code trusts its pointers: check what would make it read or write out of bounds.
@@ -119,9 +128,20 @@ class Kernels:
             raise ValueError("swiglu_experts: shapes disagree")
         if any(t.dtype != torch.float32 for t in (x, gate, up, down, weights, out)) or ids.dtype != torch.int64:
             raise ValueError("swiglu_experts: float32 tensors and int64 ids only")
-        self._swiglu(x.data_ptr(), w, H, I, gate.data_ptr(), up.data_ptr(), gate.stride(0),
-                     down.data_ptr(), down.stride(0), E, ids.data_ptr(), weights.data_ptr(), n,
-                     out.data_ptr(), int(accumulate))
+        self._swiglu(x.data_ptr(), w, H, I, gate.data_ptr(), up.data_ptr(), gate.stride(0), down.data_ptr(),
+                     down.stride(0), E, ids.data_ptr(), weights.data_ptr(), n, out.data_ptr(), int(accumulate))
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [w, H] @ weight [V, H]^T -> [w, V], float32, contiguous; each row of out is bitwise the
+        same whatever else is in x (MKL's sgemm blocks differently by w)."""
+        V, H = weight.shape
+        if weight.dtype != torch.float32 or not weight.is_contiguous():
+            raise ValueError("linear: weight must be contiguous float32")
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != H or not x.is_contiguous():
+            raise ValueError(f"linear: x must be contiguous float32 [w, {H}]")
+        out = x.new_empty(x.shape[0], V)
+        self._linear(x.data_ptr(), x.shape[0], H, weight.data_ptr(), V, out.data_ptr())
+        return out
 
 
 def build(cache_dir: Path | None = None, compiler: str | None = None) -> Kernels | None:

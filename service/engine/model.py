@@ -117,7 +117,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.kernels: Kernels | None = None  # see Transformer.fuse_for_inference
+        self.kernels: Kernels | None = None  # see use_kernels
+        self.kernel_weights: tuple[torch.Tensor, ...] = ()
+
+    def use_kernels(self, kernels: Kernels | None) -> None:
+        """Inference only: short windows run in the fused kernel."""
+        self.kernels = kernels
+        # [1, I, H] x2 and [1, H, I]: this MLP as the only "expert" (views, no copies)
+        self.kernel_weights = (self.gate_proj.weight[None], self.up_proj.weight[None], self.down_proj.weight[None])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.dim() == 2 and x.shape[0] <= UNION_WINDOW_MAX \
@@ -130,8 +137,7 @@ class MLP(nn.Module):
     def add_to(self, x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
         """Fused kernel: out[p] (+)= scale[p] * mlp(x[p]); x, out [w, H], scale [w, 1]."""
         ids = torch.zeros(x.shape[0], 1, dtype=torch.long)  # [w, 1]: one "expert", this MLP
-        self.kernels.swiglu_experts(x, self.gate_proj.weight[None], self.up_proj.weight[None],
-                                    self.down_proj.weight[None], ids, scale, out, accumulate)
+        self.kernels.swiglu_experts(x, *self.kernel_weights, ids, scale, out, accumulate)
 
 
 class Router(nn.Module):
@@ -205,6 +211,7 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.fused: tuple[torch.Tensor, torch.Tensor] | None = None  # see fuse()
         self.kernels: Kernels | None = None
+        self.kernel_weights: tuple[torch.Tensor, ...] = ()
 
     def fuse(self, kernels: Kernels | None = None) -> None:
         """Inference only: router + shared-expert gate in one matmul, shared gate/up in another;
@@ -212,7 +219,10 @@ class SparseMoE(nn.Module):
         self.fused = (torch.cat([self.gate.weight, self.shared_expert_gate.weight]),  # [E+1, H]
                       torch.cat([self.shared_expert.gate_proj.weight, self.shared_expert.up_proj.weight]))
         self.kernels = kernels
-        self.shared_expert.kernels = kernels
+        self.shared_expert.use_kernels(kernels)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj  # [E, 2I, H], [E, H, I]
+        I = down.shape[2]
+        self.kernel_weights = (gate_up[:, :I], gate_up[:, I:], down)  # gate and up rows of each expert: views
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [w, H] -> (out [w, H], router logits [w, E], routed ids [w, m])."""
@@ -237,10 +247,7 @@ class SparseMoE(nn.Module):
         router_and_gate = F.linear(x, self.fused[0])  # [w, E+1]
         logits, weights, ids = self.gate.route(router_and_gate[:, :-1])  # [w, E], [w, m], [w, m]
         out = torch.empty_like(x)  # [w, H]
-        gate_up = self.experts.gate_up_proj  # [E, 2I, H]: gate rows then up rows of each expert
-        I = self.experts.down_proj.shape[2]
-        self.kernels.swiglu_experts(x, gate_up[:, :I], gate_up[:, I:], self.experts.down_proj, ids, weights, out,
-                                    accumulate=False)
+        self.kernels.swiglu_experts(x, *self.kernel_weights, ids, weights, out, accumulate=False)
         shared_scale = torch.sigmoid(router_and_gate[:, -1:])  # [w, 1]
         self.shared_expert.add_to(x, shared_scale, out, accumulate=True)
         return out, logits, ids
@@ -338,6 +345,7 @@ class Transformer(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)  # [S, D]
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        self.kernels: Kernels | None = None  # see fuse_for_inference
 
     def fuse_for_inference(self, kernels: Kernels | None = None) -> None:
         """Concatenate projections that read the same input, for fewer matmuls per step; with
@@ -351,10 +359,19 @@ class Transformer(nn.Module):
             if self.cfg.is_moe:
                 layer.mlp.fuse(kernels)
             else:
-                layer.mlp.kernels = kernels
+                layer.mlp.use_kernels(kernels)
         for norm in self.modules():
             if isinstance(norm, RMSNorm):
                 norm.single_op = kernels is not None
+        self.kernels = kernels
+
+    def output_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [w, H] -> logits [w, V]; short windows in the kernel (the largest single
+        weight of a decode step; a plain loop of dot products reads it about twice as fast as sgemm
+        does for one row, measured)."""
+        if self.kernels is not None and h.shape[0] <= UNION_WINDOW_MAX and not torch.is_grad_enabled():
+            return self.kernels.linear(h.contiguous(), self.lm_head.weight)
+        return self.lm_head(h)
 
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache) -> ForwardOutput:
         """tokens [w] at positions start..start+w-1 -> logits [w, V] and the routed ids."""
@@ -371,7 +388,7 @@ class Transformer(nn.Module):
             else:
                 h = layer.mlp(h)
             x = x + h.unsqueeze(0)
-        return ForwardOutput(logits=self.lm_head(self.norm(x[0])), routed_ids=torch.stack(ids) if ids else None)
+        return ForwardOutput(logits=self.output_logits(self.norm(x[0])), routed_ids=torch.stack(ids) if ids else None)
 
     def forward_train(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] -> (logits [B, T, V], load-balancing loss); no cache."""
