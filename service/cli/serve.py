@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds in-flight requests get to finish after SIGTERM")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (torch backend); default: measured at start-up among the "
-                             "counts that leave one core to the gRPC threads, and printed")
+                        help="torch intra-op threads (torch backend); default: the fastest of 1, 2, 4, ... and all "
+                             "cores, measured at start-up, and printed")
     parser.add_argument("--drafter", choices=[d.value for d in Drafter], default=Drafter.MODEL.value,
                         help="initial draft policy: drafter")
     parser.add_argument("--draft-length", type=int, default=0,

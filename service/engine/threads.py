@@ -1,13 +1,12 @@
 """Pick torch's intra-op thread count for the machine the server runs on, by measuring.
 
-Rule (measured on the 2-core development machine, README "Thread default"): the engine shares the
-machine with the gRPC event loop, its I/O threads and the worker that waits on the engine; when
-torch's intra-op threads take every core, OpenMP workers spin against those threads and a served
-decode step runs at about half speed. So the candidates leave one core to the server: 1, 2, 4, ...
-and cores - 1 (just 1 on a 1- or 2-core machine). Among them the start-up measurement decides:
-plain decode steps of the model at each candidate, interleaved over rounds so drift hits all alike;
-the lowest median wins, and a candidate within `tolerance` of a faster one with fewer threads loses
-to it (fewer threads leave more CPU to everything else for the same speed).
+No fixed rule held up: issue 11 saw `serve` at half speed with 2 intra-op threads on the 2-core
+development machine, while `moespec bench threads` there later measured 2 threads faster over gRPC
+(README "Thread default"); which wins depends on the step's kernels and on what else the machine
+runs. So the server measures at start-up: plain decode steps of the model at each candidate
+(1, 2, 4, ... and all usable cores), interleaved over rounds so drift hits all alike; the lowest
+median wins, and a candidate within `tolerance` of a faster one with fewer threads loses to it
+(fewer threads leave more CPU to the gRPC threads and everything else for the same speed).
 
 `choose` takes the measurement as a callable so the selection can be tested on any real workload;
 `decode_step_timer` is the measurement the server uses.
@@ -34,8 +33,7 @@ class ThreadChoice:
     def describe(self) -> str:
         """One line for the start-up log: what was picked, from what, and why."""
         if len(self.candidates) == 1:
-            return (f"torch intra-op threads: {self.threads} ({self.cores} usable cores; one is left to the "
-                    "gRPC threads, so there was nothing to measure)")
+            return f"torch intra-op threads: {self.threads} ({self.cores} usable cores: nothing to measure)"
         timed = ", ".join(f"{t}: {s * 1e3:.2f} ms" for t, s in sorted(self.seconds.items()))
         return (f"torch intra-op threads: {self.threads} ({self.cores} usable cores; plain decode step by "
                 f"threads, median: {timed})")
@@ -50,8 +48,8 @@ def usable_cores() -> int:
 
 
 def candidates(cores: int) -> tuple[int, ...]:
-    """1, 2, 4, ... below cores, and cores - 1: every count that leaves one core to the server."""
-    top = max(1, cores - 1)
+    """1, 2, 4, ... below cores, and cores."""
+    top = max(1, cores)
     counts = {top}
     t = 1
     while t < top:
