@@ -57,16 +57,28 @@ def test_near_equal_counts_go_to_the_fewest_threads():
     assert set(choice.seconds) == {1, 2, 4, 8}
 
 
-def test_the_decode_step_timer_runs_the_model_at_the_count_it_is_given(engine, restore_torch_threads):
-    measure = threads.decode_step_timer(engine.target, steps=8)
+def test_a_hopeless_candidate_is_measured_once():
+    calls: list[int] = []
+
+    def measure(t: int) -> float:
+        calls.append(t)
+        return busy(20_000 * (10 if t == 4 else 1))
+
+    choice = threads.choose(4, measure=measure)
+    assert calls.count(4) == 1 and calls.count(1) == 3 and choice.threads != 4
+
+
+def test_the_request_timer_runs_the_model_at_the_count_it_is_given(engine, restore_torch_threads):
+    measure = threads.request_timer(engine.target, steps=4, prompt_tokens=8)
     seconds = measure(2)
     assert torch.get_num_threads() == 2
-    assert 0 < seconds < 1.0
+    assert 0 < seconds < 30.0
     # Picking for two cores times both candidates with the real model and applies the pick.
     choice = threads.pick_threads(engine.target, cores=2)
     assert choice.candidates == (1, 2) and set(choice.seconds) == {1, 2}
     assert torch.get_num_threads() == choice.threads
     assert choice.seconds[choice.threads] <= min(choice.seconds.values()) * 1.05
+    assert "short request" in choice.describe()
 
 
 def test_serve_without_threads_prints_its_pick_and_serves():
