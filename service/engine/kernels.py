@@ -144,6 +144,8 @@ class Kernels:
             raise ValueError("swiglu_experts: shapes disagree")
         if any(t.dtype != torch.float32 for t in (x, gate, up, down, weights, out)) or ids.dtype != torch.int64:
             raise ValueError("swiglu_experts: float32 tensors and int64 ids only")
+        if not all(t.is_cpu for t in (x, gate, up, down, ids, weights, out)):
+            raise ValueError("swiglu_experts: CPU tensors only")
         self._swiglu(x.data_ptr(), w, H, I, gate.data_ptr(), up.data_ptr(), gate.stride(0), down.data_ptr(),
                      down.stride(0), E, ids.data_ptr(), weights.data_ptr(), n, out.data_ptr(), int(accumulate))
 
@@ -155,6 +157,8 @@ class Kernels:
             raise ValueError("linear: weight must be contiguous float32")
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != H or not x.is_contiguous():
             raise ValueError(f"linear: x must be contiguous float32 [w, {H}]")
+        if not (x.is_cpu and weight.is_cpu):
+            raise ValueError("linear: CPU tensors only")
         out = x.new_empty(x.shape[0], V)
         self._linear(x.data_ptr(), x.shape[0], H, weight.data_ptr(), V, out.data_ptr())
         return out

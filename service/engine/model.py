@@ -9,6 +9,9 @@ Contract:
   Slots of rejected draft tokens are never rolled back: the next window simply overwrites them.
 - Each MoE layer reports the routed top-m expert ids of every position in the window, so the
   caller can count the distinct experts a verification pass touched (the union).
+- `fuse_for_inference(kernels)` selects the fast step: on CPU, windows of up to UNION_WINDOW_MAX
+  positions run experts, MLPs and the output layer in the fused kernels (kernels.py), where each
+  position's result does not depend on the rest of its window; without kernels, the eager step.
 
 Shape legend: w window positions, T training tokens, H hidden, A attention heads, K kv heads,
 D head dim, E routed experts, m experts per token, I expert intermediate, U experts in a window's
@@ -127,7 +130,7 @@ class MLP(nn.Module):
         self.kernel_weights = (self.gate_proj.weight[None], self.up_proj.weight[None], self.down_proj.weight[None])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.dim() == 2 and x.shape[0] <= UNION_WINDOW_MAX \
+        if self.kernels is not None and x.dim() == 2 and x.shape[0] <= UNION_WINDOW_MAX and x.is_cpu \
                 and not torch.is_grad_enabled():
             out = torch.empty_like(x)
             self.add_to(x.contiguous(), x.new_ones(x.shape[0], 1), out, accumulate=False)
@@ -226,7 +229,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [w, H] -> (out [w, H], router logits [w, E], routed ids [w, m])."""
-        if self.kernels is not None and x.shape[0] <= UNION_WINDOW_MAX and not torch.is_grad_enabled():
+        if self.kernels is not None and x.shape[0] <= UNION_WINDOW_MAX and x.is_cpu and not torch.is_grad_enabled():
             return self.forward_kernel(x.contiguous())
         if self.fused is None:
             logits, weights, ids = self.gate(x)
@@ -369,7 +372,7 @@ class Transformer(nn.Module):
         """Final hidden states [w, H] -> logits [w, V]; short windows in the kernel (the largest single
         weight of a decode step; a plain loop of dot products reads it about twice as fast as sgemm
         does for one row, measured)."""
-        if self.kernels is not None and h.shape[0] <= UNION_WINDOW_MAX and not torch.is_grad_enabled():
+        if self.kernels is not None and h.shape[0] <= UNION_WINDOW_MAX and h.is_cpu and not torch.is_grad_enabled():
             return self.kernels.linear(h.contiguous(), self.lm_head.weight)
         return self.lm_head(h)
 
