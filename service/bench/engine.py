@@ -227,7 +227,7 @@ def _series(rows: list[Row]) -> dict[str, list[Row]]:
     return series
 
 
-def run_bandwidth(prompts: list[str], max_new: int, rounds: int, threads: int, out: Path) -> dict:
+def run_bandwidth(prompts: list[str], max_new: int, rounds: int, threads: int, out: Path) -> tuple[dict, str]:
     from service.bench import bandwidth
 
     summary = bandwidth.bandwidth_share(prompts, max_new, rounds, threads)
@@ -239,7 +239,7 @@ def run_bandwidth(prompts: list[str], max_new: int, rounds: int, threads: int, o
     (out / "bandwidth.md").write_text(text)
     bandwidth.plot(summary, out / "bandwidth.png")
     print(f"wrote {out / 'bandwidth.json'}, {out / 'bandwidth.md'} and {out / 'bandwidth.png'}")
-    return summary
+    return summary, text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -281,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
             print("transformers is not installed: skipping its baselines (pip install transformers)")
     curves = verify_cost_curves(all_steps)
     overhead = capture_overhead(prompts[:4], args.max_new_tokens, threads)
-    share = run_bandwidth(prompts, args.max_new_tokens, args.bandwidth_rounds, threads, out)
+    share, share_text = run_bandwidth(prompts, args.max_new_tokens, args.bandwidth_rounds, threads, out)
     print_table(rows)
     best = max((r for r in rows if not r.mode.startswith("transformers")), key=lambda r: r.tokens_per_second)
     best_hf = max((r for r in rows if r.mode.startswith("transformers")), key=lambda r: r.tokens_per_second,
@@ -301,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows_json = [dict(r.__dict__, tokens_per_second=round(r.tokens_per_second, 2)) for r in rows]
     (out / "bench.json").write_text(json.dumps({"summary": summary, "rows": rows_json}, indent=2) + "\n")
-    (out / "bench.md").write_text(markdown(rows, summary))
+    (out / "bench.md").write_text(markdown(rows, summary) + "\n" + share_text)
     plot(rows, curves, out / "bench.png")
     print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and {out / 'bench.png'}")
     return 0
