@@ -123,6 +123,59 @@ def test_tensors_the_kernel_cannot_read_safely_are_refused_with_the_reason(k, ex
         k.swiglu_experts(x, gate, up, down, ids, weights, out, False)
 
 
+IS = 32  # shared expert intermediate
+
+
+@pytest.fixture(scope="module")
+def block_weights():
+    g = torch.Generator().manual_seed(6)
+    return dict(router_and_gate=torch.randn(E + 1, H, generator=g), gate_up=torch.randn(E, 2 * I, H, generator=g) * 0.2,
+                down=torch.randn(E, H, I, generator=g) * 0.2, shared_gate=torch.randn(IS, H, generator=g) * 0.2,
+                shared_up=torch.randn(IS, H, generator=g) * 0.2, shared_down=torch.randn(H, IS, generator=g) * 0.2)
+
+
+def block_reference(x, bw, norm_topk):
+    """Qwen2-MoE's block as transformers writes it: softmax, top-k, routed + sigmoid-gated shared."""
+    logits = F.linear(x, bw["router_and_gate"])  # [w, E+1]
+    probs = logits[:, :E].softmax(-1)
+    weights, ids = probs.topk(M, dim=-1)
+    if norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    routed = reference(x, ids, weights, bw["gate_up"], bw["down"])
+    g, u = F.linear(x, bw["shared_gate"]), F.linear(x, bw["shared_up"])
+    shared = F.linear(F.silu(g) * u, bw["shared_down"]) * torch.sigmoid(logits[:, E:])
+    return routed + shared, logits[:, :E], ids
+
+
+@pytest.mark.parametrize("norm_topk", [False, True])
+def test_the_moe_block_matches_the_textbook_block(k, block_weights, norm_topk):
+    block = kernels.MoeBlock(block_weights["router_and_gate"], M, norm_topk, block_weights["gate_up"],
+                             block_weights["down"], block_weights["shared_gate"], block_weights["shared_up"],
+                             block_weights["shared_down"])
+    x, _, _ = window(5, seed=7)
+    out, logits, ids = k.moe_block(block, x)
+    want_out, want_logits, want_ids = block_reference(x, block_weights, norm_topk)
+    assert torch.equal(ids, want_ids)  # the same experts, in the same (descending) order
+    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    for p in range(5):  # and each position alone gives bitwise the same row
+        assert torch.equal(k.moe_block(block, x[p:p + 1])[0][0], out[p])
+
+
+def test_a_moe_block_with_wrong_weights_is_refused_naming_the_tensor(block_weights):
+    bad = dict(block_weights, down=block_weights["down"].transpose(1, 2))
+    with pytest.raises(ValueError, match="down must be"):
+        kernels.MoeBlock(bad["router_and_gate"], M, False, bad["gate_up"], bad["down"], bad["shared_gate"],
+                         bad["shared_up"], bad["shared_down"])
+
+
+def test_rms_norm_matches_the_formula(k):
+    g = torch.Generator().manual_seed(8)
+    x, weight = torch.randn(2, 3, H, generator=g), torch.randn(H, generator=g)
+    want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(k.rms_norm(x, weight, 1e-6), want, atol=1e-6, rtol=1e-5)
+
+
 def test_without_a_compiler_build_returns_none(tmp_path):
     assert kernels.build(cache_dir=tmp_path, compiler=str(tmp_path / "no-such-cc")) is None
 

@@ -105,6 +105,54 @@ void swiglu_experts(const float *x, int64_t w, int64_t H, int64_t I,
     }
 }
 
+/* A whole Qwen2-MoE block for a short window: router (E rows) and shared-expert gate (row E) in one
+   pass, softmax over the E router logits, the top m by logit (largest first; softmax keeps the order),
+   routing weights = their probabilities (renormalised if norm_topk), the routed experts, then the
+   shared expert scaled by sigmoid(its gate). Writes logits [w, E+1], ids [w, m], weights [w, m], out. */
+void moe_block(const float *x, int64_t w, int64_t H, const float *router, int64_t E, int64_t m, int norm_topk,
+               const float *gate, const float *up, int64_t gate_up_stride, const float *down, int64_t down_stride,
+               int64_t I, const float *shared_gate, const float *shared_up, const float *shared_down, int64_t Is,
+               float *logits, int64_t *ids, float *weights, float *out) {
+    float scale[w];
+    int64_t zero[w];
+    unsigned char taken[E];
+    for (int64_t p = 0; p < w; p++) {
+        const float *xp = x + p * H;
+        float *l = logits + p * (E + 1);
+        for (int64_t e = 0; e <= E; e++) l[e] = dot(router + e * H, xp, H);
+        float top = l[0];
+        for (int64_t e = 1; e < E; e++) if (l[e] > top) top = l[e];
+        float total = 0.0f;
+        for (int64_t e = 0; e < E; e++) total += expf(l[e] - top);
+        memset(taken, 0, (size_t)E);
+        float picked = 0.0f;
+        for (int64_t j = 0; j < m; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (!taken[e] && (best < 0 || l[e] > l[best])) best = e;
+            taken[best] = 1;
+            ids[p * m + j] = best;
+            weights[p * m + j] = expf(l[best] - top) / total;
+            picked += weights[p * m + j];
+        }
+        if (norm_topk)
+            for (int64_t j = 0; j < m; j++) weights[p * m + j] /= picked;
+        scale[p] = 1.0f / (1.0f + expf(-l[E]));
+        zero[p] = 0;
+    }
+    swiglu_experts(x, w, H, I, gate, up, gate_up_stride, down, down_stride, E, ids, weights, m, out, 0);
+    swiglu_experts(x, w, H, Is, shared_gate, shared_up, 0, shared_down, 0, 1, zero, scale, 1, out, 1);
+}
+
+/* out [rows, H] = weight * x / sqrt(mean(x^2) + eps), row by row. */
+void rms_norm(const float *x, int64_t rows, int64_t H, const float *weight, float eps, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * H;
+        float inv = 1.0f / sqrtf(dot(xr, xr, H) / (float)H + eps);
+        for (int64_t h = 0; h < H; h++) out[r * H + h] = weight[h] * (xr[h] * inv);
+    }
+}
+
 /* out [w, V] = x [w, H] @ W [V, H]^T, each weight row read once for every position. */
 void linear(const float *x, int64_t w, int64_t H, const float *W, int64_t V, float *out) {
     for (int64_t v = 0; v < V; v++)
@@ -128,6 +176,13 @@ class Kernels:
         self._linear = lib.linear
         self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
         self._linear.restype = None
+        self._moe = lib.moe_block
+        self._moe.argtypes = [ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, ptr, i64, ptr, i64, i64,
+                              ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
+        self._moe.restype = None
+        self._rms_norm = lib.rms_norm
+        self._rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
+        self._rms_norm.restype = None
 
     def swiglu_experts(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                        ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
@@ -149,6 +204,32 @@ class Kernels:
         self._swiglu(x.data_ptr(), w, H, I, gate.data_ptr(), up.data_ptr(), gate.stride(0), down.data_ptr(),
                      down.stride(0), E, ids.data_ptr(), weights.data_ptr(), n, out.data_ptr(), int(accumulate))
 
+    def moe_block(self, block: MoeBlock, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [w, H] -> (out [w, H], router logits [w, E], routed ids [w, m]) of the block's layer: the
+        router, softmax, top-k and both kinds of expert in one call (see the C source)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != block.H or not x.is_contiguous() \
+                or not x.is_cpu:
+            raise ValueError(f"moe_block: x must be a contiguous float32 CPU tensor [w, {block.H}]")
+        w = x.shape[0]
+        logits = x.new_empty(w, block.E + 1)
+        ids = torch.empty(w, block.top_k, dtype=torch.long)
+        weights = x.new_empty(w, block.top_k)
+        out = torch.empty_like(x)
+        a = block.args
+        self._moe(x.data_ptr(), w, block.H, *a, logits.data_ptr(), ids.data_ptr(), weights.data_ptr(),
+                  out.data_ptr())
+        return out, logits[:, :-1], ids
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * x / sqrt(mean(x^2, -1) + eps) over the last dim of a contiguous float32 CPU x."""
+        H = x.shape[-1]
+        if x.dtype != torch.float32 or not x.is_contiguous() or not x.is_cpu or weight.shape != (H,) \
+                or weight.dtype != torch.float32 or not weight.is_contiguous() or not weight.is_cpu:
+            raise ValueError(f"rms_norm: x must be contiguous float32 [..., {H}] with a float32 weight [{H}]")
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), x.numel() // H, H, weight.data_ptr(), eps, out.data_ptr())
+        return out
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [w, H] @ weight [V, H]^T -> [w, V], float32, contiguous; each row of out is bitwise the
         same whatever else is in x (MKL's sgemm blocks differently by w)."""
@@ -162,6 +243,33 @@ class Kernels:
         out = x.new_empty(x.shape[0], V)
         self._linear(x.data_ptr(), x.shape[0], H, weight.data_ptr(), V, out.data_ptr())
         return out
+
+
+class MoeBlock:
+    """One Qwen2-MoE layer's weights, checked once, for `Kernels.moe_block` (a decode step calls it
+    every layer, so the per-call work is only the window's own tensors)."""
+
+    def __init__(self, router_and_gate: torch.Tensor, top_k: int, norm_topk: bool, gate_up: torch.Tensor,
+                 down: torch.Tensor, shared_gate: torch.Tensor, shared_up: torch.Tensor, shared_down: torch.Tensor):
+        """router_and_gate [E+1, H] (router rows, then the shared expert's gate row); gate_up [E, 2I, H];
+        down [E, H, I]; shared_gate / shared_up [Is, H]; shared_down [H, Is]. Contiguous float32 CPU."""
+        E, H = router_and_gate.shape[0] - 1, router_and_gate.shape[1]
+        I, Is = gate_up.shape[1] // 2, shared_gate.shape[0]
+        expected = {"router_and_gate": (E + 1, H), "gate_up": (E, 2 * I, H), "down": (E, H, I),
+                    "shared_gate": (Is, H), "shared_up": (Is, H), "shared_down": (H, Is)}
+        given = dict(router_and_gate=router_and_gate, gate_up=gate_up, down=down, shared_gate=shared_gate,
+                     shared_up=shared_up, shared_down=shared_down)
+        for name, t in given.items():
+            if tuple(t.shape) != expected[name] or t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
+                raise ValueError(f"moe_block: {name} must be a contiguous float32 CPU tensor {expected[name]}")
+        if not 1 <= top_k <= E:
+            raise ValueError(f"moe_block: top_k must be in [1, {E}], got {top_k}")
+        self.E, self.H, self.I, self.Is, self.top_k, self.norm_topk = E, H, I, Is, top_k, norm_topk
+        self.tensors = given  # keeps the storage alive while the pointers below are in use
+        row = I * H  # elements between an expert's gate rows and its up rows
+        self.args = (router_and_gate.data_ptr(), E, top_k, int(norm_topk), gate_up.data_ptr(),
+                     gate_up.data_ptr() + row * 4, gate_up.stride(0), down.data_ptr(), down.stride(0), I,
+                     shared_gate.data_ptr(), shared_up.data_ptr(), shared_down.data_ptr(), Is)
 
 
 def build(cache_dir: Path | None = None, compiler: str | None = None) -> Kernels | None:

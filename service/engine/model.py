@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.engine.kernels import Kernels
+from service.engine.kernels import Kernels, MoeBlock
 
 # Windows up to this many positions run every expert of the union on every position (a few
 # batched matmuls, cost ~ U), or the fused kernel (kernels.py) when the model has one; longer ones
@@ -104,11 +104,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.single_op = False  # see Transformer.fuse_for_inference
+        self.kernels: Kernels | None = None  # see Transformer.fuse_for_inference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.single_op:  # one dispatch instead of five; the same formula
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if self.kernels is not None and x.is_cpu and not torch.is_grad_enabled():  # one call instead of five ops
+            return self.kernels.rms_norm(x.contiguous(), self.weight, self.eps)
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
@@ -133,14 +133,11 @@ class MLP(nn.Module):
         if self.kernels is not None and x.dim() == 2 and x.shape[0] <= UNION_WINDOW_MAX and x.is_cpu \
                 and not torch.is_grad_enabled():
             out = torch.empty_like(x)
-            self.add_to(x.contiguous(), x.new_ones(x.shape[0], 1), out, accumulate=False)
+            ids = torch.zeros(x.shape[0], 1, dtype=torch.long)  # [w, 1]: one "expert", this MLP, weight 1
+            self.kernels.swiglu_experts(x.contiguous(), *self.kernel_weights, ids, x.new_ones(x.shape[0], 1), out,
+                                        accumulate=False)
             return out
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def add_to(self, x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
-        """Fused kernel: out[p] (+)= scale[p] * mlp(x[p]); x, out [w, H], scale [w, 1]."""
-        ids = torch.zeros(x.shape[0], 1, dtype=torch.long)  # [w, 1]: one "expert", this MLP
-        self.kernels.swiglu_experts(x, *self.kernel_weights, ids, scale, out, accumulate)
 
 
 class Router(nn.Module):
@@ -214,18 +211,20 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.fused: tuple[torch.Tensor, torch.Tensor] | None = None  # see fuse()
         self.kernels: Kernels | None = None
-        self.kernel_weights: tuple[torch.Tensor, ...] = ()
+        self.block: MoeBlock | None = None
 
     def fuse(self, kernels: Kernels | None = None) -> None:
         """Inference only: router + shared-expert gate in one matmul, shared gate/up in another;
-        with kernels, short windows run the routed and shared experts in the fused kernel."""
+        with kernels, short windows run the whole block in one kernel call (which keeps pointers to
+        these weights: they must not move or be replaced afterwards)."""
         self.fused = (torch.cat([self.gate.weight, self.shared_expert_gate.weight]),  # [E+1, H]
                       torch.cat([self.shared_expert.gate_proj.weight, self.shared_expert.up_proj.weight]))
         self.kernels = kernels
-        self.shared_expert.use_kernels(kernels)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj  # [E, 2I, H], [E, H, I]
-        I = down.shape[2]
-        self.kernel_weights = (gate_up[:, :I], gate_up[:, I:], down)  # gate and up rows of each expert: views
+        if kernels is not None:
+            shared = self.shared_expert
+            self.block = MoeBlock(self.fused[0], self.gate.top_k, self.gate.norm_topk_prob, self.experts.gate_up_proj,
+                                  self.experts.down_proj, shared.gate_proj.weight, shared.up_proj.weight,
+                                  shared.down_proj.weight)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [w, H] -> (out [w, H], router logits [w, E], routed ids [w, m])."""
@@ -246,14 +245,8 @@ class SparseMoE(nn.Module):
         return routed + shared, logits, ids
 
     def forward_kernel(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Short windows, fused: two kernel calls (routed experts, then the shared one) write out."""
-        router_and_gate = F.linear(x, self.fused[0])  # [w, E+1]
-        logits, weights, ids = self.gate.route(router_and_gate[:, :-1])  # [w, E], [w, m], [w, m]
-        out = torch.empty_like(x)  # [w, H]
-        self.kernels.swiglu_experts(x, *self.kernel_weights, ids, weights, out, accumulate=False)
-        shared_scale = torch.sigmoid(router_and_gate[:, -1:])  # [w, 1]
-        self.shared_expert.add_to(x, shared_scale, out, accumulate=True)
-        return out, logits, ids
+        """Short windows, fused: router, top-k, routed and shared experts in one kernel call."""
+        return self.kernels.moe_block(self.block, x)  # [w, H], [w, E], [w, m]
 
 
 class Attention(nn.Module):
@@ -352,8 +345,9 @@ class Transformer(nn.Module):
 
     def fuse_for_inference(self, kernels: Kernels | None = None) -> None:
         """Concatenate projections that read the same input, for fewer matmuls per step; with
-        kernels (kernels.build()), also the fast step: experts and MLPs of short windows in the
-        fused kernel, norms as one op. Without, the previous eager step (kept to measure against).
+        kernels (kernels.build()), also the fast step: MoE blocks, MLPs and the output layer of short
+        windows and every norm in the fused kernels. Without, the previous eager step (kept to
+        measure against).
 
         The fused tensors are copies: call after the weights are final (training never fuses).
         """
@@ -365,7 +359,7 @@ class Transformer(nn.Module):
                 layer.mlp.use_kernels(kernels)
         for norm in self.modules():
             if isinstance(norm, RMSNorm):
-                norm.single_op = kernels is not None
+                norm.kernels = kernels
         self.kernels = kernels
 
     def output_logits(self, h: torch.Tensor) -> torch.Tensor:
