@@ -182,10 +182,11 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for mode, marker in zip(MODES, ("s", "o"), strict=True):
+    for mode, marker, color in zip(MODES, ("s", "o"), ("C0", "C1"), strict=True):
         rounds = [r for r in summary["per_round"] if r["mode"] == mode]
-        ax.plot([r["round"] for r in rounds], [r["share"] for r in rounds], marker=marker, label=f"{mode} step, wall")
-        ax.plot([r["round"] for r in rounds], [r["share_cpu"] for r in rounds], marker=marker, ls=":",
+        ax.plot([r["round"] for r in rounds], [r["share"] for r in rounds], marker=marker, color=color,
+                label=f"{mode} step, wall")
+        ax.plot([r["round"] for r in rounds], [r["share_cpu"] for r in rounds], marker=marker, color=color, ls=":",
                 label=f"{mode} step, CPU time")
     ax.axhline(summary["target_share"], color="grey", ls="--", label="target")
     ax.set(xlabel="round (interleaved)", ylabel="tokens/s / bandwidth limit", ylim=(0, None),
