@@ -1,13 +1,27 @@
-"""Shared pieces of the engine tests: the shipped model pair, loaded once per module that asks."""
+"""Shared pieces of the engine tests: the shipped model pair, a goodness-of-fit test, deliberately
+wrong acceptance rules (negative controls) patched in where the engine looks sampling up, and a
+backend that holds a request between two steps so gRPC tests act while it is in flight."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import threading
+from collections.abc import Callable
 
-from service.engine import Engine, EngineConfig
+import torch
+from scipy.stats import chisquare
+
+from service.engine import Engine, EngineConfig, sampling
 from service.engine.weights import MODELS_DIR
+from tests.conftest import RecordingBackend
 
 PROMPTS_FILE = MODELS_DIR.parent / "prompts" / "heldout.jsonl"
+
+# The module whose globals the decode loop calls the sampling functions through (accept,
+# draft_probs, sample, target_probs...). Negative controls patch them there, only through
+# `patch_engine_sampling`: if the loop moves to another module, change this one name.
+SAMPLING_LOOKUP = "service.engine.engine"
 
 
 def heldout_prompts(count: int) -> list[str]:
@@ -18,3 +32,120 @@ def heldout_prompts(count: int) -> list[str]:
 def make_engine(**overrides) -> Engine:
     # One intra-op thread: the per-step ops are small, and other test processes may share the cores.
     return Engine(EngineConfig(**{"threads": 1, **overrides}))
+
+
+def patch_engine_sampling(monkeypatch, **functions: Callable) -> None:
+    """Replace sampling functions (by name) where the engine's decode loop looks them up."""
+    module = importlib.import_module(SAMPLING_LOOKUP)
+    for name, function in functions.items():
+        if not hasattr(module, name):  # a renamed function must not leave the real one in place
+            raise AttributeError(f"{SAMPLING_LOOKUP} does not look up {name!r}")
+        monkeypatch.setattr(module, name, function)
+
+
+def fit_pvalue(samples: list[int], probs: torch.Tensor) -> float:
+    """Chi-square goodness of fit of samples to probs, pooling outcomes expected fewer than 5 times."""
+    n = len(samples)
+    counts = torch.bincount(torch.tensor(samples), minlength=probs.shape[0]).double()
+    expected = probs.double() * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    if exp[-1] < 5:  # too little pooled mass to test on its own: fold it into the largest bin
+        top = int(exp[:-1].argmax())
+        obs[top] += obs[-1]
+        exp[top] += exp[-1]
+        obs, exp = obs[:-1], exp[:-1]
+    exp = exp * obs.sum() / exp.sum()
+    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+# ------------------------------------------------------------------ wrong acceptance rules
+# Each has `sampling.accept`'s signature and one realistic bug; a statistical test of the
+# lossless claim must reject every one of them (asserted beside the test of the real rule).
+
+def accept_told_q_at_temperature(told: float, real: float) -> Callable:
+    """The rule is told the draft's q at temperature `told` while the draft sampled at `real`
+    (e.g. told=1: q computed without the draft temperature). softmax(l/told) = q^(real/told), renormalised."""
+    def accept(draft, q, p, generator):
+        wrong_q = q.pow(real / told)
+        return sampling.accept(draft, wrong_q / wrong_q.sum(-1, keepdim=True), p, generator)
+    return accept
+
+
+def accept_bonus_from_q(draft, q, p, generator):
+    """When every draft is accepted, the extra token is drawn from the draft's last q, not from p[k]."""
+    n, ok, nxt = sampling.accept(draft, q, p, generator)
+    if 0 < n == draft.shape[0]:
+        nxt = sampling.sample(q[-1:], generator)
+    return n, ok, nxt
+
+
+def accept_residual_from_p(draft, q, p, generator):
+    """At a rejection the replacement is drawn from p itself instead of norm(max(0, p - q))."""
+    n, ok, nxt = sampling.accept(draft, q, p, generator)
+    if n < draft.shape[0]:
+        nxt = sampling.sample(p[n:n + 1], generator)
+    return n, ok, nxt
+
+
+def accept_residual_from_abs_difference(draft, q, p, generator):
+    """At a rejection the replacement is drawn from norm(|p - q|): mass where p = 0 leaks in."""
+    n, ok, nxt = sampling.accept(draft, q, p, generator)
+    if n < draft.shape[0]:
+        residual = (p[n] - q[n]).abs()
+        nxt = sampling.sample((residual / residual.sum()).unsqueeze(0), generator)
+    return n, ok, nxt
+
+
+# ------------------------------------------------------------ a request held in flight
+class Hold:
+    """A request held after `after_steps` steps: `reached` is set while the engine waits there."""
+
+    def __init__(self, after_steps: int):
+        self.after_steps = after_steps
+        self.reached = threading.Event()
+        self._released = threading.Event()
+        self.should_stop: Callable[[], bool] = lambda: False  # the server's, once the request runs
+
+    def release(self) -> None:
+        self._released.set()
+
+    def wait_released(self, timeout: float) -> None:
+        if not self._released.wait(timeout):
+            raise TimeoutError("a held request was never released")
+
+
+class HoldingBackend(RecordingBackend):
+    """The real engine; a request whose seed has a `hold` pauses between two steps until released.
+
+    The engine polls `should_stop` once before every step, so a hold in that poll keeps the request
+    in flight, by construction, for as long as a test needs: no timing assumption.
+    """
+
+    def __init__(self, engine, timeout: float = 60.0):
+        super().__init__(engine)
+        self._holds: dict[int, Hold] = {}
+        self._timeout = timeout
+
+    def hold(self, seed: int, after_steps: int = 1) -> Hold:
+        self._holds[seed] = Hold(after_steps)
+        return self._holds[seed]
+
+    def generate(self, request, policy, *, should_stop=None, on_delta=None):
+        hold = self._holds.get(request.sampling.seed)
+        if hold is not None:
+            server_stop = should_stop or (lambda: False)
+            hold.should_stop = server_stop
+            polls = 0
+
+            def held_stop() -> bool:
+                nonlocal polls
+                polls += 1
+                if polls == hold.after_steps + 1:
+                    hold.reached.set()
+                    hold.wait_released(self._timeout)
+                return server_stop()
+
+            should_stop = held_stop
+        return super().generate(request, policy, should_stop=should_stop, on_delta=on_delta)
