@@ -149,3 +149,17 @@ class HoldingBackend(RecordingBackend):
 
             should_stop = held_stop
         return super().generate(request, policy, should_stop=should_stop, on_delta=on_delta)
+
+
+def transformers_target_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """The oracle for `target_probs`: transformers' own warpers in generate()'s order
+    (temperature, top-k, top-p), then softmax. logits [n, V] -> [n, V]."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = [TemperatureLogitsWarper(params.temperature)]
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    dummy_ids = torch.zeros(logits.shape[0], 1, dtype=torch.long)
+    return LogitsProcessorList(warpers)(dummy_ids, logits.clone()).softmax(-1)

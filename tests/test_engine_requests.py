@@ -4,6 +4,7 @@ equals the final text, cancellation stops within a step."""
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
@@ -134,3 +135,24 @@ def test_eos_ends_the_output_mid_window_and_is_kept_in_token_ids(engine):
             assert all(s.committed == s.accepted + 1 for s in result.steps[:-1])
     finally:
         engine.eos_id = real_eos
+
+
+def test_decode_step_equivalents_are_verify_seconds_over_the_current_decode_step(engine):
+    """Each step's decode_step_equivalents = its verify seconds / the engine's decode-step seconds
+    at that step (start-up calibration until 8 plain steps were seen, then their running median)."""
+    seen = []
+
+    def check(delta):  # runs right after the step's record was built, before the next step
+        seen.append((delta.step, engine.current_decode_step_seconds()))
+
+    # A prompt the shipped model continues without EOS: 70 plain steps fill the 64-step history.
+    request = GenerationRequest(prompt="def add(a, b):", max_new_tokens=70, sampling=SamplingParams(temperature=0))
+    for policy in (DraftPolicy(), DraftPolicy(draft_length=3, draft_temperature=0)):
+        engine.generate(request, policy, on_delta=check)
+    plain = [s.verify_seconds for s, _ in seen if s.window == 1]
+    assert len(plain) >= 70 and any(s.window > 1 for s, _ in seen)
+    for step, unit in seen:
+        assert step.decode_step_equivalents == pytest.approx(step.verify_seconds / unit, rel=1e-12)
+    # The unit is now the median of the last 64 plain steps, not the start-up calibration.
+    assert engine.current_decode_step_seconds() == pytest.approx(statistics.median(plain[-64:]), rel=1e-12)
+    assert engine.current_decode_step_seconds() != engine.decode_step_seconds

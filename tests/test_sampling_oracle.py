@@ -20,31 +20,14 @@ from service.engine.model import KVCache
 from service.engine.sampling import target_probs
 from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
 from service.types import SamplingParams
-from tests.engine_helpers import heldout_prompts
+from tests.engine_helpers import heldout_prompts, transformers_target_probs
 
 transformers = pytest.importorskip("transformers")
-from transformers import (  # noqa: E402
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 V = 4096
 TEMPERATURES = (0.25, 0.7, 1.6)
 TOP_KS = (0, 1, 10, V + 5)
 TOP_PS = (0.05, 0.5, 0.9, 0.99, 1.0)
-
-
-def hf_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """transformers' warpers in generate()'s order (temperature, top-k, top-p), then softmax."""
-    warpers = [TemperatureLogitsWarper(params.temperature)]
-    if params.top_k:
-        warpers.append(TopKLogitsWarper(params.top_k))
-    if params.top_p < 1:
-        warpers.append(TopPLogitsWarper(params.top_p))
-    dummy_ids = torch.zeros(logits.shape[0], 1, dtype=torch.long)
-    return LogitsProcessorList(warpers)(dummy_ids, logits.clone()).softmax(-1)
 
 
 def mass_before(probs: torch.Tensor) -> torch.Tensor:
@@ -80,10 +63,10 @@ def logits() -> torch.Tensor:
 @pytest.mark.parametrize("temperature", TEMPERATURES)
 def test_target_probs_equal_transformers_warpers(logits, temperature, top_k):
     # Mass strictly before each token once temperature and top-k are applied: what top-p cuts on.
-    before = mass_before(hf_probs(logits, SamplingParams(temperature=temperature, top_k=top_k)))
+    before = mass_before(transformers_target_probs(logits, SamplingParams(temperature=temperature, top_k=top_k)))
     for top_p in TOP_PS:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        ours, theirs = target_probs(logits, params), hf_probs(logits, params)
+        ours, theirs = target_probs(logits, params), transformers_target_probs(logits, params)
         context = f"temperature={temperature} top_k={top_k} top_p={top_p}"
         # transformers compares 1 - (ascending cumsum) with 1 - top_p, we compare the mass before a
         # token with top_p: the two may round differently only for a token whose mass before is
@@ -134,7 +117,7 @@ def test_ties_at_the_top_p_boundary_are_all_kept_where_transformers_keeps_some(m
         for order in itertools.permutations(range(len(tied))):
             perm = torch.arange(V)
             perm[tied] = torch.tensor(tied)[list(order)]
-            theirs = hf_probs(row[perm].unsqueeze(0), params)[0]
+            theirs = transformers_target_probs(row[perm].unsqueeze(0), params)[0]
             kept = {int(perm[i]) for i in (theirs > 0).nonzero().view(-1)}
             assert 1000 in kept and kept <= {1000, *tied}
             kept_sizes.add(len(kept))

@@ -1,16 +1,31 @@
 """Speculative decoding is lossless: greedy output equals plain decoding token for token, and
-sampled output follows the target distribution (a goodness-of-fit test that also rejects a
-deliberately wrong acceptance rule)."""
+sampled output follows the target distribution. The end-to-end fit test runs through
+`Engine.generate` for the model drafter (sampled and greedy drafts) and the n-gram drafter, and is
+shown to reject engines with one deliberate sampling bug each (negative controls kept below); no
+token outside the top-k / top-p support is ever emitted, checked against transformers."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from scipy.stats import chisquare
 
+from service.engine import ngram
+from service.engine.model import KVCache
 from service.engine.sampling import accept, draft_probs, point_mass, sample, target_probs
+from service.engine.weights import DEFAULT_TARGET_DIR
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
-from tests.engine_helpers import heldout_prompts, make_engine
+from tests.engine_helpers import (
+    accept_bonus_from_q,
+    accept_residual_from_p,
+    accept_told_q_at_temperature,
+    fit_pvalue,
+    heldout_prompts,
+    make_engine,
+    patch_engine_sampling,
+    transformers_target_probs,
+)
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -46,43 +61,48 @@ def test_greedy_ngram_drafts_give_the_plain_decoding_output(engine, plain_output
         assert spec.token_ids == plain.token_ids
 
 
-def _fit_pvalue(samples: list[int], probs: torch.Tensor) -> float:
-    """Chi-square goodness of fit of samples to probs, pooling tokens expected fewer than 5 times."""
-    n = len(samples)
-    counts = torch.bincount(torch.tensor(samples), minlength=probs.shape[0]).double()
-    expected = probs.double() * n
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
-    if exp[-1] < 5:  # too little pooled mass to test on its own: fold it into the largest bin
-        top = int(exp[:-1].argmax())
-        obs[top] += obs[-1]
-        exp[top] += exp[-1]
-        obs, exp = obs[:-1], exp[:-1]
-    exp = exp * obs.sum() / exp.sum()
-    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
-
-
 SAMPLING = SamplingParams(temperature=0.9, top_p=0.95)
+E2E_REQUESTS = 400  # seeded requests per end-to-end fit test
+MODEL_DRAFTS = DraftPolicy(draft_length=3, draft_temperature=1.4)
+
+
+def next_token_probs(engine, ids: list[int], sampling: SamplingParams = SAMPLING) -> torch.Tensor:
+    """The target's p after ids (one fresh prefill, outside the decode loop) [V]."""
+    with torch.inference_mode():
+        cache = KVCache(engine.target.cfg, len(ids))
+        return target_probs(engine.target.forward(torch.tensor(ids), 0, cache).logits[-1:], sampling)[0]
+
+
+def entropy(p: torch.Tensor) -> float:
+    return float(-(p[p > 0] * p[p > 0].log()).sum())
+
+
+def assert_spread(p: torch.Tensor) -> None:
+    """The power of every fit test below rests on this: several likely next tokens, not one."""
+    assert entropy(p) > 0.8 and int((p > 0.05).sum()) >= 3, (entropy(p), p.topk(4).values)
 
 
 @pytest.fixture(scope="module")
 def spread_prompt(engine):
-    """The held-out prompt whose next token is least certain, so a fit test has bins to compare.
+    """The short held-out snippet (last 4 or 6 tokens of a prompt) whose next token is least
+    certain: a fit test has bins to compare, and the hundreds of prefills stay cheap."""
+    candidates = {tuple(engine.tokenizer.encode(p).ids[-n:]) for p in heldout_prompts(24) for n in (4, 6)}
+    ids = max(sorted(candidates), key=lambda c: entropy(next_token_probs(engine, list(c))))
+    p = next_token_probs(engine, list(ids))
+    assert_spread(p)
+    return engine.tokenizer.decode(list(ids)), list(ids), p
 
-    Prompts are cut to their last 120 characters: the end-to-end test prefills hundreds of times.
-    """
-    best = None
-    for prompt in (p[-120:] for p in heldout_prompts(24)):
-        ids = torch.tensor(engine.tokenizer.encode(prompt).ids)
-        with torch.inference_mode():
-            p = target_probs(engine.target.forward(ids, 0, engine.target_cache).logits[-1:], SAMPLING)[0]
-        entropy = float(-(p[p > 0] * p[p > 0].log()).sum())
-        if best is None or entropy > best[0]:
-            best = (entropy, prompt, ids, p)
-    _, prompt, ids, p = best
-    assert int((p > 0.02).sum()) >= 3, "no held-out prompt has a spread next-token distribution"
-    return prompt, ids, p
+
+@pytest.fixture(scope="module")
+def repeated_prompt(engine):
+    """A snippet written twice, so the n-gram drafter proposes at the first step; the most spread."""
+    candidates = {tuple(engine.tokenizer.encode(p).ids[-n:]) * 2 for p in heldout_prompts(24) for n in (4, 6)}
+    candidates = {c for c in candidates if ngram.propose(torch.tensor(c), 1, engine.config.ngram_min,
+                                                         engine.config.ngram_max).numel()}
+    ids = max(sorted(candidates), key=lambda c: entropy(next_token_probs(engine, list(c))))
+    p = next_token_probs(engine, list(ids))
+    assert_spread(p)
+    return engine.tokenizer.decode(list(ids)), list(ids), p
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +110,7 @@ def next_token_distributions(engine, spread_prompt):
     """The target's p (temperature 0.9, top-p 0.95) and the draft's logits after a real prompt."""
     _, ids, p = spread_prompt
     with torch.inference_mode():
-        draft_logits = engine.draft.forward(ids, 0, engine.draft_cache).logits[-1:]
+        draft_logits = engine.draft.forward(torch.tensor(ids), 0, KVCache(engine.draft.cfg, len(ids))).logits[-1:]
     return p.unsqueeze(0), draft_logits
 
 
@@ -110,7 +130,7 @@ def test_acceptance_rule_reproduces_the_target_distribution(next_token_distribut
     p, draft_logits = next_token_distributions
     q = draft_probs(draft_logits, 1.3)  # draft temperature differs from the target's 0.9
     samples = _committed_first_tokens(p[0:1], q, q, 4000)
-    assert _fit_pvalue(samples, p[0]) > 1e-3
+    assert fit_pvalue(samples, p[0]) > 1e-3
 
 
 def test_point_mass_proposals_like_the_ngram_drafter_keep_the_target_distribution(next_token_distributions):
@@ -119,34 +139,152 @@ def test_point_mass_proposals_like_the_ngram_drafter_keep_the_target_distributio
     proposed = torch.tensor([int(p[0].argsort(descending=True)[1])])  # a plausible, not the likeliest, token
     q = point_mass(proposed, p.shape[-1])
     samples = _committed_first_tokens(p[0:1], q, q, 4000)
-    assert _fit_pvalue(samples, p[0]) > 1e-3
+    assert fit_pvalue(samples, p[0]) > 1e-3
 
 
 def test_acceptance_rule_told_the_wrong_draft_distribution_is_detected(next_token_distributions):
     p, draft_logits = next_token_distributions
     q_real, q_wrong = draft_probs(draft_logits, 1.3), draft_probs(draft_logits, 0.5)
     samples = _committed_first_tokens(p[0:1], q_real, q_wrong, 4000)
-    assert _fit_pvalue(samples, p[0]) < 1e-6
+    assert fit_pvalue(samples, p[0]) < 1e-6
 
 
-def test_sampled_speculative_generation_follows_the_target_distribution(engine, spread_prompt):
-    """End to end: the first two tokens of many seeded requests match the target's exact p."""
-    prompt, ids, p1 = spread_prompt
-    policy = DraftPolicy(draft_length=3, draft_temperature=1.4)
-    firsts, seconds_after_top = [], []
-    top = int(p1.argmax())
-    for seed in range(500):
-        sampling = SamplingParams(temperature=SAMPLING.temperature, top_p=SAMPLING.top_p, seed=seed)
-        out = engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=4, sampling=sampling), policy).token_ids
-        firsts.append(out[0])
-        if out[0] == top and len(out) > 1:
-            seconds_after_top.append(out[1])
-    assert _fit_pvalue(firsts, p1) > 1e-3
-    with torch.inference_mode():
-        ids2 = torch.cat([ids, torch.tensor([top])])
-        p2 = target_probs(engine.target.forward(ids2, 0, engine.target_cache).logits[-1:], SAMPLING)
-    assert len(seconds_after_top) > 50
-    assert _fit_pvalue(seconds_after_top, p2[0]) > 1e-3
+# ------------------------------------------------------------------ end to end, through generate()
+class FirstTwoTokens:
+    """The exact joint law of a request's first two tokens, p(t1) p(t2 | t1), binned for a fit test:
+    one bin per (t1, t2) for the likely t1 (p >= 0.02), one bin for every other first token."""
+
+    def __init__(self, engine, ids: list[int], p1: torch.Tensor):
+        self.head = [t for t in p1.argsort(descending=True).tolist() if p1[t] >= 0.02]
+        assert engine.eos_id not in self.head  # a one-token output would fall outside the bins
+        self.V = p1.shape[0]
+        law = torch.zeros(len(self.head) * self.V + 1)
+        for h, t in enumerate(self.head):
+            law[h * self.V:(h + 1) * self.V] = p1[t] * next_token_probs(engine, ids + [t])
+        law[-1] = 1 - float(p1[self.head].sum())
+        self.law = law
+
+    def bin(self, tokens: tuple[int, ...]) -> int:
+        if len(tokens) == 2 and tokens[0] in self.head:
+            return self.head.index(tokens[0]) * self.V + tokens[1]
+        return len(self.law) - 1
+
+    def pvalue(self, outputs: list[tuple[int, ...]]) -> float:
+        return fit_pvalue([self.bin(t) for t in outputs], self.law)
+
+
+def first_two_tokens(engine, prompt: str, policy: DraftPolicy, requests: int = E2E_REQUESTS):
+    """Seeded requests of two new tokens (the first step drafts k = 1: its bonus is the second
+    token) -> (token pairs, each request's first StepRecord)."""
+    outputs, first_steps = [], []
+    for seed in range(requests):
+        sampling = dataclasses.replace(SAMPLING, seed=seed)
+        result = engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=2, sampling=sampling), policy)
+        outputs.append(result.token_ids)
+        first_steps.append(result.steps[0])
+    return outputs, first_steps
+
+
+def assert_both_paths_taken(first_steps) -> None:
+    """Acceptance and rejection of the first draft both common: each half of the rule is tested."""
+    drafted = [s for s in first_steps if s.drafted]
+    assert len(drafted) == len(first_steps), "the first step did not always draft"
+    accepted = sum(s.accepted > 0 for s in drafted) / len(drafted)
+    assert 0.15 < accepted < 0.85, accepted
+
+
+@pytest.fixture(scope="module")
+def spread_law(engine, spread_prompt):
+    _, ids, p = spread_prompt
+    return FirstTwoTokens(engine, ids, p)
+
+
+def test_sampled_model_drafts_give_the_target_joint_law_of_the_first_two_tokens(engine, spread_prompt, spread_law):
+    outputs, first_steps = first_two_tokens(engine, spread_prompt[0], MODEL_DRAFTS)
+    assert_both_paths_taken(first_steps)
+    assert spread_law.pvalue(outputs) > 1e-3
+
+
+WRONG_ENGINES = {
+    "q without the draft temperature": accept_told_q_at_temperature(1.0, MODEL_DRAFTS.draft_temperature),
+    "bonus from q": accept_bonus_from_q,
+    "residual from p": accept_residual_from_p,
+}
+
+
+@pytest.mark.parametrize("variant", WRONG_ENGINES)
+def test_the_same_fit_test_rejects_a_wrong_engine(engine, spread_prompt, spread_law, monkeypatch, variant):
+    """Negative controls: the end-to-end test above, on an engine with one realistic sampling bug."""
+    patch_engine_sampling(monkeypatch, accept=WRONG_ENGINES[variant])
+    outputs, _ = first_two_tokens(engine, spread_prompt[0], MODEL_DRAFTS)
+    assert spread_law.pvalue(outputs) < 1e-6
+
+
+def test_sampled_ngram_drafts_give_the_target_joint_law_of_the_first_two_tokens(engine, repeated_prompt):
+    prompt, ids, p = repeated_prompt
+    outputs, first_steps = first_two_tokens(engine, prompt, DraftPolicy(drafter=Drafter.NGRAM, draft_length=3))
+    assert all(s.drafted for s in first_steps)  # the same proposal every time: q a point mass
+    assert FirstTwoTokens(engine, ids, p).pvalue(outputs) > 1e-3
+
+
+def test_greedy_draft_with_a_sampled_target_gives_the_target_joint_law(engine, spread_prompt, spread_law):
+    """Draft temperature 0: q is a point mass at the draft's argmax, the target still samples."""
+    outputs, first_steps = first_two_tokens(engine, spread_prompt[0], DraftPolicy(draft_length=3, draft_temperature=0))
+    assert_both_paths_taken(first_steps)
+    assert spread_law.pvalue(outputs) > 1e-3
+
+
+SUPPORT_CASES = [SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=1.3, top_p=0.5)]
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_TARGET_DIR, dtype=torch.float32).eval()
+
+
+def tokens_outside_the_support(engine, oracle, prompt: str, params: SamplingParams, policy: DraftPolicy,
+                               requests: int = 6) -> tuple[int, int]:
+    """Generate, then ask transformers (its model, its warpers) whether each output token was in
+    the top-k / top-p support where it was emitted -> (tokens outside, tokens checked).
+
+    Margin: the two models' fp32 logits differ by ~1e-5, so a token counts as outside only when
+    it is outside even with the cut widened by 1e-4 (top-p mass, top-k logit)."""
+    prompt_ids = engine.tokenizer.encode(prompt).ids
+    outside = checked = 0
+    for seed in range(requests):
+        sampling = dataclasses.replace(params, seed=seed)
+        out = engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=24, sampling=sampling), policy).token_ids
+        with torch.no_grad():
+            logits = oracle(torch.tensor([prompt_ids + list(out)])).logits[0, len(prompt_ids) - 1:-1]  # [n, V]
+        widened = dataclasses.replace(params, top_p=min(1.0, params.top_p + 1e-4))
+        kept = transformers_target_probs(logits, widened) > 0
+        if params.top_k:
+            kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
+            kept |= logits >= kth - 1e-4
+        outside += sum(not kept[i, t] for i, t in enumerate(out))
+        checked += len(out)
+    return outside, checked
+
+
+@pytest.mark.parametrize("params", SUPPORT_CASES, ids=str)
+def test_no_token_outside_the_top_k_top_p_support_is_ever_emitted(engine, oracle, params):
+    """Hot model drafts and n-gram proposals often fall outside the support; none may be emitted."""
+    prompt = heldout_prompts(2)[1][-300:]
+    for policy in (DraftPolicy(draft_length=4, draft_temperature=1.5), DraftPolicy(Drafter.NGRAM, 4)):
+        outside, checked = tokens_outside_the_support(engine, oracle, prompt, params, policy)
+        assert outside == 0 and checked > 100, (policy, outside, checked)
+
+
+def test_the_support_check_sees_an_engine_that_ignores_top_k_and_top_p(engine, oracle, monkeypatch):
+    """Negative control: target_probs with only the temperature applied (the filters dropped)."""
+    def temperature_only(logits, params):
+        return target_probs(logits, SamplingParams(temperature=params.temperature))
+
+    patch_engine_sampling(monkeypatch, target_probs=temperature_only)
+    prompt = heldout_prompts(2)[1][-300:]
+    outside, _ = tokens_outside_the_support(engine, oracle, prompt, SUPPORT_CASES[0], DraftPolicy(Drafter.NGRAM, 4))
+    assert outside > 0
 
 
 def test_same_seed_gives_the_same_sampled_output(engine):
