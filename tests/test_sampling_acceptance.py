@@ -51,7 +51,8 @@ def logits() -> torch.Tensor:
 @pytest.fixture(scope="module")
 def p(logits) -> torch.Tensor:
     probs = target_probs(logits, SamplingParams(temperature=1.0))
-    assert (probs > 5 / WINDOWS * 10).sum(-1).min() >= 10, "p too peaked: the fit test would have no power"
+    # Power: every position has several tokens expected 50+ times in WINDOWS draws, none dominates.
+    assert (probs > 50 / WINDOWS).sum(-1).min() >= 6 and probs.max() < 0.5, "p too peaked for a fit test"
     return probs
 
 
