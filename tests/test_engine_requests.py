@@ -3,6 +3,7 @@ equals the final text, cancellation stops within a step."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 
@@ -90,6 +91,10 @@ def test_streamed_deltas_concatenate_to_the_final_text(engine):
     result = engine.generate(request, DraftPolicy(draft_length=3), on_delta=deltas.append)
     assert "".join(d.text for d in deltas) == result.text
     assert sum(len(d.token_ids) for d in deltas) == result.completion_tokens
+    # The stop string fired (the held-back text was never streamed), it did not just happen to be absent.
+    assert result.finish_reason == FinishReason.STOP
+    free = engine.generate(dataclasses.replace(request, stop=()), DraftPolicy(draft_length=3))
+    assert free.text.startswith(result.text + "return")
 
 
 def test_should_stop_cancels_within_one_step(engine):
