@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 
 import torch
-from scipy.stats import chisquare
+from scipy.stats import chi2, chisquare, ncx2
 
 from service.engine import Engine, EngineConfig, sampling
 from service.engine.weights import MODELS_DIR
@@ -43,21 +43,40 @@ def patch_engine_sampling(monkeypatch, **functions: Callable) -> None:
         monkeypatch.setattr(module, name, function)
 
 
-def fit_pvalue(samples: list[int], probs: torch.Tensor) -> float:
-    """Chi-square goodness of fit of samples to probs, pooling outcomes expected fewer than 5 times."""
-    n = len(samples)
-    counts = torch.bincount(torch.tensor(samples), minlength=probs.shape[0]).double()
+def _pooled_bins(probs: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """Chi-square bins for n draws from probs [V]: one per outcome expected 5+ times, the rest
+    pooled (folded into the largest bin when even the pool is expected fewer than 5 times).
+    -> (bin of each outcome [V], number of bins)."""
     expected = probs.double() * n
     big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
-    if exp[-1] < 5:  # too little pooled mass to test on its own: fold it into the largest bin
-        top = int(exp[:-1].argmax())
-        obs[top] += obs[-1]
-        exp[top] += exp[-1]
-        obs, exp = obs[:-1], exp[:-1]
-    exp = exp * obs.sum() / exp.sum()
-    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+    bins = torch.full(probs.shape, int(big.sum()), dtype=torch.long)
+    bins[big] = torch.arange(int(big.sum()))
+    if expected[~big].sum() < 5:
+        bins[~big] = bins[int(expected.masked_fill(~big, -1).argmax())]
+        return bins, int(big.sum())
+    return bins, int(big.sum()) + 1
+
+
+def _binned(values: torch.Tensor, bins: torch.Tensor, count: int) -> torch.Tensor:
+    return torch.zeros(count, dtype=torch.float64).index_add_(0, bins, values.double())
+
+
+def fit_pvalue(samples: list[int], probs: torch.Tensor) -> float:
+    """Chi-square goodness of fit of samples to probs [V] (outcomes expected < 5 times pooled)."""
+    bins, count = _pooled_bins(probs, len(samples))
+    observed = _binned(torch.bincount(torch.tensor(samples), minlength=probs.shape[0]), bins, count)
+    expected = _binned(probs, bins, count)
+    expected = expected * observed.sum() / expected.sum()
+    return float(chisquare(observed.numpy(), expected.numpy()).pvalue)
+
+
+def fit_power(probs: torch.Tensor, wrong: torch.Tensor, n: int, alpha: float) -> float:
+    """Probability that `fit_pvalue` of n draws from `wrong` against `probs` falls below alpha
+    (the chi-square statistic is then noncentral, noncentrality n * sum (w - p)^2 / p over the bins)."""
+    bins, count = _pooled_bins(probs, n)
+    p, w = _binned(probs, bins, count), _binned(wrong, bins, count)
+    noncentrality = float(n * ((w - p) ** 2 / p).sum())
+    return float(ncx2.sf(chi2.isf(alpha, count - 1), count - 1, noncentrality))
 
 
 # ------------------------------------------------------------------ wrong acceptance rules
