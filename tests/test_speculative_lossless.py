@@ -128,13 +128,33 @@ def spread_prompt(engine):
     return engine.tokenizer.decode(list(ids)), list(ids), p
 
 
+def ngram_proposal(engine, ids: list[int]) -> int | None:
+    proposal = ngram.propose(torch.tensor(ids), 1, engine.config.ngram_min, engine.config.ngram_max)
+    return int(proposal[0]) if proposal.numel() else None
+
+
+def first_token_law_residual_from_p_point_mass(p: torch.Tensor, x: int) -> torch.Tensor:
+    """First-token law when a point-mass proposal x is judged right but a rejection draws from p."""
+    wrong = (1 - p[x]) * p
+    wrong[x] = p[x] * (2 - p[x])
+    return wrong
+
+
 @pytest.fixture(scope="module")
 def repeated_prompt(engine):
-    """A snippet written twice, so the n-gram drafter proposes at the first step; the most spread."""
-    candidates = {tuple(engine.tokenizer.encode(p).ids[-n:]) * 2 for p in heldout_prompts(24) for n in (4, 6)}
-    candidates = {c for c in candidates if ngram.propose(torch.tensor(c), 1, engine.config.ngram_min,
-                                                         engine.config.ngram_max).numel()}
-    ids = max(sorted(candidates), key=lambda c: entropy(next_token_probs(engine, list(c))))
+    """A held-out snippet followed by its own first 2-3 tokens, so the n-gram drafter proposes the
+    snippet's next token at the first step; chosen so a residual drawn from p would show most (the
+    proposal neither certain nor unlikely under p), among spread next-token distributions."""
+    def signal(ids: tuple[int, ...]) -> float:
+        x = ngram_proposal(engine, list(ids))
+        p = next_token_probs(engine, list(ids))
+        if x is None or entropy(p) < 0.8 or int((p > 0.05).sum()) < 3:
+            return 0.0
+        return float(((first_token_law_residual_from_p_point_mass(p, x) - p) ** 2 / p.clamp(min=1e-12)).sum())
+
+    tokenized = [engine.tokenizer.encode(p).ids for p in heldout_prompts(16)]
+    candidates = {tuple(ids[-n:] + ids[-n:][:m]) for ids in tokenized for n in (4, 6, 8) for m in (2, 3)}
+    ids = max(sorted(candidates), key=signal)
     p = next_token_probs(engine, list(ids))
     assert_spread(p)
     return engine.tokenizer.decode(list(ids)), list(ids), p
@@ -275,9 +295,13 @@ def test_the_same_fit_test_rejects_a_wrong_engine(engine, spread_prompt, spread_
 
 def test_sampled_ngram_drafts_give_the_target_joint_law_of_the_first_two_tokens(engine, repeated_prompt):
     prompt, ids, p = repeated_prompt
+    law = FirstTwoTokens(engine, ids, p)
+    # Power against a residual drawn from p (with a point mass, the bug n-gram drafting would show).
+    wrong = law.joint(first_token_law_residual_from_p_point_mass(p, ngram_proposal(engine, ids)))
+    assert fit_power(law.law, wrong, E2E_REQUESTS, ALPHA) > 0.99
     outputs, first_steps = first_two_tokens(engine, prompt, DraftPolicy(drafter=Drafter.NGRAM, draft_length=3))
-    assert all(s.drafted for s in first_steps)  # the same proposal every time: q a point mass
-    assert FirstTwoTokens(engine, ids, p).pvalue(outputs) > ALPHA
+    assert_both_paths_taken(first_steps)  # the same proposal every time: q a point mass
+    assert law.pvalue(outputs) > ALPHA
 
 
 def test_greedy_draft_with_a_sampled_target_gives_the_target_joint_law(engine, spread_prompt, spread_law):
