@@ -238,13 +238,14 @@ class FirstTwoTokens:
         return fit_pvalue([self.bin(t) for t in outputs], self.law)
 
 
-def first_two_tokens(engine, prompt: str, policy: DraftPolicy, requests: int = E2E_REQUESTS):
-    """Seeded requests of two new tokens (the first step drafts k = 1: its bonus is the second
-    token) -> (token pairs, each request's first StepRecord)."""
+def first_two_tokens(engine, ids: list[int], policy: DraftPolicy, requests: int = E2E_REQUESTS):
+    """Seeded requests of two new tokens after the prompt ids (the exact ids the law was computed
+    for; the first step drafts k = 1, its bonus is the second token) -> (token pairs, first steps)."""
     outputs, first_steps = [], []
     for seed in range(requests):
-        sampling = dataclasses.replace(SAMPLING, seed=seed)
-        result = engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=2, sampling=sampling), policy)
+        request = GenerationRequest(prompt_token_ids=tuple(ids), max_new_tokens=2,
+                                    sampling=dataclasses.replace(SAMPLING, seed=seed))
+        result = engine.generate(request, policy)
         outputs.append(result.token_ids)
         first_steps.append(result.steps[0])
     return outputs, first_steps
@@ -265,7 +266,7 @@ def spread_law(engine, spread_prompt):
 
 
 def test_sampled_model_drafts_give_the_target_joint_law_of_the_first_two_tokens(engine, spread_prompt, spread_law):
-    outputs, first_steps = first_two_tokens(engine, spread_prompt[0], MODEL_DRAFTS)
+    outputs, first_steps = first_two_tokens(engine, spread_prompt[1], MODEL_DRAFTS)
     assert_both_paths_taken(first_steps)
     assert spread_law.pvalue(outputs) > ALPHA
 
@@ -289,24 +290,24 @@ def test_the_same_fit_test_rejects_a_wrong_engine(engine, spread_prompt, spread_
         wrong_law = spread_law.joint(wrong_first_token_laws(p, q)[variant])
     assert fit_power(spread_law.law, wrong_law, E2E_REQUESTS, ALPHA) > 0.99
     patch_engine_sampling(monkeypatch, accept=WRONG_ENGINES[variant])
-    outputs, _ = first_two_tokens(engine, spread_prompt[0], MODEL_DRAFTS)
+    outputs, _ = first_two_tokens(engine, spread_prompt[1], MODEL_DRAFTS)
     assert spread_law.pvalue(outputs) < ALPHA
 
 
 def test_sampled_ngram_drafts_give_the_target_joint_law_of_the_first_two_tokens(engine, repeated_prompt):
-    prompt, ids, p = repeated_prompt
+    _, ids, p = repeated_prompt
     law = FirstTwoTokens(engine, ids, p)
     # Power against a residual drawn from p (with a point mass, the bug n-gram drafting would show).
     wrong = law.joint(first_token_law_residual_from_p_point_mass(p, ngram_proposal(engine, ids)))
     assert fit_power(law.law, wrong, E2E_REQUESTS, ALPHA) > 0.99
-    outputs, first_steps = first_two_tokens(engine, prompt, DraftPolicy(drafter=Drafter.NGRAM, draft_length=3))
+    outputs, first_steps = first_two_tokens(engine, ids, DraftPolicy(drafter=Drafter.NGRAM, draft_length=3))
     assert_both_paths_taken(first_steps)  # the same proposal every time: q a point mass
     assert law.pvalue(outputs) > ALPHA
 
 
 def test_greedy_draft_with_a_sampled_target_gives_the_target_joint_law(engine, spread_prompt, spread_law):
     """Draft temperature 0: q is a point mass at the draft's argmax, the target still samples."""
-    outputs, first_steps = first_two_tokens(engine, spread_prompt[0], DraftPolicy(draft_length=3, draft_temperature=0))
+    outputs, first_steps = first_two_tokens(engine, spread_prompt[1], DraftPolicy(draft_length=3, draft_temperature=0))
     assert_both_paths_taken(first_steps)
     assert spread_law.pvalue(outputs) > ALPHA
 
