@@ -265,6 +265,7 @@ def spread_law(engine, spread_prompt):
     return FirstTwoTokens(engine, ids, p)
 
 
+@pytest.mark.slow  # 400 seeded requests: ~10-40 s on 2 shared cores
 def test_sampled_model_drafts_give_the_target_joint_law_of_the_first_two_tokens(engine, spread_prompt, spread_law):
     outputs, first_steps = first_two_tokens(engine, spread_prompt[1], MODEL_DRAFTS)
     assert_both_paths_taken(first_steps)
@@ -278,6 +279,7 @@ WRONG_ENGINES = {
 }
 
 
+@pytest.mark.slow  # 400 seeded requests: ~10-40 s on 2 shared cores
 @pytest.mark.parametrize("variant", WRONG_ENGINES)
 def test_the_same_fit_test_rejects_a_wrong_engine(engine, spread_prompt, spread_law, monkeypatch, variant):
     """Negative controls: the end-to-end test above, on an engine with one realistic sampling bug.
@@ -294,6 +296,7 @@ def test_the_same_fit_test_rejects_a_wrong_engine(engine, spread_prompt, spread_
     assert spread_law.pvalue(outputs) < ALPHA
 
 
+@pytest.mark.slow  # 400 seeded requests: ~10-40 s on 2 shared cores
 def test_sampled_ngram_drafts_give_the_target_joint_law_of_the_first_two_tokens(engine, repeated_prompt):
     _, ids, p = repeated_prompt
     law = FirstTwoTokens(engine, ids, p)
@@ -305,6 +308,7 @@ def test_sampled_ngram_drafts_give_the_target_joint_law_of_the_first_two_tokens(
     assert law.pvalue(outputs) > ALPHA
 
 
+@pytest.mark.slow  # 400 seeded requests: ~10-40 s on 2 shared cores
 def test_greedy_draft_with_a_sampled_target_gives_the_target_joint_law(engine, spread_prompt, spread_law):
     """Draft temperature 0: q is a point mass at the draft's argmax, the target still samples."""
     outputs, first_steps = first_two_tokens(engine, spread_prompt[1], DraftPolicy(draft_length=3, draft_temperature=0))
