@@ -27,6 +27,7 @@ from tuner.space import PolicyKey, SearchSpace, policy_key
 
 ROLE_SEARCH = "search"
 ROLE_REMEASURE = "remeasure"
+ROLE_CHALLENGE = "challenge"  # continuous mode: a challenger beside the incumbent at the exploration share
 FAIL_INTERRUPTED = "interrupted"
 
 

@@ -88,6 +88,15 @@ class TunerEvent:
     paired: PairedRatio | None = None  # for TRIAL_FINISHED of a paired / interleaved trial
 
 
+@dataclass(frozen=True)
+class Challenge:
+    trial: int
+    policy: DraftPolicy
+    state: TrialState
+    measurement: Measurement
+    paired: PairedMeasurement | None  # None when it ran alone (sequential mode)
+
+
 class Tuner:
     def __init__(
         self,
@@ -182,6 +191,9 @@ class Tuner:
         self._emit(TunerEvent(EventKind.WINNER, policy=best.policy, value=best.mean, best=best,
                               done=st.search_trials_done(self._study), total=self._config.trials))
         return best
+
+    def apply(self, policy: DraftPolicy) -> None:
+        self._admin.apply(policy)
 
     def apply_incumbent(self) -> st.PolicyScore | None:
         best = st.incumbent(self._study, self._space)
@@ -310,6 +322,51 @@ class Tuner:
         floor = factor * switch
         return replace(base, min_seconds=max(base.min_seconds, floor), max_seconds=base.max_seconds + floor)
 
+    def challenge(
+        self, params: dict[str, object] | None, incumbent: st.PolicyScore, share: float, prune: bool = True
+    ) -> Challenge | None:
+        """Continuous mode: one challenger (`params`, or TPE's next proposal when None) beside the
+        incumbent at `share` of the traffic, told as a trial of role "challenge" (TPE learns from it;
+        it never changes the incumbent by itself). None when TPE proposed a policy already measured
+        (its result reused, no traffic spent)."""
+        if params is not None:
+            self._study.enqueue_trial(params, user_attrs={"role": st.ROLE_CHALLENGE})
+        trial = self._study.ask()
+        try:
+            trial.set_user_attr("role", st.ROLE_CHALLENGE)
+            trial.set_user_attr("tuner_id", self._config.tuner_id)
+            st.beat(trial, self._wall_clock)
+            policy = self._space.suggest(trial, st.policy_id(self._study.study_name, trial.number))
+            if params is None and (policy_key(policy) == incumbent.key or st.previous_result(
+                    self._study, self._space, policy_key(policy)) is not None):
+                self._tell_duplicate_challenge(trial, policy, incumbent)
+                return None
+            self._emit(TunerEvent(EventKind.TRIAL_STARTED, trial.number, st.ROLE_CHALLENGE, policy, best=incumbent))
+            measured = self.measure_against(policy, incumbent, lambda stats: None,
+                                            lambda: st.beat(trial, self._wall_clock), prune, share)
+            paired = measured if isinstance(measured, PairedMeasurement) else None
+            m = paired.candidate if paired else measured
+            state = self._tell(trial, m, incumbent, paired)
+        except ServerUnavailable as e:
+            self._fail(trial, f"server unreachable: {e}")
+            raise
+        except BaseException:
+            self._fail(trial, st.FAIL_INTERRUPTED)
+            raise
+        self._emit(TunerEvent(EventKind.TRIAL_FINISHED, trial.number, st.ROLE_CHALLENGE, policy, state.name,
+                              m.value if state is not TrialState.FAIL else None, m.stats, incumbent,
+                              message=str(trial.user_attrs.get("fail_reason") or trial.user_attrs.get("prune_reason")
+                                          or ""), paired=paired.ratio if paired else None))
+        return Challenge(trial.number, policy, state, m, paired)
+
+    def _tell_duplicate_challenge(self, trial: optuna.Trial, policy: DraftPolicy, incumbent: st.PolicyScore) -> None:
+        previous = st.previous_result(self._study, self._space, policy_key(policy))
+        if previous is not None:
+            self._tell_duplicate(trial, policy, previous)
+            return
+        trial.set_user_attr("duplicate_of", incumbent.trials[0])  # TPE proposed the incumbent itself
+        self._study.tell(trial, incumbent.mean)
+
     def _tell_duplicate(self, trial: optuna.Trial, policy: DraftPolicy, previous: FrozenTrial) -> TrialState:
         """The sampler asked for a policy already measured: reuse that result instead of spending
         traffic on it (noise is handled by pairing and the re-measure phase, not by random repeats).
@@ -319,9 +376,10 @@ class Tuner:
                 trial.set_user_attr(key, value)
         trial.set_user_attr("duplicate_of", previous.number)
         if previous.state is TrialState.COMPLETE:
-            score = next(s for s in st.scores(self._study, self._space) if s.key == policy_key(policy))
-            self._study.tell(trial, score.mean)
-            state, value = TrialState.COMPLETE, score.mean
+            score = next((s for s in st.scores(self._study, self._space) if s.key == policy_key(policy)), None)
+            value = score.mean if score is not None else float(previous.value)  # a challenge-only policy
+            self._study.tell(trial, value)
+            state = TrialState.COMPLETE
         else:
             step, value = max(previous.intermediate_values.items()) if previous.intermediate_values else (0, None)
             if value is not None:
