@@ -159,6 +159,45 @@ def test_sigterm_mid_trial_fails_it_restores_the_incumbent_and_exits_130(served,
     assert admin_client.get_policy().policy_id == "termed/0"  # the only complete trial is the incumbent
 
 
+def run_continuous_until(cmd: list[str], marker: str) -> tuple[int, str]:
+    """Start `moespec tune --continuous`, SIGTERM it once a stderr line contains `marker`."""
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    seen = []
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if marker in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, rest = proc.communicate(timeout=60)
+        return proc.returncode, "".join(seen) + rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_continuous_mode_sigterm_saves_state_and_a_restart_keeps_the_incumbent(served, admin_client, load,
+                                                                                 otlp_port, tmp_path):
+    storage = f"sqlite:///{tmp_path / 't.db'}"
+    cmd = tune_cmd(served.address, otlp_port, storage, "--trials", "2", "--remeasure", "0", "--continuous",
+                   "--exploration-share", "0.25", study="forever")
+    code, err = run_continuous_until(cmd, "trial 2 [challenge]")  # the search is over, a challenger runs
+    assert code == 130, err
+    study = load_study(storage, "forever")
+    assert "continuous" in study.user_attrs, err
+    saved = study.user_attrs["continuous"]["incumbent"]
+    assert [d["kind"] for d in study.user_attrs["decisions"]] == ["initial"]
+    assert study.trials[2].state is TrialState.FAIL  # the interrupted challenge
+    assert study.trials[2].user_attrs["role"] == st.ROLE_CHALLENGE
+    assert admin_client.get_split().arms[0].policy.policy_id == saved["policy_id"]  # alone again
+    assert len(admin_client.get_split().arms) == 1
+
+    code, err = run_continuous_until(cmd, "decision initial")
+    assert code == 130, err
+    assert "restarted: the saved incumbent is kept" in err and saved["policy_id"] in err
+    assert admin_client.get_policy().policy_id == saved["policy_id"]
+
+
 def test_window_without_traffic_is_told_fail_and_the_tuner_exits_5(served, otlp_port, tmp_path):
     storage = f"sqlite:///{tmp_path / 't.db'}"
     # Its own study name: the server may still export spans of the previous tests' "t/..." ids.
