@@ -184,8 +184,10 @@ class Measurer:
                     other = self._collector.traffic().unwatched_spans - unwatched_before
                     m = Measurement(candidate, outcome, cand, value, now - start, reapplied, other)
                     return PairedMeasurement(m, ctrl, control, ratio, share)
-                judged = min(cand.committed, ctrl.committed)  # both arms need data before a ratio means anything
-                if prune and math.isfinite(value) and cfg.prune.should_prune(
+                # Both arms need data before a ratio means anything, and the candidate must be worse with
+                # confidence (its whole interval above 1): one slow control request cannot prune it.
+                judged = min(cand.committed, ctrl.committed)
+                if prune and math.isfinite(value) and ratio.worse and cfg.prune.should_prune(
                     value, judged, min(cand.steps, ctrl.steps), window.min_tokens, window.min_steps, control_value
                 ):
                     m = Measurement(candidate, Outcome.PRUNED, cand, value, now - start, reapplied)
