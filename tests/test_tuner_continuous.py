@@ -19,10 +19,10 @@ from tuner import study as st
 from tuner.admin import PolicyAdmin
 from tuner.assemble import assemble
 from tuner.collector import SpanCollector
-from tuner.continuous import ContinuousConfig, ContinuousTuner, ShiftDetector
+from tuner.continuous import ContinuousConfig, ContinuousTuner, ShiftDetector, idle_floor
 from tuner.metrics import TunerMetrics
 from tuner.spans import request_sample
-from tuner.window import WindowSpec
+from tuner.window import WindowSpec, WindowStats
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -153,3 +153,22 @@ def test_acceptance_shift_needs_consecutive_confirmations_and_enough_drafts():
     assert d.observe_acceptance(0.58, drafted=500) is None  # back to normal: strikes reset
     assert d.observe_acceptance(0.2, drafted=500) is None
     assert d.observe_acceptance(0.25, drafted=500) is not None
+
+
+def test_after_an_interleaved_challenge_the_incumbent_serves_alone_long_enough_to_keep_the_share():
+    from optuna.trial import TrialState
+
+    from tuner.measure import Measurement, Outcome, PairedMeasurement
+    from tuner.paired import PairedRatio
+    from tuner.tuning import Challenge
+
+    stats = WindowStats("x")
+    m = Measurement(DraftPolicy(), Outcome.COMPLETE, stats, 1.0, seconds=6.0, reapplied=0)
+
+    def challenge(share: float) -> Challenge:
+        paired = PairedMeasurement(m, stats, DraftPolicy(), PairedRatio(1.0, 0.9, 1.1, 5, 5), share)
+        return Challenge(1, DraftPolicy(), TrialState.COMPLETE, m, paired)
+
+    assert idle_floor(challenge(0.1), 0.1) == 0.0  # a split at the exploration share bounds it already
+    assert idle_floor(challenge(0.5), 0.1) == pytest.approx(54.0)  # 6 s of all traffic -> 54 s alone
+    assert idle_floor(None, 0.1) == 0.0

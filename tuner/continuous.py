@@ -8,7 +8,8 @@ Contract:
   runners-up, a fresh TPE proposal. A challenger whose whole confidence interval of cost relative to
   the incumbent lies below 1 - `min_gain` is promoted. Between rounds the incumbent serves alone for
   an idle time that doubles while nothing changes (cheap when the workload is steady) and resets
-  after any decision.
+  after any decision. On a backend that runs one policy at a time the challenger's window had all
+  the traffic, so the idle time is also at least window x (1 - share) / share.
 - Workload shift (`ShiftDetector`): the incumbent's cost relative to plain decoding moves by more than
   `plain_shift` with the old value outside the new interval, or the incumbent's acceptance rate
   moves by more than `acceptance_shift` in `confirmations` consecutive windows. Then the search
@@ -108,6 +109,15 @@ class ShiftDetector:
         return None
 
 
+def idle_floor(c: Challenge | None, share: float) -> float:
+    """Where the challenger had all the traffic for its window (a backend that runs one policy at a
+    time: interleaved windows), the incumbent then serves alone long enough that the challenger got
+    at most `share` of the time. Nothing to add after a split window: the split already bounds it."""
+    if c is None or (c.paired is not None and c.paired.share == share):
+        return 0.0
+    return c.measurement.seconds * (1.0 - share) / share
+
+
 def epoch_study_name(root: str, epoch: int) -> str:
     return root if epoch == 0 else f"{root}~{epoch}"
 
@@ -150,7 +160,7 @@ class ContinuousTuner:
             decided = self._judge(result) if result is not None else False
             self.restore()
             idle = self._config.idle_seconds if decided else min(self._config.max_idle_seconds, idle * 2)
-            stop.wait(idle)
+            stop.wait(max(idle, idle_floor(result, self._config.exploration_share)))
 
     def restore(self) -> None:
         """Put the incumbent back as the only policy (after a challenge, an interruption, at start)."""
