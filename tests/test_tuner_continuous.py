@@ -136,14 +136,28 @@ def test_restart_keeps_the_saved_incumbent_and_publishes_it_as_a_metric(tmp_path
     assert points and points[-1][1][a.SPEC_POLICY_ID] == again.tuner.incumbent.policy.policy_id
 
 
-@pytest.mark.parametrize("ratio, interval, shifted", [
-    (1.65, (1.55, 1.75), False),  # the same as the baseline 1.67: no shift
-    (0.70, (0.62, 0.78), True),  # plain now nearly as cheap... cheaper: the incumbent lost its edge
-    (1.20, (0.70, 1.90), False),  # moved, but too noisy to say (the old value is inside the interval)
-])
-def test_plain_probe_shift_needs_a_large_move_outside_the_interval(ratio, interval, shifted):
-    d = ShiftDetector(ContinuousConfig(), plain_ratio=1.67)
-    assert (d.observe_plain_probe(ratio, *interval) is not None) is shifted
+@pytest.mark.parametrize("ratio, interval, first, second", [
+    (1.65, (1.55, 1.75), False, False),  # the same as the baseline 1.67: no shift
+    (1.10, (1.02, 1.19), True, True),  # a large move, old value outside: needs a second probe to agree
+    (0.70, (0.62, 0.78), True, None),  # plain now cheaper with confidence: at once
+    (1.20, (0.70, 1.90), False, False),  # moved, but too noisy to say (the old value is inside the interval)
+], ids=["same", "moved", "plain-wins", "noisy"])
+def test_plain_probe_shift_needs_a_confirmed_move_outside_the_interval(ratio, interval, first, second):
+    d = ShiftDetector(ContinuousConfig(confirmations=2), plain_ratio=1.67, plain_probes=3)
+    fired = d.observe_plain_probe(ratio, *interval) is not None
+    if second is None:
+        assert fired
+        return
+    assert not fired  # one signalling probe is not enough here
+    assert (d.observe_plain_probe(ratio, *interval) is not None) is (first and second)
+
+
+def test_plain_baseline_comes_from_probes_and_pools_the_quiet_ones():
+    d = ShiftDetector(ContinuousConfig(confirmations=1))
+    assert d.observe_plain_probe(1.6, 1.2, 2.1) is None and d.plain_ratio == pytest.approx(1.6)
+    assert d.observe_plain_probe(1.4, 1.1, 1.8) is None  # inside the noise: pooled
+    assert d.plain_ratio == pytest.approx((1.6 * 1.4) ** 0.5) and d.plain_probes == 2
+    assert d.observe_plain_probe(0.7, 0.6, 0.8) is not None
 
 
 def test_acceptance_shift_needs_consecutive_confirmations_and_enough_drafts():

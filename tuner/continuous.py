@@ -10,9 +10,10 @@ Contract:
   an idle time that doubles while nothing changes (cheap when the workload is steady) and resets
   after any decision. On a backend that runs one policy at a time the challenger's window had all
   the traffic, so the idle time is also at least window x (1 - share) / share.
-- Workload shift (`ShiftDetector`): the incumbent's cost relative to plain decoding moves by more than
-  `plain_shift` with the old value outside the new interval, or the incumbent's acceptance rate
-  moves by more than `acceptance_shift` in `confirmations` consecutive windows. Then the search
+- Workload shift (`ShiftDetector`): the incumbent's cost relative to plain decoding (pooled over the
+  plain probes since it was chosen) moves by more than `plain_shift` with the old value outside the
+  new interval, or the incumbent's acceptance rate moves by more than `acceptance_shift`, in
+  `confirmations` consecutive windows. Then the search
   re-opens: a fresh study `<study>~<epoch>` (TPE starts without the old workload's history) with
   `reopen_trials` trials, and its winner becomes the incumbent.
 - State: every decision is appended to the root study's user attribute "decisions" (the last
@@ -73,11 +74,20 @@ class Decision:
 
 @dataclass
 class ShiftDetector:
-    """Decides from challenge windows whether the workload changed under the incumbent."""
+    """Decides from challenge windows whether the workload changed under the incumbent.
+
+    The plain-decoding baseline comes from the plain probes themselves (paired, same window), never
+    from the search's values: the search's winner is the policy whose measurement was luckiest, so
+    its value is biased low and a baseline built on it flags a shift that is only regression to the
+    mean (the first benchmark run did exactly that). Probes that signal nothing are pooled into the
+    baseline (geometric mean); a shift needs `confirmations` signalling probes in a row, or one in
+    which plain decoding beats the incumbent with confidence."""
 
     config: ContinuousConfig
-    plain_ratio: float | None = None  # cost(plain) / cost(incumbent) when the incumbent was chosen
-    acceptance: float | None = None  # the incumbent's acceptance rate then
+    plain_ratio: float | None = None  # cost(plain) / cost(incumbent), pooled over this incumbent's probes
+    acceptance: float | None = None  # the incumbent's acceptance rate when it was chosen
+    plain_probes: int = 0
+    _plain_strikes: int = 0
     _acceptance_strikes: int = 0
 
     def observe_plain_probe(self, ratio: float, low: float, high: float) -> str | None:
@@ -85,12 +95,21 @@ class ShiftDetector:
         if not math.isfinite(ratio) or ratio <= 0:
             return None
         if self.plain_ratio is None:
-            self.plain_ratio = ratio
+            self.plain_ratio, self.plain_probes = ratio, 1
             return None
         moved = abs(math.log(ratio / self.plain_ratio)) > math.log1p(self.config.plain_shift)
         if moved and not low <= self.plain_ratio <= high:
-            return (f"plain decoding now costs {ratio:.2f}x the incumbent (interval {low:.2f}-{high:.2f}), "
-                    f"was {self.plain_ratio:.2f}x")
+            self._plain_strikes += 1
+            # Plain decoding beating the incumbent with confidence needs no second look.
+            if self._plain_strikes >= self.config.confirmations or high < 1.0:
+                return (f"plain decoding now costs {ratio:.2f}x the incumbent (interval {low:.2f}-{high:.2f}), "
+                        f"was {self.plain_ratio:.2f}x over {self.plain_probes} probes; {self._plain_strikes} "
+                        f"probes in a row")
+            return None
+        self._plain_strikes = 0
+        n = self.plain_probes
+        self.plain_ratio = math.exp((n * math.log(self.plain_ratio) + math.log(ratio)) / (n + 1))
+        self.plain_probes = n + 1
         return None
 
     def observe_acceptance(self, acceptance: float, drafted: int) -> str | None:
@@ -202,6 +221,7 @@ class ContinuousTuner:
         if kept is not None:
             self.incumbent = self._score_from_saved(kept)
             self.detector.plain_ratio = saved.get("plain_ratio")
+            self.detector.plain_probes = int(saved.get("plain_probes", 1 if saved.get("plain_ratio") else 0))
             self.detector.acceptance = saved.get("acceptance")
             self._decide("initial", "restarted: the saved incumbent is kept")
         elif winner is not None:
@@ -226,10 +246,8 @@ class ContinuousTuner:
         self._decide("promote", reason)
 
     def _baseline_from_study(self) -> None:
-        ranked = st.scores(self.built.study, self.built.space)
-        plain = next((s for s in ranked if s.policy.draft_length == 0), None)
-        if plain is not None and self.incumbent.mean > 0 and self.incumbent.policy.draft_length > 0:
-            self.detector.plain_ratio = plain.mean / self.incumbent.mean
+        """The acceptance baseline from the winner's own window; the plain baseline is left to the
+        probes (see ShiftDetector)."""
         trial = self.built.study.get_trials(deepcopy=False)[self.incumbent.trials[0]]
         if int(trial.user_attrs.get("drafted_tokens", 0)) >= self._config.min_drafted_for_acceptance:
             self.detector.acceptance = float(trial.user_attrs.get("acceptance_rate", 0.0))
@@ -245,6 +263,7 @@ class ContinuousTuner:
             "incumbent": {"params": self.built.space.params_of(inc.policy), "policy_id": inc.policy.policy_id,
                           "value": inc.mean, "trial": inc.trials[0], "label": inc.key.label()},
             "plain_ratio": self.detector.plain_ratio,
+            "plain_probes": self.detector.plain_probes,
             "acceptance": self.detector.acceptance,
         })
         if self._metrics is not None:
