@@ -13,7 +13,7 @@ import torch
 from service import whatif
 from service.expert_parallel import make_placement
 from service.recording import RecordingError, StepRecorder, read_recording
-from service.types import Drafter, DraftPolicy, GenerationRequest, ModelInfo, StepRecord
+from service.types import Drafter, DraftPolicy, GenerationRequest, ModelInfo, SamplingParams, StepRecord
 from tests.engine_helpers import heldout_prompts, make_engine
 
 L, E, M, H = 2, 16, 2, 8
@@ -59,7 +59,7 @@ def test_replay_committed_counts_have_known_answers() -> None:
     assert by_k[3].committed_per_step == pytest.approx(4 / 2)  # k' = k reproduces the run
     assert by_k[3].committed_per_step_spread == 0  # nothing untested: every draw is the same
     assert by_k[1].acceptance_per_position == (0.5,)
-    assert by_k[3].acceptance_per_position == (0.5, 1.0, 0.0)
+    assert by_k[3].acceptance_per_position == (0.5, 0.5, 0.0)  # of the 2 steps that drafted each
 
 
 def test_untested_bonus_positions_follow_the_run_s_continuation_rate() -> None:
@@ -169,7 +169,7 @@ def test_union_recount_of_a_shorter_window_equals_the_engine_running_that_window
     engine measured for its own window."""
     matched = 0
     for prompt in heldout_prompts(2):
-        request = GenerationRequest(prompt=prompt, max_new_tokens=24)
+        request = GenerationRequest(prompt=prompt, max_new_tokens=24, sampling=SamplingParams(temperature=0))
         prompt_len = len(engine.tokenizer.encode(prompt).ids)
         long = engine.generate(request, DraftPolicy(Drafter.MODEL, 4, 0.0))
         windows = {(start, s.window_ids): s for start, s in zip(start_positions(prompt_len, long.steps), long.steps,
@@ -186,4 +186,4 @@ def test_union_recount_of_a_shorter_window_equals_the_engine_running_that_window
                 recount = tuple(len(torch.unique(layer)) for layer in ids)
                 assert recount == s.unique_experts
                 matched += 1
-    assert matched >= 8  # the first window of every run always matches; many more do
+    assert matched >= 4  # the first window of each of the 4 short runs always matches (10 did here)
