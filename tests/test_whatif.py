@@ -25,11 +25,16 @@ def curve(w: int, union_mean: float) -> float:
     return C0 + C_POS * w + C_EXPERT * union_mean
 
 
+def union0(w: int) -> int:
+    return 2 if w == 1 else 4
+
+
 def synthetic_step(k: int, drafted: int, accepted: int, layer1: tuple[int, int] = (8, 9)) -> StepRecord:
-    """Layer 0: position p picks experts {2p, 2p+1} (union 2w); layer 1: every position picks `layer1`."""
+    """Layer 0: positions 0 and 1 pick {0, 1} and {2, 3}, later ones {0, 1} again (union0(w), and a
+    recount from the window's last positions would differ); layer 1: every position picks `layer1`."""
     w = drafted + 1
-    topk = (tuple((2 * p, 2 * p + 1) for p in range(w)), tuple(layer1 for _ in range(w)))
-    union = (2 * w, 2)
+    topk = (tuple((2 * p, 2 * p + 1) if p < 2 else (0, 1) for p in range(w)), tuple(layer1 for _ in range(w)))
+    union = (union0(w), 2)
     plain = curve(1, M)
     verify = curve(w, sum(union) / L)
     return StepRecord(
@@ -79,16 +84,16 @@ def test_unions_costs_and_ep_views_have_known_answers() -> None:
         k = p.draft_length
         windows = [min(3, k) + 1, min(3, k) + 1, min(1, k) + 1]
         assert p.window_mean == pytest.approx(sum(windows) / 3)
-        assert p.unique_experts_mean == pytest.approx((sum(2 * w for w in windows) / 3, 2.0))
-        expected_verify = sum(curve(w, (2 * w + 2) / 2) for w in windows) / 3
+        assert p.unique_experts_mean == pytest.approx((sum(union0(w) for w in windows) / 3, 2.0))
+        expected_verify = sum(curve(w, (union0(w) + 2) / 2) for w in windows) / 3
         assert p.verify_seconds_per_step == pytest.approx(expected_verify, rel=1e-6)  # the fit recovers the truth
         drafts = [min(3, k), min(3, k), min(1, k)]
         assert p.draft_seconds_per_step == pytest.approx(DRAFT_PER_TOKEN * sum(drafts) / 3)
         step_seconds = p.draft_seconds_per_step + p.verify_seconds_per_step
         assert p.seconds_per_committed_token == pytest.approx(step_seconds / p.committed_per_step)
-        # EP: layer 0 stays on rank 0 while 2w <= 8 experts; layer 1 always on rank 1 (off the home rank).
+        # EP: layer 0 stays on rank 0 (experts 0..3); layer 1 always on rank 1 (off the home rank).
         assert p.ep_ranks_touched_mean == pytest.approx((1.0, 1.0))
-        assert p.ep_max_rank_experts_mean == pytest.approx((sum(2 * w for w in windows) / 3, 2.0))
+        assert p.ep_max_rank_experts_mean == pytest.approx((sum(union0(w) for w in windows) / 3, 2.0))
         offrank_pairs = sum(M * w for w in windows) / 3
         assert p.ep_dispatch_bytes_per_token == pytest.approx(offrank_pairs * H / p.committed_per_step)
     assert c.steps == 3
