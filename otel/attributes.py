@@ -167,8 +167,10 @@ DROPPED_SPANS = MetricSpec(
     "Spans lost because the export queue was full or the exporter failed.")
 
 METRICS = (REQUEST_DURATION, TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, STEP_ACCEPTED_TOKENS, STEP_UNIQUE_EXPERTS,
-           STEP_DECODE_STEP_EQUIVALENTS, STEP_SECONDS, DRAFTED_TOKENS, COMMITTED_TOKENS, DROPPED_SPANS,
-           STEP_EP_RANKS_TOUCHED, EP_DISPATCH_BYTES)
+           STEP_DECODE_STEP_EQUIVALENTS, STEP_SECONDS, DRAFTED_TOKENS, COMMITTED_TOKENS, DROPPED_SPANS)
+# Emitted only when the server estimates an expert-parallel view (`moespec serve --ep-size`).
+EP_METRICS = (STEP_EP_RANKS_TOUCHED, EP_DISPATCH_BYTES)
+ALL_METRICS = METRICS + EP_METRICS
 
 
 # ------------------------------------------------------ Prometheus translation

@@ -151,8 +151,8 @@ def promql(dashboard: dict) -> list[str]:
     return exprs + [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
 
 
-EMITTED_SERIES = {s for spec in a.METRICS for s in a.prometheus_series(spec)}
-EMITTED_LABELS = {a.prometheus_label(k) for spec in a.METRICS for k in spec.attributes} | {"le"}
+EMITTED_SERIES = {s for spec in a.ALL_METRICS for s in a.prometheus_series(spec)}
+EMITTED_LABELS = {a.prometheus_label(k) for spec in a.ALL_METRICS for k in spec.attributes} | {"le"}
 # Identifiers in PromQL that are neither metrics nor labels.
 PROMQL_WORDS = {"sum", "by", "rate", "histogram_quantile", "label_values", "le", "without", "avg", "max", "min"}
 
@@ -177,7 +177,7 @@ def test_dashboard_queries_name_only_emitted_metrics_and_labels(dashboard):
             if word in PROMQL_WORDS:
                 continue
             assert word in EMITTED_SERIES or word in EMITTED_LABELS or word in {
-                a.prometheus_name(spec) for spec in a.METRICS}, f"{word!r} in {expr}"
+                a.prometheus_name(spec) for spec in a.ALL_METRICS}, f"{word!r} in {expr}"
 
 
 def test_dashboard_shows_unique_experts_by_layer_acceptance_and_cost_by_policy(dashboard):

@@ -6,10 +6,13 @@ the step's own routed ids, within 1 <= ranks <= min(P, unique experts); absent w
 from __future__ import annotations
 
 import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from otel import attributes as a
+from otel.config import TelemetryConfig
+from otel.setup import build_telemetry_from_config
 from service.expert_parallel import EPSpec
-from service.types import Drafter, DraftPolicy
+from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 from tests.engine_helpers import make_engine
 from tests.test_otel_spans import receiver, run, telemetry_for, trace_spans  # noqa: F401 (fixture)
 
@@ -82,3 +85,25 @@ def test_without_an_ep_size_no_ep_attribute_is_exported(receiver):  # noqa: F811
         telemetry.shutdown()
     keys = {k for s in spans for k in s["attributes"]}
     assert not keys & {*a.EP_VERIFY_SPAN_KEYS, *a.EP_REQUEST_SPAN_KEYS}
+
+
+def test_ep_metrics_count_every_step(engine):
+    reader = InMemoryMetricReader()
+    telemetry = build_telemetry_from_config(TelemetryConfig(), engine.info, extra_metric_readers=[reader])
+    policy = DraftPolicy(Drafter.NGRAM, 4, policy_id="ep-metrics")
+    request = GenerationRequest(prompt="def add(a, b):\n", max_new_tokens=16, sampling=SamplingParams(temperature=0))
+    try:
+        with telemetry.request(engine.info, request, policy) as obs:
+            result = engine.generate(request, policy)
+            obs.finish(result)
+        points = {m.name: m.data.data_points for rm in reader.get_metrics_data().resource_metrics
+                  for sm in rm.scope_metrics for m in sm.metrics}
+    finally:
+        telemetry.shutdown()
+    (dispatched,) = points[a.EP_DISPATCH_BYTES.name]
+    assert dispatched.value == sum(s.ep_dispatch_bytes for s in result.steps)
+    ranks = {p.attributes[a.MOE_LAYER]: p for p in points[a.STEP_EP_RANKS_TOUCHED.name]}
+    for layer, point in ranks.items():
+        assert point.count == len(result.steps)
+        assert point.sum == sum(s.ep_ranks_touched[layer] for s in result.steps)
+        assert point.min >= 1 and point.max <= EP_SIZE
