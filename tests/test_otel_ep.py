@@ -15,6 +15,7 @@ from service.expert_parallel import EPSpec
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 from tests.engine_helpers import make_engine
 from tests.test_otel_spans import receiver, run, telemetry_for, trace_spans  # noqa: F401 (fixture)
+from tuner.spans import request_sample
 
 EP_SIZE = 4
 
@@ -72,6 +73,7 @@ def test_ep_attributes_are_exported_and_equal_a_recount(engine, receiver, policy
         [sum(s.ep_ranks_touched[i] for s in result.steps) / len(result.steps) for i in range(L)])
     assert agg[a.MOE_EP_MAX_RANK_EXPERTS_MAX] == tuple(max(s.ep_max_rank_experts[i] for s in result.steps)
                                                          for i in range(L))
+    assert request_sample(root).ep_dispatch_bytes == total  # what the tuner's modelled cost reads
 
 
 def test_without_an_ep_size_no_ep_attribute_is_exported(receiver):  # noqa: F811

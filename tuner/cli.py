@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fixed-bytes-per-pass", type=int, default=None,
                         help="modelled cost: bytes every verify pass reads besides routed experts "
                              "(default: shared experts at routed-expert size, a lower bound)")
+    parser.add_argument("--ep-size", type=int, default=0,
+                        help="the server estimates expert parallelism over P ranks (moespec serve --ep-size P): "
+                             "the modelled cost adds its all-to-all bytes (dispatch + combine) per token")
 
 
 def parse_hostport(value: str, flag: str, allow_zero: bool) -> tuple[str, int]:
@@ -101,6 +104,7 @@ def settings_from_args(args: argparse.Namespace) -> TuneSettings:
         (args.prune_factor == 0 or args.prune_factor > 1, "--prune-factor must be > 1 (or 0 to disable)"),
         (args.remeasure >= 0 and args.max_failures >= 1, "--remeasure must be >= 0 and --max-failures >= 1"),
         (args.connect_timeout >= 0, "--connect-timeout must be >= 0"),
+        (args.ep_size >= 0, "--ep-size must be >= 1 (or 0 for off)"),
     ]
     for ok, reason in checks:
         if not ok:
@@ -119,6 +123,7 @@ def settings_from_args(args: argparse.Namespace) -> TuneSettings:
         remeasure_top=args.remeasure,
         max_consecutive_failures=args.max_failures,
         fixed_bytes_per_pass=args.fixed_bytes_per_pass,
+        ep_size=args.ep_size,
     )
 
 
