@@ -81,11 +81,16 @@ def run(args: argparse.Namespace) -> int:
                 "predicted_committed_per_step_truncated": p.committed_per_step_truncated,
                 "measured_step_seconds": sum(s.seconds for s in steps) / len(steps),
                 "predicted_step_seconds": p.draft_seconds_per_step + p.verify_seconds_per_step,
+                "measured_draft_seconds_per_step": sum(s.draft_seconds for s in steps) / len(steps),
+                "predicted_draft_seconds_per_step": p.draft_seconds_per_step,
+                "measured_verify_seconds_per_step": sum(s.verify_seconds for s in steps) / len(steps),
+                "predicted_verify_seconds_per_step": p.verify_seconds_per_step,
             })
         print(f"\n{drafter.value} drafter (T={temp}), recorded at k={args.record_length}: "
               f"{prediction.steps} steps; predicted best k'={prediction.best.draft_length}")
         print(f"{'k':>3} {'measured ms/tok (spread)':>26} {'replay':>8} {'err':>7} {'truncated':>9} {'err':>7} "
-              f"{'tok/step meas':>13} {'replay':>7} {'trunc':>6} {'step ms meas':>12} {'pred':>6}")
+              f"{'tok/step meas':>13} {'replay':>7} {'trunc':>6} {'draft ms meas':>13} {'pred':>6} "
+              f"{'verify ms meas':>14} {'pred':>6}")
         for row in (x for x in results if x["drafter"] == drafter.value):
             lo, hi = row["measured_spread"]
             print(f"{row['draft_length']:>3} {row['measured_seconds_per_committed_token'] * 1e3:>9.3f} "
@@ -93,7 +98,10 @@ def run(args: argparse.Namespace) -> int:
                   f"{row['error_replay']:>+7.1%} {row['predicted_truncated'] * 1e3:>9.3f} "
                   f"{row['error_truncated']:>+7.1%} {row['measured_committed_per_step']:>13.2f} "
                   f"{row['predicted_committed_per_step']:>7.2f} {row['predicted_committed_per_step_truncated']:>6.2f} "
-                  f"{row['measured_step_seconds'] * 1e3:>12.3f} {row['predicted_step_seconds'] * 1e3:>6.3f}")
+                  f"{row['measured_draft_seconds_per_step'] * 1e3:>13.3f} "
+                  f"{row['predicted_draft_seconds_per_step'] * 1e3:>6.3f} "
+                  f"{row['measured_verify_seconds_per_step'] * 1e3:>14.3f} "
+                  f"{row['predicted_verify_seconds_per_step'] * 1e3:>6.3f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(args, k) for k in ("prompts", "max_new_tokens", "record_length", "lengths",
