@@ -3,6 +3,7 @@ union recount of a shorter window against what the engine reports when it really
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -192,3 +193,15 @@ def test_union_recount_of_a_shorter_window_equals_the_engine_running_that_window
                 assert recount == s.unique_experts
                 matched += 1
     assert matched >= 4  # the first window of each of the 4 short runs always matches (10 did here)
+
+
+def test_a_failing_recording_write_is_counted_never_raised(tmp_path) -> None:
+    recorder = StepRecorder(tmp_path / "steps.jsonl", info(), hidden_size=H)
+    recorder.close()  # every later write fails (I/O on a closed file)
+    recorder.write((synthetic_step(3, 3, 2),))
+    assert recorder.errors == 1
+    no_ids = dataclasses.replace(synthetic_step(3, 3, 2), topk_ids=None)
+    recorder = StepRecorder(tmp_path / "other.jsonl", info(), hidden_size=H)
+    recorder.write((no_ids,))
+    recorder.close()
+    assert recorder.errors == 1 and len(read_recording(tmp_path / "other.jsonl").requests) == 0
