@@ -94,9 +94,9 @@ class WhatIf:
 def fit_cost_curve(steps: Sequence[StepRecord], top_k: int) -> CostCurve:
     """Least squares on (1, window, mean union) with the plain decode step as an anchor row per
     ten steps; a feature with no spread in the run (every window 9) is left out of the fit."""
-    plain = statistics.median(s.verify_seconds / s.decode_step_equivalents for s in steps
-                              if s.decode_step_equivalents > 0)
-    anchors = max(1, len(steps) // 10)
+    plain_steps = [s.verify_seconds / s.decode_step_equivalents for s in steps if s.decode_step_equivalents > 0]
+    plain = statistics.median(plain_steps) if plain_steps else 0.0
+    anchors = max(1, len(steps) // 10) if plain_steps else 0  # no plain-step figure: no anchor
     windows = np.array([s.window for s in steps] + [1] * anchors, dtype=float)
     unions = np.array([float(np.mean(s.unique_experts)) for s in steps] + [top_k] * anchors)
     seconds = np.array([s.verify_seconds for s in steps] + [plain] * anchors)
