@@ -101,11 +101,27 @@ def fit_cost_curve(steps: Sequence[StepRecord], top_k: int) -> CostCurve:
     unions = np.array([float(np.mean(s.unique_experts)) for s in steps] + [top_k] * anchors)
     seconds = np.array([s.verify_seconds for s in steps] + [plain] * anchors)
     columns = [np.ones_like(windows), windows, unions]
-    keep = [0] + [i for i in (1, 2) if np.ptp(columns[i]) > 0]
-    coef, *_ = np.linalg.lstsq(np.stack([columns[i] for i in keep], 1), seconds, rcond=None)
-    full = [0.0, 0.0, 0.0]
-    for i, c in zip(keep, coef, strict=True):
-        full[i] = float(c)
+    varying = [i for i in (1, 2) if np.ptp(columns[i]) > 0]
+    # Window and union move together, so the joint fit can trade one against the other into a
+    # negative slope that extrapolates badly; then keep the single feature that fits best.
+    candidates = [[0, *varying]] + ([[0, i] for i in varying] if len(varying) == 2 else [])
+    best: tuple[float, list[int], np.ndarray] | None = None
+    for keep in candidates:
+        design = np.stack([columns[i] for i in keep], 1)
+        coef, *_ = np.linalg.lstsq(design, seconds, rcond=None)
+        if any(c < 0 for c in coef[1:]):
+            continue
+        residual = float(np.sum((design @ coef - seconds) ** 2))
+        if keep is candidates[0]:  # the joint fit is sensible: use it
+            best = (residual, keep, coef)
+            break
+        if best is None or residual < best[0]:
+            best = (residual, keep, coef)
+    full = [float(np.mean(seconds)), 0.0, 0.0]  # nothing fits with a positive slope: a flat cost
+    if best is not None:
+        full = [0.0, 0.0, 0.0]
+        for i, c in zip(best[1], best[2], strict=True):
+            full[i] = float(c)
     return CostCurve(full[0], full[1], full[2], plain, len(steps))
 
 

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -205,3 +206,18 @@ def test_a_failing_recording_write_is_counted_never_raised(tmp_path) -> None:
     recorder.write((no_ids,))
     recorder.close()
     assert recorder.errors == 1 and len(read_recording(tmp_path / "other.jsonl").requests) == 0
+
+
+def test_the_cost_curve_never_keeps_a_negative_slope() -> None:
+    """Window and union move together; noise that falls with the window would give the joint fit
+    a negative per-position slope, which the fit must refuse (it keeps the union alone here)."""
+    windows, unions, seconds = [2, 3, 4, 5], [10.0, 9.0, 14.0, 13.0], [10.5, 9.3, 13.9, 12.6]
+    steps = [dataclasses.replace(synthetic_step(4, w - 1, 0), unique_experts=(int(u), int(u)), verify_seconds=s,
+                                 decode_step_equivalents=0.0)
+             for w, u, s in zip(windows, unions, seconds, strict=True)]
+    joint = np.linalg.lstsq(np.array([[1, w, u] for w, u in zip(windows, unions, strict=True)]), seconds,
+                            rcond=None)[0]
+    assert joint[1] < 0  # the premise: the unconstrained fit would extrapolate downwards in window
+    curve_fit = whatif.fit_cost_curve(steps, M)
+    assert curve_fit.per_position == 0 and curve_fit.per_expert > 0
+    assert curve_fit.per_expert == pytest.approx(np.polyfit(unions, seconds, 1)[0])
