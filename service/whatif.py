@@ -7,7 +7,8 @@ Contract (`predict(steps, ...)`, pure; steps of one policy, grouped by request, 
   union is recounted from the first positions of the recorded top-k ids [L, w, m].
 - Verify seconds come from a cost curve fitted on the same run, least squares
   seconds ~ c0 + c1 * window + c2 * mean union per layer, with the run's plain decode step
-  (window 1, union m) as an anchor so short windows are interpolated, not extrapolated. Draft
+  (window 1, union m) as an anchor so short windows are interpolated, not extrapolated; window
+  and union move together, so a fit with a negative slope gives way to the better one-feature fit. Draft
   seconds scale with the drafts kept (k' = 0: none).
 - Committed tokens per step, two ways. `truncated`: the mean of min(a, k') + 1 over the recorded
   steps, which treats steps as independent. It is biased low for k' < k: a k'-run cuts a long
