@@ -7,7 +7,7 @@ Contract (`predict(steps, ...)`, pure; steps of one policy, grouped by request, 
   union is recounted from the first positions of the recorded top-k ids [L, w, m].
 - Verify seconds come from a cost curve fitted on the same run, least squares
   seconds ~ c0 + c1 * window + c2 * mean union per layer, with the run's plain decode step
-  (window 1, union m) as an anchor so short windows are interpolated, not extrapolated; window
+  (window 1, union m) as a fixed point so short windows are interpolated, not extrapolated; window
   and union move together, so a fit with a negative slope gives way to the better one-feature fit. Draft
   seconds scale with the drafts kept (k' = 0: none).
 - Committed tokens per step, two ways. `truncated`: the mean of min(a, k') + 1 over the recorded
@@ -93,37 +93,48 @@ class WhatIf:
 
 
 def fit_cost_curve(steps: Sequence[StepRecord], top_k: int) -> CostCurve:
-    """Least squares on (1, window, mean union) with the plain decode step as an anchor row per
-    ten steps; a feature with no spread in the run (every window 9) is left out of the fit."""
+    """Least squares of verify seconds on window size and mean union per layer, through the run's
+    plain decode step (window 1, union m): the engine measures that step all the time (it is the
+    unit of decode_step_equivalents), so short windows are interpolated between it and the recorded
+    ones rather than extrapolated from the recorded ones alone. Without it, a free intercept."""
     plain_steps = [s.verify_seconds / s.decode_step_equivalents for s in steps if s.decode_step_equivalents > 0]
     plain = statistics.median(plain_steps) if plain_steps else 0.0
-    anchors = max(1, len(steps) // 10) if plain_steps else 0  # no plain-step figure: no anchor
-    windows = np.array([s.window for s in steps] + [1] * anchors, dtype=float)
-    unions = np.array([float(np.mean(s.unique_experts)) for s in steps] + [top_k] * anchors)
-    seconds = np.array([s.verify_seconds for s in steps] + [plain] * anchors)
-    columns = [np.ones_like(windows), windows, unions]
-    varying = [i for i in (1, 2) if np.ptp(columns[i]) > 0]
+    windows = np.array([s.window for s in steps], dtype=float)
+    unions = np.array([float(np.mean(s.unique_experts)) for s in steps])
+    seconds = np.array([s.verify_seconds for s in steps])
+    if plain_steps:  # through the anchor: fit the excess over a plain step
+        target, features = seconds - plain, {1: windows - 1, 2: unions - top_k}
+    else:
+        target, features = seconds, {0: np.ones_like(windows), 1: windows, 2: unions}
+    # A slope is identifiable if its feature varies, or (through the anchor) is ever non-zero.
+    slopes = [i for i in (1, 2) if np.ptp(features[i]) > 0 or (plain_steps and np.any(features[i] != 0))]
+    base = [0] if 0 in features else []
     # Window and union move together, so the joint fit can trade one against the other into a
-    # negative slope that extrapolates badly; then keep the single feature that fits best.
-    candidates = [[0, *varying]] + ([[0, i] for i in varying] if len(varying) == 2 else [])
+    # negative slope that extrapolates badly; then the better one-feature fit is kept.
+    candidates = [base + slopes] + ([base + [i] for i in slopes] if len(slopes) == 2 else [])
     best: tuple[float, list[int], np.ndarray] | None = None
     for keep in candidates:
-        design = np.stack([columns[i] for i in keep], 1)
-        coef, *_ = np.linalg.lstsq(design, seconds, rcond=None)
-        if any(c < 0 for c in coef[1:]):
+        if not keep:
             continue
-        residual = float(np.sum((design @ coef - seconds) ** 2))
+        design = np.stack([features[i] for i in keep], 1)
+        coef, *_ = np.linalg.lstsq(design, target, rcond=None)
+        if any(c < 0 for i, c in zip(keep, coef, strict=True) if i):
+            continue
+        residual = float(np.sum((design @ coef - target) ** 2))
         if keep is candidates[0]:  # the joint fit is sensible: use it
             best = (residual, keep, coef)
             break
         if best is None or residual < best[0]:
             best = (residual, keep, coef)
-    full = [float(np.mean(seconds)), 0.0, 0.0]  # nothing fits with a positive slope: a flat cost
+    c = [0.0, 0.0, 0.0]
     if best is not None:
-        full = [0.0, 0.0, 0.0]
-        for i, c in zip(best[1], best[2], strict=True):
-            full[i] = float(c)
-    return CostCurve(full[0], full[1], full[2], plain, len(steps))
+        for i, value in zip(best[1], best[2], strict=True):
+            c[i] = float(value)
+    if plain_steps:  # seconds = plain + c1 (w - 1) + c2 (u - m), written as intercept + slopes
+        c[0] = plain - c[1] - c[2] * top_k
+    elif best is None:  # nothing fits with a positive slope: a flat cost
+        c[0] = float(np.mean(seconds))
+    return CostCurve(c[0], c[1], c[2], plain, len(steps))
 
 
 def position_outcomes(request: Sequence[StepRecord]) -> list[int | None]:

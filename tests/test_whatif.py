@@ -99,6 +99,7 @@ def test_unions_costs_and_ep_views_have_known_answers() -> None:
         offrank_pairs = sum(M * w for w in windows) / 3
         assert p.ep_dispatch_bytes_per_token == pytest.approx(offrank_pairs * H / p.committed_per_step)
     assert c.steps == 3
+    assert c.seconds(1, M) == pytest.approx(c.plain_step_seconds) == pytest.approx(curve(1, M))  # through the anchor
     assert result.measured_seconds_per_committed_token == pytest.approx(
         sum(s.seconds for s in request) / sum(s.committed for s in request))
 
