@@ -29,6 +29,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -42,7 +43,7 @@ class Placement:
 
     ep_size: int  # P
     physical_to_logical: torch.Tensor  # [L, S] long
-    dispatch_rank: torch.Tensor  # [L, P, E] long: rank a pair (layer, home, expert) is sent to
+    dispatch_rank: np.ndarray  # [L, P, E] int64: rank a pair (layer, home, expert) is sent to
 
     @property
     def num_layers(self) -> int:
@@ -88,7 +89,7 @@ def make_placement(ep_size: int, num_layers: int, num_experts: int,
     first = held.to(torch.int8).argmax(1)  # [L, E]
     homes = torch.arange(ep_size)[None, :, None]  # [1, P, 1]
     dispatch = torch.where(held, homes, first[:, None, :])  # [L, P, E]
-    return Placement(ep_size, p2l, dispatch)
+    return Placement(ep_size, p2l, dispatch.numpy())
 
 
 def load_placement_map(path: Path) -> torch.Tensor:
@@ -124,60 +125,71 @@ class PassView:
     dispatch_bytes: int  # all layers: offrank pairs * hidden * dtype bytes
 
 
-def _count(dest: torch.Tensor, experts: torch.Tensor, valid: torch.Tensor, home: torch.Tensor, ep_size: int,
+def _count(dest: np.ndarray, experts: np.ndarray, valid: np.ndarray, home: np.ndarray, ep_size: int,
            width: int, bytes_per_token: int) -> PassView:
-    """dest/experts/valid [L, w, m], home [w] -> per-layer counts; `experts` index a width-wide axis."""
+    """dest/experts/valid [L, w, m], home [w] -> per-layer counts; `experts` index a width-wide axis.
+
+    NumPy, not torch: a pass is a few hundred pairs, where torch's per-op overhead would dominate.
+    """
     L = dest.shape[0]
-    index = (dest * width + experts).masked_fill(~valid, 0).reshape(L, -1)  # [L, w*m]
-    # Pairs per (rank, expert); an invalid pair adds 0 (scatter_ would overwrite a real pair's mark).
-    pairs = torch.zeros(L, ep_size * width, dtype=torch.int32).scatter_add_(1, index, valid.reshape(L, -1).int())
-    per_rank = (pairs > 0).view(L, ep_size, width).sum(-1)  # [L, P] distinct experts each rank runs
+    trash = ep_size * width  # invalid pairs (padding) land in one extra column that is never read
+    index = np.where(valid, dest * width + experts, trash).reshape(L, -1)  # [L, w*m]
+    touched = np.zeros((L, trash + 1), dtype=bool)
+    touched[np.arange(L)[:, None], index] = True
+    per_rank = touched[:, :trash].reshape(L, ep_size, width).sum(-1)  # [L, P] distinct experts each rank runs
     offrank = ((dest != home[None, :, None]) & valid).sum((1, 2))  # [L]
     return PassView(
         ranks_touched=tuple((per_rank > 0).sum(-1).tolist()),
-        max_rank_experts=tuple(per_rank.max(-1).values.tolist()),
+        max_rank_experts=tuple(per_rank.max(-1).tolist()),
         offrank_pairs=tuple(offrank.tolist()),
         dispatch_bytes=int(offrank.sum()) * bytes_per_token,
     )
 
 
-def pass_view(placement: Placement, topk_ids: torch.Tensor, bytes_per_token: int,
-              home_ranks: torch.Tensor | None = None) -> PassView:
-    """Logical routed ids [L, w, m] of one pass -> its EP view (pairs dispatched by the placement's rule).
+def _array(x) -> np.ndarray:
+    """int64 array from a tensor on any device, an array or nested lists."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x, dtype=np.int64)
 
-    `bytes_per_token` = hidden size * dtype bytes; `home_ranks` [w] defaults to rank 0 for all.
-    Ids < 0 (no expert: padding) are ignored.
+
+def _homes(home_ranks, w: int) -> np.ndarray:
+    return np.zeros(w, dtype=np.int64) if home_ranks is None else _array(home_ranks)
+
+
+def pass_view(placement: Placement, topk_ids, bytes_per_token: int, home_ranks=None) -> PassView:
+    """Logical routed ids [L, w, m] (tensor or array) of one pass -> its EP view (pairs dispatched
+    by the placement's rule). `bytes_per_token` = hidden size * dtype bytes; `home_ranks` [w]
+    defaults to rank 0 for all. Ids < 0 (no expert: padding) are ignored.
     """
-    L, w, _ = topk_ids.shape
-    ids = topk_ids.to(torch.long)
-    home = torch.zeros(w, dtype=torch.long) if home_ranks is None else home_ranks.to(torch.long)
+    ids = _array(topk_ids)
+    L, w, _ = ids.shape
+    home = _homes(home_ranks, w)
     valid = ids >= 0
-    safe = ids.clamp(min=0)
-    layer = torch.arange(L)[:, None, None]
-    dest = placement.dispatch_rank[layer, home[None, :, None], safe]  # [L, w, m]
+    safe = np.where(valid, ids, 0)
+    dest = placement.dispatch_rank[np.arange(L)[:, None, None], home[None, :, None], safe]  # [L, w, m]
     return _count(dest, safe, valid, home, placement.ep_size, placement.num_experts, bytes_per_token)
 
 
-def view_from_physical(physical_ids: torch.Tensor, physical_to_logical: torch.Tensor, ep_size: int,
-                       bytes_per_token: int, home_ranks: torch.Tensor | None = None) -> PassView:
+def view_from_physical(physical_ids, physical_to_logical, ep_size: int, bytes_per_token: int,
+                       home_ranks=None) -> PassView:
     """The same view from physical slot ids [L, w, m] as SGLang's recorder writes them (-1 = none).
 
     The slot says where the pair really went: rank = slot // (S / P); the expert a rank runs is the
     logical one in that slot (two slots of one expert on one rank count once).
     """
-    p2l = physical_to_logical.to(torch.long)
+    p2l = _array(physical_to_logical)
     slots = p2l.shape[1]
     if slots % ep_size:
         raise PlacementError(f"{slots} expert slots per layer do not split into {ep_size} equal ranks")
-    L, w, _ = physical_ids.shape
-    ids = physical_ids.to(torch.long)
+    ids = _array(physical_ids)
+    L, w, _ = ids.shape
     valid = (ids >= 0) & (ids < slots)
-    safe = ids.clamp(0, slots - 1)
+    safe = np.where(valid, ids, 0)
     dest = safe // (slots // ep_size)  # [L, w, m]
-    logical = torch.gather(p2l, 1, safe.reshape(L, -1)).reshape(L, w, -1)
-    home = torch.zeros(w, dtype=torch.long) if home_ranks is None else home_ranks.to(torch.long)
-    width = int(p2l.max()) + 1 if p2l.numel() else 1
-    return _count(dest, logical, valid, home, ep_size, width, bytes_per_token)
+    logical = np.take_along_axis(p2l, safe.reshape(L, -1), 1).reshape(ids.shape)
+    width = int(p2l.max()) + 1 if p2l.size else 1
+    return _count(dest, logical, valid, _homes(home_ranks, w), ep_size, width, bytes_per_token)
 
 
 @dataclass(frozen=True)
