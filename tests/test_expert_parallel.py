@@ -130,7 +130,7 @@ def test_physical_ids_give_the_same_view_when_each_pair_names_the_rule_s_replica
 
 def test_padding_ids_are_ignored() -> None:
     placement = make_placement(2, 1, 4)
-    view = pass_view(placement, torch.tensor([[[0, -1], [3, -1]]]), 1)
+    view = pass_view(placement, torch.tensor([[[1, -1], [3, -1]]]), 1)  # expert 0 unused: padding must not mark it
     assert view.ranks_touched == (2,) and view.max_rank_experts == (1,) and view.offrank_pairs == (1,)
 
 
