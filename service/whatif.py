@@ -8,8 +8,10 @@ Contract (`predict(steps, ...)`, pure; steps of one policy, grouped by request, 
 - Verify seconds come from a cost curve fitted on the same run, least squares
   seconds ~ c0 + c1 * window + c2 * mean union per layer, with the run's plain decode step
   (window 1, union m) as a fixed point so short windows are interpolated, not extrapolated; window
-  and union move together, so a fit with a negative slope gives way to the better one-feature fit. Draft
-  seconds scale with the drafts kept (k' = 0: none).
+  and union move together, so a fit with a negative slope gives way to the better one-feature fit.
+  Draft seconds per step = a fixed part + a part per draft, fitted on the steps that drafted (the
+  last steps of a request draft fewer; the first draft pass after a verify is the dearer one, its
+  weights having left the cache); k' = 0: none.
 - Committed tokens per step, two ways. `truncated`: the mean of min(a, k') + 1 over the recorded
   steps, which treats steps as independent. It is biased low for k' < k: a k'-run cuts a long
   accepted run short and starts its next step inside it, where acceptance is high. `replay`
@@ -56,6 +58,17 @@ class CostCurve:
 
 
 @dataclass(frozen=True)
+class DraftCurve:
+    """draft seconds of a step that drafted d > 0 tokens = per_step + per_draft * d."""
+
+    per_step: float
+    per_draft: float
+
+    def seconds(self, drafted: int) -> float:
+        return self.per_step + self.per_draft * drafted
+
+
+@dataclass(frozen=True)
 class LengthPrediction:
     draft_length: int  # k'
     acceptance_per_position: tuple[float, ...]  # [k'] P(draft i accepted | drafted i)
@@ -82,6 +95,7 @@ class WhatIf:
     requests: int
     measured_seconds_per_committed_token: float  # the run itself
     curve: CostCurve
+    draft_curve: DraftCurve
     predictions: tuple[LengthPrediction, ...]  # k' = 0..k
 
     @property
@@ -137,6 +151,22 @@ def fit_cost_curve(steps: Sequence[StepRecord], top_k: int) -> CostCurve:
     return CostCurve(c[0], c[1], c[2], plain, len(steps))
 
 
+def fit_draft_curve(steps: Sequence[StepRecord]) -> DraftCurve:
+    """Least squares of draft seconds on drafts per step when that varies and both parts come out
+    non-negative; otherwise draft time proportional to the drafts."""
+    drafting = [s for s in steps if s.drafted > 0]
+    if not drafting:
+        return DraftCurve(0.0, 0.0)
+    drafted = np.array([s.drafted for s in drafting], dtype=float)
+    seconds = np.array([s.draft_seconds for s in drafting])
+    if np.ptp(drafted) > 0:
+        (per_step, per_draft), *_ = np.linalg.lstsq(np.stack([np.ones_like(drafted), drafted], 1), seconds,
+                                                    rcond=None)
+        if per_step >= 0 and per_draft >= 0:
+            return DraftCurve(float(per_step), float(per_draft))
+    return DraftCurve(0.0, float(seconds.sum() / drafted.sum()))
+
+
 def position_outcomes(request: Sequence[StepRecord]) -> list[int | None]:
     """One request's output positions: 1 = a draft was accepted there, 0 = rejected or nothing to
     propose, None = never tested (the bonus token after a fully accepted window of k drafts)."""
@@ -189,18 +219,20 @@ def predict(requests: Sequence[Sequence[StepRecord]], top_k: int,
         raise ValueError(f"steps of {len(policies)} policies; replay one policy's steps at a time")
     k = first.draft_length
     curve = fit_cost_curve(steps, top_k)
+    draft_curve = fit_draft_curve(steps)
     ids = [torch.tensor(s.topk_ids) for s in steps]  # [L, w, m] each
     outcomes = [position_outcomes(r) for r in requests]
     p_continue = continue_probability(outcomes)
     measured = sum(s.seconds for s in steps) / max(1, sum(s.committed for s in steps))
-    predictions = [_predict_length(kp, steps, ids, outcomes, p_continue, curve, placement, ep_token_bytes, seed)
-                   for kp in range(k + 1)]
+    predictions = [_predict_length(kp, steps, ids, outcomes, p_continue, curve, draft_curve, placement,
+                                   ep_token_bytes, seed) for kp in range(k + 1)]
     return WhatIf(first.drafter.value, first.draft_temperature, k, len(steps), len(requests), measured, curve,
-                  tuple(predictions))
+                  draft_curve, tuple(predictions))
 
 
 def _predict_length(kp: int, steps: list[StepRecord], ids: list[torch.Tensor], outcomes: list[list[int | None]],
-                    p_continue: float, curve: CostCurve, placement: expert_parallel.Placement | None,
+                    p_continue: float, curve: CostCurve, draft_curve: DraftCurve,
+                    placement: expert_parallel.Placement | None,
                     ep_token_bytes: int, seed: int) -> LengthPrediction:
     L = ids[0].shape[0]
     windows, unions, drafts, verifies, committed_trunc = [], [], [], [], []
@@ -214,7 +246,8 @@ def _predict_length(kp: int, steps: list[StepRecord], ids: list[torch.Tensor], o
         union = [len(torch.unique(layer)) for layer in window_ids]
         windows.append(w)
         unions.append(union)
-        drafts.append(0.0 if kp == 0 else s.draft_seconds if s.drafted == 0 else s.draft_seconds * d / s.drafted)
+        # k' = 0 drafts nothing; a step whose drafter found nothing (n-gram) costs what it cost.
+        drafts.append(0.0 if kp == 0 else s.draft_seconds if s.drafted == 0 else draft_curve.seconds(d))
         verifies.append(curve.seconds(w, float(np.mean(union))))
         committed_trunc.append(min(a + 1, s.committed))
         for i in range(d):
@@ -278,7 +311,8 @@ def format_table(result: WhatIf) -> str:
         f"recorded: {result.drafter} k={result.recorded_length} T={result.draft_temperature}, {result.steps} steps "
         f"in {result.requests} requests, measured {result.measured_seconds_per_committed_token * 1e3:.3f} ms/token",
         f"cost curve: verify ms = {c.intercept * 1e3:.3f} + {c.per_position * 1e3:.3f} * window + "
-        f"{c.per_expert * 1e3:.4f} * mean union (plain step {c.plain_step_seconds * 1e3:.3f} ms)",
+        f"{c.per_expert * 1e3:.4f} * mean union (plain step {c.plain_step_seconds * 1e3:.3f} ms); "
+        f"draft ms = {result.draft_curve.per_step * 1e3:.3f} + {result.draft_curve.per_draft * 1e3:.3f} * drafts",
         f"predicted best draft length: {result.best.draft_length}",
     ]
     return "\n".join(lines)

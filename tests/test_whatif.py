@@ -222,3 +222,16 @@ def test_the_cost_curve_never_keeps_a_negative_slope() -> None:
     curve_fit = whatif.fit_cost_curve(steps, M)
     assert curve_fit.per_position == 0 and curve_fit.per_expert > 0
     assert curve_fit.per_expert == pytest.approx(np.polyfit(unions, seconds, 1)[0])
+
+
+def test_draft_time_has_a_per_step_part_fitted_from_steps_that_drafted_fewer() -> None:
+    per_step, per_draft = 2e-3, 3e-4
+    request = tuple(dataclasses.replace(synthetic_step(4, d, 0), draft_seconds=per_step + per_draft * d)
+                    for d in (4, 4, 4, 2, 4, 1))
+    result = whatif.predict([request], M)
+    assert result.draft_curve.per_step == pytest.approx(per_step)
+    assert result.draft_curve.per_draft == pytest.approx(per_draft)
+    by_k = {p.draft_length: p for p in result.predictions}
+    assert by_k[0].draft_seconds_per_step == 0
+    assert by_k[1].draft_seconds_per_step == pytest.approx(per_step + per_draft)  # not a quarter of a k=4 step
+    assert by_k[2].draft_seconds_per_step == pytest.approx(per_step + per_draft * (2 + 2 + 2 + 2 + 2 + 1) / 6)
