@@ -192,13 +192,16 @@ def view_from_physical(physical_ids, physical_to_logical, ep_size: int, bytes_pe
     return _count(dest, logical, valid, _homes(home_ranks, w), ep_size, width, bytes_per_token)
 
 
+ACTIVATION_BYTES = 2  # bf16 hidden states, what a real EP deployment sends
+
+
 @dataclass(frozen=True)
 class EPSpec:
     """What `moespec serve --ep-size P [--ep-placement FILE]` asks the engine to estimate."""
 
     size: int
     physical_to_logical: torch.Tensor | None = None  # [L, S]; None = contiguous
-    dtype_bytes: int = 2  # bf16 activations, as a real deployment would send
+    dtype_bytes: int = ACTIVATION_BYTES
 
 
 def step_fields(view: PassView) -> dict:

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
     try:
         result = whatif.predict(requests, header["top_k"], placement,
-                                header.get("hidden_size", 0) * expert_parallel.EPSpec(1).dtype_bytes, args.seed)
+                                header.get("hidden_size", 0) * expert_parallel.ACTIVATION_BYTES, args.seed)
     except ValueError as e:
         raise UsageError(f"{args.file}: {e}") from None
     print(whatif.format_table(result))
