@@ -280,8 +280,9 @@ class _Generation:
         if window.shape[0] == 1:
             self.e.observe_plain_step(verify_s)
         cfg, policy, capture = self.e.target.cfg, self.policy, self.e.config.capture_topk or self.e.recorder is not None
-        ep = expert_parallel.step_fields(expert_parallel.pass_view(self.e.ep, routed, self.e.ep_token_bytes)) \
-            if self.e.ep is not None else {}
+        ep = {}  # the optional expert-parallel fields, estimated only with an EP size
+        if self.e.ep is not None:
+            ep = expert_parallel.step_fields(expert_parallel.pass_view(self.e.ep, routed, self.e.ep_token_bytes))
         L, E, m = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
         unique = unique_experts_per_layer(routed, E) if self.e.config.capture_routing else (0,) * L
         return StepRecord(
