@@ -9,6 +9,10 @@ Contract (`predict(steps, ...)`, pure; steps of one policy, grouped by request, 
   seconds ~ c0 + c1 * window + c2 * mean union per layer, with the run's plain decode step
   (window 1, union m) as a fixed point so short windows are interpolated, not extrapolated; window
   and union move together, so a fit with a negative slope gives way to the better one-feature fit.
+  Where the run itself has at least MIN_WINDOW_STEPS passes of a window size (the n-gram drafter
+  proposes 0..k tokens, so its runs have every size), their mean verify seconds is used instead:
+  the real cost is concave in the union, so a line through the plain step and the wide windows
+  runs low in between.
   Draft seconds per step = a fixed part + a part per draft, fitted on the steps that drafted (the
   last steps of a request draft fewer; the first draft pass after a verify is the dearer one, its
   weights having left the cache); k' = 0: none.
@@ -41,6 +45,7 @@ from service import expert_parallel
 from service.types import StepRecord
 
 REPLAY_DRAWS = 32  # random draws of the untested positions; the spread is reported
+MIN_WINDOW_STEPS = 10  # recorded passes of one window size that make its own mean the prediction
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,7 @@ class WhatIf:
     requests: int
     measured_seconds_per_committed_token: float  # the run itself
     curve: CostCurve
+    window_seconds: dict[int, float]  # window size -> mean verify seconds where the run has enough passes
     draft_curve: DraftCurve
     predictions: tuple[LengthPrediction, ...]  # k' = 0..k
 
@@ -220,18 +226,22 @@ def predict(requests: Sequence[Sequence[StepRecord]], top_k: int,
     k = first.draft_length
     curve = fit_cost_curve(steps, top_k)
     draft_curve = fit_draft_curve(steps)
+    by_window: dict[int, list[float]] = {}
+    for s in steps:
+        by_window.setdefault(s.window, []).append(s.verify_seconds)
+    window_seconds = {w: statistics.fmean(v) for w, v in sorted(by_window.items()) if len(v) >= MIN_WINDOW_STEPS}
     ids = [torch.tensor(s.topk_ids) for s in steps]  # [L, w, m] each
     outcomes = [position_outcomes(r) for r in requests]
     p_continue = continue_probability(outcomes)
     measured = sum(s.seconds for s in steps) / max(1, sum(s.committed for s in steps))
-    predictions = [_predict_length(kp, steps, ids, outcomes, p_continue, curve, draft_curve, placement,
-                                   ep_token_bytes, seed) for kp in range(k + 1)]
+    predictions = [_predict_length(kp, steps, ids, outcomes, p_continue, curve, window_seconds, draft_curve,
+                                   placement, ep_token_bytes, seed) for kp in range(k + 1)]
     return WhatIf(first.drafter.value, first.draft_temperature, k, len(steps), len(requests), measured, curve,
-                  draft_curve, tuple(predictions))
+                  window_seconds, draft_curve, tuple(predictions))
 
 
 def _predict_length(kp: int, steps: list[StepRecord], ids: list[torch.Tensor], outcomes: list[list[int | None]],
-                    p_continue: float, curve: CostCurve, draft_curve: DraftCurve,
+                    p_continue: float, curve: CostCurve, window_seconds: dict[int, float], draft_curve: DraftCurve,
                     placement: expert_parallel.Placement | None,
                     ep_token_bytes: int, seed: int) -> LengthPrediction:
     L = ids[0].shape[0]
@@ -248,7 +258,7 @@ def _predict_length(kp: int, steps: list[StepRecord], ids: list[torch.Tensor], o
         unions.append(union)
         # k' = 0 drafts nothing; a step whose drafter found nothing (n-gram) costs what it cost.
         drafts.append(0.0 if kp == 0 else s.draft_seconds if s.drafted == 0 else draft_curve.seconds(d))
-        verifies.append(curve.seconds(w, float(np.mean(union))))
+        verifies.append(window_seconds.get(w) or curve.seconds(w, float(np.mean(union))))
         committed_trunc.append(min(a + 1, s.committed))
         for i in range(d):
             drafted_at[i] += 1

@@ -235,3 +235,15 @@ def test_draft_time_has_a_per_step_part_fitted_from_steps_that_drafted_fewer() -
     assert by_k[0].draft_seconds_per_step == 0
     assert by_k[1].draft_seconds_per_step == pytest.approx(per_step + per_draft)  # not a quarter of a k=4 step
     assert by_k[2].draft_seconds_per_step == pytest.approx(per_step + per_draft * (2 + 2 + 2 + 2 + 2 + 1) / 6)
+
+
+def test_a_window_size_the_run_has_often_enough_is_priced_at_its_own_mean() -> None:
+    """12 recorded two-position passes at 5 ms: k'=1 costs 5 ms whatever the fitted line says;
+    the four-position size, seen 3 times, still comes from the line."""
+    slow = [dataclasses.replace(synthetic_step(3, 1, 0), verify_seconds=5e-3) for _ in range(12)]
+    request = (*slow, synthetic_step(3, 3, 1), synthetic_step(3, 3, 0), synthetic_step(3, 3, 2))
+    result = whatif.predict([request], M)
+    assert set(result.window_seconds) == {2}
+    by_k = {p.draft_length: p for p in result.predictions}
+    assert by_k[1].verify_seconds_per_step == pytest.approx(5e-3)
+    assert by_k[3].verify_seconds_per_step == pytest.approx((12 * 5e-3 + 3 * result.curve.seconds(4, 3.0)) / 15)
