@@ -59,6 +59,16 @@ MOE_UNIQUE_EXPERTS_BOUND = "moespec.moe.unique_experts_bound"  # min(E, w*m)
 MOE_SHARED_EXPERTS = "moespec.moe.shared_experts"
 MOE_WIDEST_LAYER = "moespec.moe.widest_layer"
 COST_DECODE_STEP_EQUIVALENTS = "moespec.cost.decode_step_equivalents"
+# Expert-parallel estimate (issue 13; only when the server runs with --ep-size): per layer, the EP
+# ranks a pass's routed pairs run on and the most distinct experts one rank runs; the bytes of the
+# token-expert pairs dispatched off their home rank (all layers). See service/expert_parallel.py.
+MOE_EP_RANKS_TOUCHED = "moespec.moe.ep_ranks_touched"  # int[L] (verify span)
+MOE_EP_MAX_RANK_EXPERTS = "moespec.moe.ep_max_rank_experts"  # int[L] (verify span)
+MOE_EP_DISPATCH_BYTES = "moespec.moe.ep_dispatch_bytes"  # int (verify span: the pass; request span: the sum)
+MOE_EP_RANKS_TOUCHED_MEAN = "moespec.moe.ep_ranks_touched_mean"  # double[L] (request span)
+MOE_EP_MAX_RANK_EXPERTS_MAX = "moespec.moe.ep_max_rank_experts_max"  # int[L] (request span)
+EP_VERIFY_SPAN_KEYS = (MOE_EP_RANKS_TOUCHED, MOE_EP_MAX_RANK_EXPERTS, MOE_EP_DISPATCH_BYTES)
+EP_REQUEST_SPAN_KEYS = (MOE_EP_RANKS_TOUCHED_MEAN, MOE_EP_MAX_RANK_EXPERTS_MAX, MOE_EP_DISPATCH_BYTES)
 # (the verify span also carries SPEC_DRAFTER, SPEC_DRAFT_LENGTH, SPEC_ACCEPTED_TOKENS,
 #  SPEC_COMMITTED_TOKENS and COST_VERIFY_SECONDS, with per-step values)
 
@@ -145,6 +155,14 @@ DRAFTED_TOKENS = MetricSpec(
 COMMITTED_TOKENS = MetricSpec(
     "moespec.spec.committed_tokens", Kind.COUNTER, "{token}",
     "Tokens committed by verify steps (accepted drafts plus the target's own token).", None, STEP_METRIC_KEYS)
+STEP_EP_RANKS_TOUCHED = MetricSpec(
+    "moespec.moe.step.ep_ranks_touched", Kind.HISTOGRAM, "{rank}",
+    "Expert-parallel ranks one verify pass's routed pairs run on, in one MoE layer (estimate, --ep-size).",
+    None, (*STEP_METRIC_KEYS, MOE_LAYER))
+EP_DISPATCH_BYTES = MetricSpec(
+    "moespec.moe.ep_dispatch_bytes", Kind.COUNTER, "By",
+    "Bytes of token-expert pairs dispatched off their home rank (estimate, --ep-size; / committed tokens "
+    "= all-to-all bytes per token).", None, STEP_METRIC_KEYS)
 DROPPED_SPANS = MetricSpec(
     "moespec.telemetry.dropped_spans", Kind.COUNTER, "{span}",
     "Spans lost because the export queue was full or the exporter failed.")
@@ -166,6 +184,9 @@ TUNER_METRICS = (TUNER_INCUMBENT, TUNER_DECISIONS)
 
 METRICS = (REQUEST_DURATION, TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, STEP_ACCEPTED_TOKENS, STEP_UNIQUE_EXPERTS,
            STEP_DECODE_STEP_EQUIVALENTS, STEP_SECONDS, DRAFTED_TOKENS, COMMITTED_TOKENS, DROPPED_SPANS)
+# Emitted only when the server estimates an expert-parallel view (`moespec serve --ep-size`).
+EP_METRICS = (STEP_EP_RANKS_TOUCHED, EP_DISPATCH_BYTES)
+ALL_METRICS = METRICS + EP_METRICS
 
 
 # ------------------------------------------------------ Prometheus translation

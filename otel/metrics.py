@@ -21,6 +21,11 @@ def unique_expert_buckets(info: ModelInfo) -> tuple[float, ...]:
     return tuple(float(b) for b in range(m, top + 1, step))
 
 
+def ep_rank_buckets(info: ModelInfo) -> tuple[float, ...]:
+    """One bucket per rank count up to 64 ranks (an EP size above the experts would be meaningless)."""
+    return tuple(float(r) for r in range(1, min(64, max(1, info.num_experts)) + 1))
+
+
 def accepted_token_buckets(info: ModelInfo) -> tuple[float, ...]:
     return tuple(float(k) for k in range(info.max_draft_length + 1))  # one bucket per count
 
@@ -43,6 +48,8 @@ class Instruments:
         self.step_seconds = histogram(a.STEP_SECONDS)
         self.drafted = counter(a.DRAFTED_TOKENS)
         self.committed = counter(a.COMMITTED_TOKENS)
+        self.step_ep_ranks = histogram(a.STEP_EP_RANKS_TOUCHED, ep_rank_buckets(info))
+        self.ep_dispatch_bytes = counter(a.EP_DISPATCH_BYTES)
         if dropped_spans is not None:
             def observe(_: CallbackOptions) -> Iterable[Observation]:
                 return [Observation(dropped_spans())]
@@ -72,7 +79,8 @@ class Instruments:
                  a.SPEC_DRAFT_LENGTH: policy.draft_length}
         # One attribute dict per layer, built once per request rather than once per step.
         per_layer: list[dict] = []
-        drafted = committed = 0
+        drafted = committed = dispatched = 0
+        ep = False
         for step in steps:
             self.step_accepted.record(step.accepted, attrs)
             self.step_cost.record(step.decode_step_equivalents, attrs)
@@ -83,6 +91,13 @@ class Instruments:
                 self.step_unique.record(unique, layer_attrs)
             drafted += step.drafted
             committed += step.committed
+            if step.ep_ranks_touched is not None:  # only with --ep-size
+                ep = True
+                dispatched += step.ep_dispatch_bytes
+                for layer_attrs, ranks in zip(per_layer, step.ep_ranks_touched, strict=False):
+                    self.step_ep_ranks.record(ranks, layer_attrs)
         # Added even when 0 so every policy has both series (acceptance = accepted / drafted).
         self.drafted.add(drafted, attrs)
         self.committed.add(committed, attrs)
+        if ep:
+            self.ep_dispatch_bytes.add(dispatched, attrs)

@@ -50,6 +50,20 @@ def result_attributes(result: GenerationResult) -> dict:
         a.MOE_UNIQUE_EXPERTS_MAX: tuple(int(x) for x in spec.unique_experts_max),
         a.COST_DRAFT_SECONDS: float(spec.draft_seconds),
         a.COST_VERIFY_SECONDS: float(spec.verify_seconds),
+        **ep_request_attributes(result.steps),
+    }
+
+
+def ep_request_attributes(steps: Sequence[StepRecord]) -> dict:
+    """Exact EP aggregates over the request's passes; empty when the server estimates no EP view."""
+    views = [s for s in steps if s.ep_ranks_touched is not None]
+    if not views:
+        return {}
+    layers = range(len(views[0].ep_ranks_touched))
+    return {
+        a.MOE_EP_RANKS_TOUCHED_MEAN: tuple(sum(s.ep_ranks_touched[i] for s in views) / len(views) for i in layers),
+        a.MOE_EP_MAX_RANK_EXPERTS_MAX: tuple(max(s.ep_max_rank_experts[i] for s in views) for i in layers),
+        a.MOE_EP_DISPATCH_BYTES: sum(s.ep_dispatch_bytes for s in views),
     }
 
 
@@ -65,6 +79,11 @@ def verify_attributes(step: StepRecord) -> dict:
         a.MOE_WIDEST_LAYER: step.widest_layer,
         a.COST_VERIFY_SECONDS: float(step.verify_seconds),
         a.COST_DECODE_STEP_EQUIVALENTS: float(step.decode_step_equivalents),
+        **({} if step.ep_ranks_touched is None else {
+            a.MOE_EP_RANKS_TOUCHED: tuple(int(x) for x in step.ep_ranks_touched),
+            a.MOE_EP_MAX_RANK_EXPERTS: tuple(int(x) for x in step.ep_max_rank_experts),
+            a.MOE_EP_DISPATCH_BYTES: int(step.ep_dispatch_bytes),
+        }),
     }
 
 

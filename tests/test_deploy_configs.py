@@ -151,7 +151,7 @@ def promql(dashboard: dict) -> list[str]:
     return exprs + [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
 
 
-ALL_METRICS = (*a.METRICS, *a.TUNER_METRICS)  # the server's and the continuous tuner's
+ALL_METRICS = (*a.ALL_METRICS, *a.TUNER_METRICS)  # the server's (EP included) and the continuous tuner's
 EMITTED_SERIES = {s for spec in ALL_METRICS for s in a.prometheus_series(spec)}
 EMITTED_LABELS = {a.prometheus_label(k) for spec in ALL_METRICS for k in spec.attributes} | {"le"}
 # Identifiers in PromQL that are neither metrics nor labels.

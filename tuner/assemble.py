@@ -39,6 +39,7 @@ class TuneSettings:
     poll_seconds: float = 0.25
     policy_check_seconds: float = 1.0
     fixed_bytes_per_pass: int | None = None  # None: estimate from ModelInfo (see cost_model)
+    ep_size: int = 0  # the server's --ep-size: its dispatch bytes enter the modelled cost
     enqueue_baselines: bool = True
     trial_mode: TrialMode | None = None  # None: resolved from the objective and ModelInfo (trial_mode())
     candidate_share: float = 0.5
@@ -59,14 +60,15 @@ def trial_mode(settings: TuneSettings, info: ModelInfo) -> TrialMode:
     return TrialMode.PAIRED if info.concurrent_policies else TrialMode.INTERLEAVED
 
 
-def cost_model(info: ModelInfo, fixed_bytes_per_pass: int | None) -> CostModel:
+def cost_model(info: ModelInfo, fixed_bytes_per_pass: int | None, ep_size: int = 0) -> CostModel:
     """ModelInfo has no dense-weight size, so by default the fixed part per pass is the shared
     experts counted at one routed expert's size each: a lower bound (the shipped model's shared
     expert is 4x wider, and attention and the LM head come on top). Pass the real figure to be exact."""
     fixed = fixed_bytes_per_pass
     if fixed is None:
         fixed = info.num_layers * info.shared_experts * info.expert_bytes
-    return CostModel(expert_bytes=info.expert_bytes, fixed_bytes_per_pass=fixed)
+    # Under EP every dispatched byte also comes back in the combine: it counts twice.
+    return CostModel(expert_bytes=info.expert_bytes, fixed_bytes_per_pass=fixed, ep_byte_weight=2.0 if ep_size else 0.0)
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ def assemble(
     space = SearchSpace.from_model_info(info, temperature_step=temperature_step(settings.sampler))
     sampler = make_sampler(settings.sampler, settings.seed, settings.trials)
     study = open_study(storage, settings.study_name, sampler, settings.objective.value)
-    cost = cost_model(info, settings.fixed_bytes_per_pass)
+    cost = cost_model(info, settings.fixed_bytes_per_pass, settings.ep_size)
     mode = trial_mode(settings, info)
     if "model_info" not in study.user_attrs:
         # For the report and the dashboard: what the space and the modelled cost were derived from.
@@ -98,6 +100,7 @@ def assemble(
         study.set_user_attr("sampler", settings.sampler.value)
         study.set_user_attr("sampler_why", rationale(settings.sampler))
         study.set_user_attr("window", asdict(settings.window))
+        study.set_user_attr("ep_size", settings.ep_size)
     study.set_user_attr("trial_mode", mode.value)
     study.set_user_attr("candidate_share", settings.candidate_share)
     measurer = Measurer(

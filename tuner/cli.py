@@ -110,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fixed-bytes-per-pass", type=int, default=None,
                         help="modelled cost: bytes every verify pass reads besides routed experts "
                              "(default: shared experts at routed-expert size, a lower bound)")
+    parser.add_argument("--ep-size", type=int, default=0,
+                        help="the server estimates expert parallelism over P ranks (moespec serve --ep-size P): "
+                             "the modelled cost adds its all-to-all bytes (dispatch + combine) per token")
 
 
 def parse_hostport(value: str, flag: str, allow_zero: bool) -> tuple[str, int]:
@@ -134,6 +137,7 @@ def settings_from_args(args: argparse.Namespace) -> TuneSettings:
         (0 < args.exploration_share <= 0.5, "--exploration-share must be in (0, 0.5]"),
         (args.switch_window_factor >= 0, "--switch-window-factor must be >= 0"),
         (args.reopen_trials >= 1, "--reopen-trials must be >= 1"),
+        (args.ep_size >= 0, "--ep-size must be >= 1 (or 0 for off)"),
     ]
     for ok, reason in checks:
         if not ok:
@@ -155,6 +159,7 @@ def settings_from_args(args: argparse.Namespace) -> TuneSettings:
         trial_mode=None if args.trial_mode == "auto" else TrialMode(args.trial_mode),
         candidate_share=args.candidate_share,
         switch_window_factor=args.switch_window_factor,
+        ep_size=args.ep_size,
     )
 
 

@@ -38,6 +38,7 @@ def request_sample(span: Mapping) -> RequestSample | None:
             drafter=str(a.get(attr.SPEC_DRAFTER, "")),
             draft_length=int(a.get(attr.SPEC_DRAFT_LENGTH, -1)),
             draft_temperature=float(a.get(attr.SPEC_DRAFT_TEMPERATURE, 1.0)),
+            ep_dispatch_bytes=int(a.get(attr.MOE_EP_DISPATCH_BYTES, 0)),
         )
     except (KeyError, TypeError, ValueError):
         return None

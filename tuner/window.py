@@ -33,6 +33,7 @@ class RequestSample:
     drafter: str = ""  # the policy the server says it ran ("" / -1 when the span does not say)
     draft_length: int = -1
     draft_temperature: float = 1.0
+    ep_dispatch_bytes: int = 0  # expert-parallel all-to-all estimate (0 unless the server runs --ep-size)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class CostModel:
 
     expert_bytes: int
     fixed_bytes_per_pass: int = 0  # shared experts + dense weights, read by every pass
+    # Under expert parallelism (`moespec tune --ep-size`): weight of one dispatched byte against one
+    # weight byte read. 2: the combine sends back what the dispatch sent; 0: EP ignored.
+    ep_byte_weight: float = 0.0
 
     def bytes_per_pass(self, unique_experts: tuple[float, ...]) -> float:
         return sum(unique_experts) * self.expert_bytes + self.fixed_bytes_per_pass
@@ -64,6 +68,7 @@ class WindowStats:
     expert_step_sums: list[float] = field(default_factory=list)  # [L] sum over passes of unique experts
     # (draft + verify seconds, committed tokens) of each request: the spread a confidence interval needs
     request_costs: list[tuple[float, int]] = field(default_factory=list)
+    ep_dispatch_bytes: int = 0
 
     def add(self, sample: RequestSample) -> None:
         self.request_costs.append((sample.draft_seconds + sample.verify_seconds, sample.committed_tokens))
@@ -75,6 +80,7 @@ class WindowStats:
         self.output_tokens += sample.output_tokens
         self.draft_seconds += sample.draft_seconds
         self.verify_seconds += sample.verify_seconds
+        self.ep_dispatch_bytes += sample.ep_dispatch_bytes
         layers = len(sample.unique_experts_mean)
         if len(self.expert_step_sums) < layers:
             self.expert_step_sums.extend([0.0] * (layers - len(self.expert_step_sums)))
@@ -84,7 +90,7 @@ class WindowStats:
     def merge(self, other: WindowStats) -> None:
         """Fold another window of the same policy in (sums stay exact)."""
         for name in ("requests", "steps", "drafted", "accepted", "committed", "output_tokens",
-                     "draft_seconds", "verify_seconds"):
+                     "draft_seconds", "verify_seconds", "ep_dispatch_bytes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         if len(self.expert_step_sums) < len(other.expert_step_sums):
             self.expert_step_sums.extend([0.0] * (len(other.expert_step_sums) - len(self.expert_step_sums)))
@@ -131,6 +137,7 @@ class WindowStats:
         if not self.committed:
             return float("inf")
         total = sum(self.expert_step_sums) * cost.expert_bytes + self.steps * cost.fixed_bytes_per_pass
+        total += cost.ep_byte_weight * self.ep_dispatch_bytes
         return total / self.committed
 
     def user_attrs(self, cost: CostModel, decode_step_seconds: float) -> dict[str, object]:
@@ -151,6 +158,7 @@ class WindowStats:
             "output_tokens": self.output_tokens,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
+            "ep_dispatch_bytes_per_token": self.ep_dispatch_bytes / self.committed if self.committed else None,
         }
 
 

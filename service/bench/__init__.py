@@ -5,6 +5,7 @@
     moespec bench telemetry   throughput with telemetry off / live receiver / unreachable endpoint
     moespec bench tuner       exhaustive policy grid vs the tuner's pick on the same workload
     moespec bench threads     `moespec serve` over gRPC at each --threads count and at the measured default
+    moespec bench whatif      what-if predictions of shorter draft lengths vs running them for real
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "telemetry": ("otel.bench", "throughput with telemetry off, on, and with an unreachable endpoint"),
     "tuner": ("tuner.bench", "exhaustive grid vs the tuner's pick"),
     "threads": ("service.bench.threads", "moespec serve at each --threads count vs its measured default"),
+    "whatif": ("service.bench.whatif", "what-if predictions of shorter draft lengths vs measured runs"),
 }
 
 

@@ -55,6 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="initial draft policy: tokens drafted per step (0 = no speculation)")
     parser.add_argument("--draft-temperature", type=float, default=1.0,
                         help="initial draft policy: draft sampling temperature (model drafter)")
+    parser.add_argument("--ep-size", type=int, default=0,
+                        help="estimate each verify pass's expert-parallel cost over P ranks (torch backend; "
+                             "spans gain moespec.moe.ep_*); 0 = off")
+    parser.add_argument("--ep-placement", type=Path, default=None,
+                        help="expert-to-rank placement: a physical-to-logical map [layers, slots] in SGLang's "
+                             "shape (.pt or .json); default: contiguous blocks of experts per rank")
+    parser.add_argument("--record-steps", type=Path, default=None,
+                        help="append every request's steps (routed top-k ids, acceptance, times) to FILE "
+                             "for `moespec whatif` (torch backend)")
     parser.add_argument("--log-level", default="WARNING", help="python logging level")
     otel_cli.add_arguments(parser)
     sglang = _sglang_module()
@@ -111,13 +120,40 @@ def server_config(args: argparse.Namespace, env_token: str | None) -> ServerConf
 
 def create_backend(args: argparse.Namespace) -> Backend:
     if args.backend == "sglang":
+        if args.ep_size or args.record_steps:
+            raise UsageError("--ep-size and --record-steps are implemented for the torch backend only")
         sglang = _sglang_module()
         if sglang is None:
             raise UsageError("the sglang backend is not part of this installation")
         return sglang.create_backend(args)
+    from service import expert_parallel
     from service.engine import Engine, EngineConfig  # imported here: torch loads only when serving with it
 
-    return Engine(EngineConfig(threads=args.threads or default_threads()))
+    ep = ep_spec(args)
+    if args.record_steps is not None and not args.record_steps.resolve().parent.is_dir():
+        raise UsageError(f"--record-steps: no folder {args.record_steps.resolve().parent}")
+    try:
+        return Engine(EngineConfig(threads=args.threads or default_threads(), ep=ep, record_steps=args.record_steps))
+    except expert_parallel.PlacementError as e:  # a placement that does not fit the model
+        raise UsageError(f"--ep-placement: {e}") from None
+
+
+def ep_spec(args: argparse.Namespace):
+    """--ep-size / --ep-placement -> the EPSpec the engine estimates with (None: off); the file is read
+    here, before the model loads, so a bad one exits 2 at once."""
+    from service import expert_parallel
+
+    if args.ep_size < 0:
+        raise UsageError(f"--ep-size must be >= 1 (or 0 for off), got {args.ep_size}")
+    if args.ep_placement is not None and not args.ep_size:
+        raise UsageError("--ep-placement needs --ep-size")
+    if not args.ep_size:
+        return None
+    try:
+        p2l = expert_parallel.load_placement_map(args.ep_placement) if args.ep_placement else None
+    except expert_parallel.PlacementError as e:
+        raise UsageError(f"--ep-placement: {e}") from None
+    return expert_parallel.EPSpec(size=args.ep_size, physical_to_logical=p2l)
 
 
 def default_threads() -> int:

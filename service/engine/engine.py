@@ -27,11 +27,13 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from service import expert_parallel
 from service.engine import ngram
 from service.engine.kernels import build as build_kernels
 from service.engine.model import KVCache
 from service.engine.sampling import accept, accept_greedy, draft_probs, point_mass, sample, target_probs
 from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_for_inference
+from service.recording import StepRecorder
 from service.types import (
     MAX_DRAFT_LENGTH,
     Drafter,
@@ -58,6 +60,8 @@ class EngineConfig:
     capture_topk: bool = False  # keep [L, w, m] routed ids in every StepRecord
     capture_routing: bool = True  # count unique experts (off only to measure its overhead)
     fast_step: bool = True  # fused expert kernel (kernels.py); False: the previous eager step, to compare
+    ep: expert_parallel.EPSpec | None = None  # estimate each pass's expert-parallel cost for this EP size
+    record_steps: Path | None = None  # append every request's steps (top-k ids included) to this file
 
 
 class Engine:
@@ -88,6 +92,10 @@ class Engine:
         # machine's current speed instead of the start-up calibration (which a busy CPU distorts).
         self._plain_steps: deque[float] = deque(maxlen=64)
         self.info = self._model_info()
+        self.ep = (expert_parallel.make_placement(config.ep.size, cfg.num_hidden_layers, cfg.num_experts,
+                                                  config.ep.physical_to_logical) if config.ep else None)
+        self.ep_token_bytes = cfg.hidden_size * (config.ep.dtype_bytes if config.ep else 0)
+        self.recorder = StepRecorder(config.record_steps, self.info, cfg.hidden_size) if config.record_steps else None
 
     # ----------------------------------------------------------------- public API
     def generate(
@@ -109,10 +117,14 @@ class Engine:
             raise InvalidRequest("prompt", f"{len(prompt)} tokens; the context holds {self.max_context} "
                                            "including at least one new token")
         with self._lock, torch.inference_mode():
-            return _Generation(self, request, policy, prompt, should_stop, on_delta).run()
+            result = _Generation(self, request, policy, prompt, should_stop, on_delta).run()
+        if self.recorder is not None:
+            self.recorder.write(result.steps)  # never raises: a full disk loses the recording, not the request
+        return result
 
     def close(self) -> None:
-        """Nothing to release beyond memory; kept for the Backend protocol."""
+        if self.recorder is not None:
+            self.recorder.close()
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -272,7 +284,10 @@ class _Generation:
                 draft_s: float, verify_s: float) -> StepRecord:
         if window.shape[0] == 1:
             self.e.observe_plain_step(verify_s)
-        cfg, policy, capture = self.e.target.cfg, self.policy, self.e.config.capture_topk
+        cfg, policy, capture = self.e.target.cfg, self.policy, self.e.config.capture_topk or self.e.recorder is not None
+        ep = {}  # the optional expert-parallel fields, estimated only with an EP size
+        if self.e.ep is not None:
+            ep = expert_parallel.step_fields(expert_parallel.pass_view(self.e.ep, routed, self.e.ep_token_bytes))
         L, E, m = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
         unique = unique_experts_per_layer(routed, E) if self.e.config.capture_routing else (0,) * L
         return StepRecord(
@@ -293,6 +308,7 @@ class _Generation:
             decode_step_equivalents=verify_s / self.e.current_decode_step_seconds(),
             topk_ids=tuple(tuple(tuple(pos) for pos in layer) for layer in routed.tolist()) if capture else None,
             window_ids=tuple(window.tolist()) if capture else None,
+            **ep,
         )
 
     # ------------------------------------------------------------ commit and stop

@@ -1,0 +1,155 @@
+"""Step recordings: every verify step of a run, with its routed top-k ids, in a compact file that
+`moespec whatif` replays.
+
+Format (JSON Lines, appendable, one complete line per step so a killed server leaves a readable file):
+- a header line each time a recorder opens the file:
+  {"format": "moespec.steps", "version": 1, "model": ..., "num_layers": L, "num_experts": E,
+   "top_k": m, "shared_experts": ..., "hidden_size": H, "decode_step_seconds": ...}
+- one line per step: {"r": request number (within this header), "drafter", "k", "temp", "policy",
+  "drafted", "accepted", "committed", "flags": "1101" (per drafted position), "w": window,
+  "draft_s", "verify_s", "dse": decode-step equivalents, "tokens": [w] window token ids,
+  "topk": base64 of the [L, w, m] routed ids as little-endian uint8 (uint16 when E > 256)}.
+  About 0.5 kB per step for a 9-position window of a 4-layer top-8 model.
+A file may hold several headers (a server restarted on the same file); they must describe the same
+model, and request numbers restart under each.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from service.types import Drafter, ModelInfo, StepRecord
+
+FORMAT = "moespec.steps"
+VERSION = 1
+_MODEL_KEYS = ("model", "num_layers", "num_experts", "top_k")
+logger = logging.getLogger(__name__)
+
+
+class RecordingError(ValueError):
+    """A file that is not a step recording, or one whose steps lack what is needed (names the line)."""
+
+
+def header_for(info: ModelInfo, hidden_size: int) -> dict:
+    return {
+        "format": FORMAT, "version": VERSION, "model": info.model_name, "num_layers": info.num_layers,
+        "num_experts": info.num_experts, "top_k": info.top_k, "shared_experts": info.shared_experts,
+        "hidden_size": hidden_size, "decode_step_seconds": info.decode_step_seconds,
+    }
+
+
+def _id_dtype(num_experts: int) -> np.dtype:
+    return np.dtype("<u1") if num_experts <= 256 else np.dtype("<u2")
+
+
+def step_line(step: StepRecord, request: int, num_experts: int) -> str:
+    if step.topk_ids is None or step.window_ids is None:
+        raise RecordingError("a step without top-k ids cannot be recorded (capture_topk is off)")
+    ids = np.asarray(step.topk_ids, dtype=_id_dtype(num_experts))  # [L, w, m]
+    return json.dumps({
+        "r": request, "drafter": step.drafter.value, "k": step.draft_length, "temp": step.draft_temperature,
+        "policy": step.policy_id, "drafted": step.drafted, "accepted": step.accepted, "committed": step.committed,
+        "flags": "".join("1" if ok else "0" for ok in step.accepted_per_position), "w": step.window,
+        "draft_s": step.draft_seconds, "verify_s": step.verify_seconds, "dse": step.decode_step_equivalents,
+        "tokens": list(step.window_ids), "topk": base64.b64encode(ids.tobytes()).decode("ascii"),
+    }, separators=(",", ":"))
+
+
+class StepRecorder:
+    """Appends each finished request's steps; thread-safe; a write error is logged and counted,
+    never raised (recording must not fail a request that generated fine)."""
+
+    def __init__(self, path: Path, info: ModelInfo, hidden_size: int):
+        self.path = Path(path)
+        self.info = info
+        self._lock = threading.Lock()
+        self._requests = 0
+        self.errors = 0
+        # Opened once, up front: an unwritable path fails `serve` at start-up, not the first request.
+        self._file = self.path.open("a", encoding="utf-8")
+        self._file.write(json.dumps(header_for(info, hidden_size)) + "\n")
+        self._file.flush()
+
+    def write(self, steps: Sequence[StepRecord]) -> None:
+        with self._lock:
+            try:
+                lines = [step_line(s, self._requests, self.info.num_experts) for s in steps]
+                self._file.write("".join(line + "\n" for line in lines))
+                self._file.flush()
+                self._requests += 1
+            except (OSError, ValueError):
+                self.errors += 1
+                logger.warning("step recording to %s failed", self.path, exc_info=self.errors == 1)
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+@dataclass(frozen=True)
+class Recording:
+    header: dict
+    requests: tuple[tuple[StepRecord, ...], ...]  # steps of each request, in order
+
+    @property
+    def steps(self) -> tuple[StepRecord, ...]:
+        return tuple(s for r in self.requests for s in r)
+
+
+def read_recording(path: Path) -> Recording:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise RecordingError(f"cannot read {path}: {e.strerror}") from None
+    header: dict | None = None
+    requests: dict[tuple[int, int], list[StepRecord]] = {}
+    section = -1
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(text.splitlines()):  # a half-written last line (killed mid-write)
+                break
+            raise RecordingError(f"{path}:{number}: not JSON") from None
+        if row.get("format") == FORMAT:
+            if header is not None and any(row.get(k) != header.get(k) for k in _MODEL_KEYS):
+                raise RecordingError(f"{path}:{number}: a header for another model ({row.get('model')})")
+            header, section = row, section + 1
+            continue
+        if header is None:
+            raise RecordingError(f"{path}:{number}: no '{FORMAT}' header before the first step")
+        requests.setdefault((section, row["r"]), []).append(_step(row, header, f"{path}:{number}"))
+    if header is None:
+        raise RecordingError(f"{path}: not a step recording (no '{FORMAT}' header)")
+    return Recording(header, tuple(tuple(steps) for steps in requests.values()))
+
+
+def _step(row: dict, header: dict, where: str) -> StepRecord:
+    L, m, E = header["num_layers"], header["top_k"], header["num_experts"]
+    try:
+        w = int(row["w"])
+        ids = np.frombuffer(base64.b64decode(row["topk"]), dtype=_id_dtype(E)).reshape(L, w, m)
+        return StepRecord(
+            drafter=Drafter(row["drafter"]), draft_length=int(row["k"]), draft_temperature=float(row["temp"]),
+            policy_id=str(row["policy"]), drafted=int(row["drafted"]), accepted=int(row["accepted"]),
+            committed=int(row["committed"]), accepted_per_position=tuple(c == "1" for c in row["flags"]),
+            window=w, unique_experts=tuple(len(np.unique(layer)) for layer in ids),
+            shared_experts=int(header.get("shared_experts", 0)), unique_experts_bound=min(E, w * m),
+            draft_seconds=float(row["draft_s"]), verify_seconds=float(row["verify_s"]),
+            decode_step_equivalents=float(row["dse"]),
+            topk_ids=tuple(tuple(tuple(p) for p in layer) for layer in ids.tolist()),
+            window_ids=tuple(int(t) for t in row["tokens"]),
+        )
+    except (KeyError, ValueError, TypeError) as e:
+        raise RecordingError(f"{where}: malformed step ({e})") from None

@@ -1,0 +1,354 @@
+"""What-if replay: from one recorded run at draft length k, predict the cost of every k' <= k.
+
+Contract (`predict(steps, ...)`, pure; steps of one policy, grouped by request, in order):
+- Each recorded step is truncated to k': it would have drafted min(d, k') of its d drafts (the
+  first k' drafts of a deterministic drafter, and the first k' of a sampled one are distributed
+  the same), accepted min(a, k'), and verified a window of min(d, k') + 1 positions whose per-layer
+  union is recounted from the first positions of the recorded top-k ids [L, w, m].
+- Verify seconds come from a cost curve fitted on the same run, least squares
+  seconds ~ c0 + c1 * window + c2 * mean union per layer, with the run's plain decode step
+  (window 1, union m) as a fixed point so short windows are interpolated, not extrapolated; window
+  and union move together, so a fit with a negative slope gives way to the better one-feature fit.
+  Where the run itself has at least MIN_WINDOW_STEPS passes of a window size (the n-gram drafter
+  proposes 0..k tokens, so its runs have every size), their mean verify seconds is used instead:
+  the real cost is concave in the union, so a line through the plain step and the wide windows
+  runs low in between.
+  Draft seconds per step = a fixed part + a part per draft, fitted on the steps that drafted (the
+  last steps of a request draft fewer; the first draft pass after a verify is the dearer one, its
+  weights having left the cache); k' = 0: none.
+- Committed tokens per step, two ways. `truncated`: the mean of min(a, k') + 1 over the recorded
+  steps, which treats steps as independent. It is biased low for k' < k: a k'-run cuts a long
+  accepted run short and starts its next step inside it, where acceptance is high. `replay`
+  (the estimate used) walks each request's token positions with the acceptance outcome the run
+  observed there (1 accepted, 0 rejected / nothing to propose) and replays windows of k' drafts
+  over them; the one position a fully accepted step never tested (its bonus token) is drawn with the
+  run's own P(accept | previous accepted). It keeps the correlation between neighbouring steps;
+  what it cannot know is how the drafter would behave at a step start the run never had (the
+  n-gram drafter's lookup, the draft model's catch-up), so it is exact only for position-wise
+  deterministic drafters (model drafter at temperature 0 with greedy requests).
+- Seconds per committed token = mean step seconds at k' / committed tokens per step at k'.
+- With an EP placement: mean ranks touched and most experts on one rank per layer, dispatch bytes
+  per committed token, for each k'.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from service import expert_parallel
+from service.types import StepRecord
+
+REPLAY_DRAWS = 32  # random draws of the untested positions; the spread is reported
+MIN_WINDOW_STEPS = 10  # recorded passes of one window size that make its own mean the prediction
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """verify seconds = intercept + per_position * window + per_expert * mean union per layer."""
+
+    intercept: float
+    per_position: float
+    per_expert: float
+    plain_step_seconds: float  # the anchor: the run's median plain decode step
+    steps: int  # recorded steps it was fitted on
+
+    def seconds(self, window: float, union: float) -> float:
+        return max(0.0, self.intercept + self.per_position * window + self.per_expert * union)
+
+
+@dataclass(frozen=True)
+class DraftCurve:
+    """draft seconds of a step that drafted d > 0 tokens = per_step + per_draft * d."""
+
+    per_step: float
+    per_draft: float
+
+    def seconds(self, drafted: int) -> float:
+        return self.per_step + self.per_draft * drafted
+
+
+@dataclass(frozen=True)
+class LengthPrediction:
+    draft_length: int  # k'
+    acceptance_per_position: tuple[float, ...]  # [k'] P(draft i accepted | drafted i)
+    window_mean: float
+    unique_experts_mean: tuple[float, ...]  # [L]
+    draft_seconds_per_step: float
+    verify_seconds_per_step: float  # from the cost curve
+    committed_per_step: float  # replay
+    committed_per_step_spread: float  # max - min over the replay draws
+    committed_per_step_truncated: float
+    seconds_per_committed_token: float  # replay
+    seconds_per_committed_token_truncated: float
+    ep_ranks_touched_mean: tuple[float, ...] | None = None  # [L]
+    ep_max_rank_experts_mean: tuple[float, ...] | None = None  # [L]
+    ep_dispatch_bytes_per_token: float | None = None
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    drafter: str
+    draft_temperature: float
+    recorded_length: int  # k of the run
+    steps: int
+    requests: int
+    measured_seconds_per_committed_token: float  # the run itself
+    curve: CostCurve
+    window_seconds: dict[int, float]  # window size -> mean verify seconds where the run has enough passes
+    draft_curve: DraftCurve
+    predictions: tuple[LengthPrediction, ...]  # k' = 0..k
+
+    @property
+    def best(self) -> LengthPrediction:
+        return min(self.predictions, key=lambda p: p.seconds_per_committed_token)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "best_draft_length": self.best.draft_length}
+
+
+def fit_cost_curve(steps: Sequence[StepRecord], top_k: int) -> CostCurve:
+    """Least squares of verify seconds on window size and mean union per layer, through the run's
+    plain decode step (window 1, union m): the engine measures that step all the time (it is the
+    unit of decode_step_equivalents), so short windows are interpolated between it and the recorded
+    ones rather than extrapolated from the recorded ones alone. Without it, a free intercept."""
+    plain_steps = [s.verify_seconds / s.decode_step_equivalents for s in steps if s.decode_step_equivalents > 0]
+    plain = statistics.median(plain_steps) if plain_steps else 0.0
+    windows = np.array([s.window for s in steps], dtype=float)
+    unions = np.array([float(np.mean(s.unique_experts)) for s in steps])
+    seconds = np.array([s.verify_seconds for s in steps])
+    if plain_steps:  # through the anchor: fit the excess over a plain step
+        target, features = seconds - plain, {1: windows - 1, 2: unions - top_k}
+    else:
+        target, features = seconds, {0: np.ones_like(windows), 1: windows, 2: unions}
+    # A slope is identifiable if its feature varies, or (through the anchor) is ever non-zero.
+    slopes = [i for i in (1, 2) if np.ptp(features[i]) > 0 or (plain_steps and np.any(features[i] != 0))]
+    base = [0] if 0 in features else []
+    # Window and union move together, so the joint fit can trade one against the other into a
+    # negative slope that extrapolates badly; then the better one-feature fit is kept.
+    candidates = [base + slopes] + ([base + [i] for i in slopes] if len(slopes) == 2 else [])
+    best: tuple[float, list[int], np.ndarray] | None = None
+    for keep in candidates:
+        if not keep:
+            continue
+        design = np.stack([features[i] for i in keep], 1)
+        coef, *_ = np.linalg.lstsq(design, target, rcond=None)
+        if any(c < 0 for i, c in zip(keep, coef, strict=True) if i):
+            continue
+        residual = float(np.sum((design @ coef - target) ** 2))
+        if keep is candidates[0]:  # the joint fit is sensible: use it
+            best = (residual, keep, coef)
+            break
+        if best is None or residual < best[0]:
+            best = (residual, keep, coef)
+    c = [0.0, 0.0, 0.0]
+    if best is not None:
+        for i, value in zip(best[1], best[2], strict=True):
+            c[i] = float(value)
+    if plain_steps:  # seconds = plain + c1 (w - 1) + c2 (u - m), written as intercept + slopes
+        c[0] = plain - c[1] - c[2] * top_k
+    elif best is None:  # nothing fits with a positive slope: a flat cost
+        c[0] = float(np.mean(seconds))
+    return CostCurve(c[0], c[1], c[2], plain, len(steps))
+
+
+def fit_draft_curve(steps: Sequence[StepRecord]) -> DraftCurve:
+    """Least squares of draft seconds on drafts per step when that varies and both parts come out
+    non-negative; otherwise draft time proportional to the drafts."""
+    drafting = [s for s in steps if s.drafted > 0]
+    if not drafting:
+        return DraftCurve(0.0, 0.0)
+    drafted = np.array([s.drafted for s in drafting], dtype=float)
+    seconds = np.array([s.draft_seconds for s in drafting])
+    if np.ptp(drafted) > 0:
+        (per_step, per_draft), *_ = np.linalg.lstsq(np.stack([np.ones_like(drafted), drafted], 1), seconds,
+                                                    rcond=None)
+        if per_step >= 0 and per_draft >= 0:
+            return DraftCurve(float(per_step), float(per_draft))
+    return DraftCurve(0.0, float(seconds.sum() / drafted.sum()))
+
+
+def position_outcomes(request: Sequence[StepRecord]) -> list[int | None]:
+    """One request's output positions: 1 = a draft was accepted there, 0 = rejected or nothing to
+    propose, None = never tested (the bonus token after a fully accepted window of k drafts)."""
+    out: list[int | None] = []
+    for s in request:
+        a, d = s.accepted, s.drafted
+        if s.committed <= a:  # EOS inside the accepted drafts ended the request
+            out += [1] * s.committed
+        elif a < d or d < s.draft_length or s.draft_length == 0:
+            out += [1] * a + [0]  # rejected at a, or the drafter had nothing more to offer
+        else:
+            out += [1] * a + [None]
+    return out
+
+
+def continue_probability(requests: Sequence[list[int | None]]) -> float:
+    """P(accepted | the previous position accepted), over positions the run tested."""
+    pairs = [(x, y) for r in requests for x, y in zip(r, r[1:], strict=False) if x == 1 and y is not None]
+    return sum(y for _, y in pairs) / len(pairs) if pairs else 0.0
+
+
+def replay(outcomes: Sequence[int | None], k: int, p_continue: float, rng: random.Random) -> tuple[int, int]:
+    """Windows of k drafts over one request's positions -> (committed tokens, steps)."""
+    n, s, steps = len(outcomes), 0, 0
+    while s < n:
+        j = 0
+        while j < k and s + j < n:
+            o = outcomes[s + j]
+            if o is None:
+                o = int(rng.random() < p_continue)
+            if not o:
+                break
+            j += 1
+        s += j + 1
+        steps += 1
+    return n, steps
+
+
+def predict(requests: Sequence[Sequence[StepRecord]], top_k: int,
+            placement: expert_parallel.Placement | None = None, ep_token_bytes: int = 0,
+            seed: int = 0) -> WhatIf:
+    steps = [s for r in requests for s in r]
+    if not steps:
+        raise ValueError("no recorded steps to replay")
+    if any(s.topk_ids is None for s in steps):
+        raise ValueError("the recorded steps carry no top-k ids (record with capture_topk / --record-steps)")
+    first = steps[0]
+    policies = {(s.drafter, s.draft_length, s.draft_temperature) for s in steps}
+    if len(policies) > 1:
+        raise ValueError(f"steps of {len(policies)} policies; replay one policy's steps at a time")
+    k = first.draft_length
+    curve = fit_cost_curve(steps, top_k)
+    draft_curve = fit_draft_curve(steps)
+    by_window: dict[int, list[float]] = {}
+    for s in steps:
+        by_window.setdefault(s.window, []).append(s.verify_seconds)
+    window_seconds = {w: statistics.fmean(v) for w, v in sorted(by_window.items()) if len(v) >= MIN_WINDOW_STEPS}
+    ids = [torch.tensor(s.topk_ids) for s in steps]  # [L, w, m] each
+    outcomes = [position_outcomes(r) for r in requests]
+    p_continue = continue_probability(outcomes)
+    measured = sum(s.seconds for s in steps) / max(1, sum(s.committed for s in steps))
+    predictions = [_predict_length(kp, steps, ids, outcomes, p_continue, curve, window_seconds, draft_curve,
+                                   placement, ep_token_bytes, seed) for kp in range(k + 1)]
+    return WhatIf(first.drafter.value, first.draft_temperature, k, len(steps), len(requests), measured, curve,
+                  window_seconds, draft_curve, tuple(predictions))
+
+
+def _predict_length(kp: int, steps: list[StepRecord], ids: list[torch.Tensor], outcomes: list[list[int | None]],
+                    p_continue: float, curve: CostCurve, window_seconds: dict[int, float], draft_curve: DraftCurve,
+                    placement: expert_parallel.Placement | None,
+                    ep_token_bytes: int, seed: int) -> LengthPrediction:
+    L = ids[0].shape[0]
+    windows, unions, drafts, verifies, committed_trunc = [], [], [], [], []
+    accepted_at, drafted_at = [0] * kp, [0] * kp
+    ranks, most, dispatched = np.zeros(L), np.zeros(L), 0
+    for s, routed in zip(steps, ids, strict=True):
+        d = min(s.drafted, kp)
+        a = min(s.accepted, kp)
+        w = d + 1
+        window_ids = routed[:, :w]  # [L, w', m] the first w' positions of the recorded window
+        union = [len(torch.unique(layer)) for layer in window_ids]
+        windows.append(w)
+        unions.append(union)
+        # k' = 0 drafts nothing; a step whose drafter found nothing (n-gram) costs what it cost.
+        drafts.append(0.0 if kp == 0 else s.draft_seconds if s.drafted == 0 else draft_curve.seconds(d))
+        verifies.append(window_seconds.get(w) or curve.seconds(w, float(np.mean(union))))
+        committed_trunc.append(min(a + 1, s.committed))
+        for i in range(d):
+            drafted_at[i] += 1
+            accepted_at[i] += i < a
+        if placement is not None:
+            view = expert_parallel.pass_view(placement, window_ids, ep_token_bytes)
+            ranks += view.ranks_touched
+            most += view.max_rank_experts
+            dispatched += view.dispatch_bytes
+    n = len(steps)
+    draws = []
+    for draw in range(REPLAY_DRAWS):
+        rng = random.Random(seed * 1000 + draw)
+        tokens = step_count = 0
+        for request in outcomes:
+            t, st = replay(request, kp, p_continue, rng)
+            tokens, step_count = tokens + t, step_count + st
+        draws.append(tokens / max(1, step_count))
+    per_step = statistics.fmean(draws)
+    trunc = statistics.fmean(committed_trunc)
+    step_seconds = statistics.fmean(drafts) + statistics.fmean(verifies)
+    return LengthPrediction(
+        draft_length=kp,
+        acceptance_per_position=tuple(acc / max(1, dr) for acc, dr in zip(accepted_at, drafted_at, strict=True)),
+        window_mean=statistics.fmean(windows),
+        unique_experts_mean=tuple(float(x) for x in np.mean(np.array(unions), axis=0)),
+        draft_seconds_per_step=statistics.fmean(drafts),
+        verify_seconds_per_step=statistics.fmean(verifies),
+        committed_per_step=per_step,
+        committed_per_step_spread=max(draws) - min(draws),
+        committed_per_step_truncated=trunc,
+        seconds_per_committed_token=step_seconds / per_step,
+        seconds_per_committed_token_truncated=step_seconds / trunc,
+        ep_ranks_touched_mean=tuple(float(x) for x in ranks / n) if placement is not None else None,
+        ep_max_rank_experts_mean=tuple(float(x) for x in most / n) if placement is not None else None,
+        ep_dispatch_bytes_per_token=dispatched / n / per_step if placement is not None else None,
+    )
+
+
+def format_table(result: WhatIf) -> str:
+    ep = result.predictions[0].ep_ranks_touched_mean is not None
+    head = ["k'", "accept/pos", "committed/step", "(truncated)", "window", "unique experts / layer",
+            "verify ms", "draft ms", "ms/token", "(truncated)"]
+    if ep:
+        head += ["EP ranks / layer", "dispatch B/token"]
+    rows = [head]
+    for p in result.predictions:
+        row = [str(p.draft_length), " ".join(f"{x:.2f}" for x in p.acceptance_per_position) or "-",
+               f"{p.committed_per_step:.2f}", f"{p.committed_per_step_truncated:.2f}", f"{p.window_mean:.2f}",
+               " / ".join(f"{u:.1f}" for u in p.unique_experts_mean), f"{p.verify_seconds_per_step * 1e3:.2f}",
+               f"{p.draft_seconds_per_step * 1e3:.2f}", f"{p.seconds_per_committed_token * 1e3:.3f}",
+               f"{p.seconds_per_committed_token_truncated * 1e3:.3f}"]
+        if ep:
+            row += [" / ".join(f"{r:.2f}" for r in p.ep_ranks_touched_mean), f"{p.ep_dispatch_bytes_per_token:.0f}"]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(wd) for c, wd in zip(r, widths, strict=True)) for r in rows]
+    c = result.curve
+    lines += [
+        f"recorded: {result.drafter} k={result.recorded_length} T={result.draft_temperature}, {result.steps} steps "
+        f"in {result.requests} requests, measured {result.measured_seconds_per_committed_token * 1e3:.3f} ms/token",
+        f"cost curve: verify ms = {c.intercept * 1e3:.3f} + {c.per_position * 1e3:.3f} * window + "
+        f"{c.per_expert * 1e3:.4f} * mean union (plain step {c.plain_step_seconds * 1e3:.3f} ms); "
+        f"draft ms = {result.draft_curve.per_step * 1e3:.3f} + {result.draft_curve.per_draft * 1e3:.3f} * drafts",
+        f"predicted best draft length: {result.best.draft_length}",
+    ]
+    return "\n".join(lines)
+
+
+def plot(result: WhatIf, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = [p.draft_length for p in result.predictions]
+    fig, (cost, unions) = plt.subplots(1, 2, figsize=(11, 4))
+    cost.plot(ks, [p.seconds_per_committed_token * 1e3 for p in result.predictions], "o-", label="replay")
+    cost.plot(ks, [p.seconds_per_committed_token_truncated * 1e3 for p in result.predictions], "x--",
+              label="truncated steps")
+    cost.axhline(result.measured_seconds_per_committed_token * 1e3, color="grey", lw=0.8,
+                 label=f"measured at k={result.recorded_length}")
+    cost.set(xlabel="draft length k'", ylabel="ms per committed token (predicted)",
+             title=f"{result.drafter} drafter, recorded at k={result.recorded_length}")
+    cost.legend()
+    layers = len(result.predictions[0].unique_experts_mean)
+    for layer in range(layers):
+        unions.plot(ks, [p.unique_experts_mean[layer] for p in result.predictions], "o-", label=f"layer {layer}")
+    unions.set(xlabel="draft length k'", ylabel="unique routed experts per pass", title="per-layer union vs k'")
+    unions.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
