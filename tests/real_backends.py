@@ -145,3 +145,20 @@ def phoenix_python() -> Path:
     if not python.exists():
         missing("Arize Phoenix", f"no venv at {venv}; run scripts/setup_phoenix.sh")
     return python
+
+
+def start_phoenix(workdir: Path) -> tuple[Backend, str, str]:
+    """Phoenix with its data in `workdir`, loopback only, no usage telemetry and no external resources
+    -> (backend, HTTP base URL, OTLP/gRPC endpoint)."""
+    python = phoenix_python()
+    http_port, grpc_port = free_port(), free_port()
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(workdir),
+        "PHOENIX_WORKING_DIR": str(workdir), "PHOENIX_HOST": "127.0.0.1",
+        "PHOENIX_PORT": str(http_port), "PHOENIX_GRPC_PORT": str(grpc_port),
+        "PHOENIX_TELEMETRY_ENABLED": "false", "PHOENIX_ALLOW_EXTERNAL_RESOURCES": "false",
+    }
+    backend = start("phoenix", [str(python), "-m", "phoenix.server.main", "serve"], workdir, env)
+    url = f"http://127.0.0.1:{http_port}"
+    backend.wait_ready(f"{url}/healthz", timeout=300)  # ~40 s on two busy cores: migrations, UI bundle
+    return backend, url, f"http://127.0.0.1:{grpc_port}"
