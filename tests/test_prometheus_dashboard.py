@@ -5,7 +5,7 @@ later are covered without touching this test) and every Prometheus-backed templa
 executed through Prometheus' HTTP API after real requests under three draft policies. Each query
 must return series carrying exactly the labels its `by (...)` clause promises, with every layer and
 every policy that had traffic, and numbers that mean what the panel says (checked against the
-servers' own responses for the panels whose meaning is known here).
+server's own responses for the panels whose meaning is known here).
 
 The compose stack has Prometheus scrape the Collector's `prometheus` exporter instead of the server;
 both apply the same OpenTelemetry -> Prometheus naming rules (see otel/attributes.py).
