@@ -137,8 +137,10 @@ def test_sigkill_mid_trial_then_restart_resumes_without_losing_finished_trials(s
         # Open our own storage only once the tuner has made the schema (two creators would race).
         wait_for(lambda: study_in_file(db, "killed"), 60, "the tuner's study")
         storage = st.open_storage(url)
+        deadline = time.monotonic() + 180  # trial 0 needs ~3 requests; this only bounds a broken tuner
         while (state := trial_state(storage, "killed", 1)) in (None, TrialState.WAITING):
             assert proc.poll() is None, (tmp_path / "tune.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "tune.log").read_text()
             admin_client.generate(request)  # trial 0's traffic, gated on trial 1 not having started
         assert state is TrialState.RUNNING
         proc.send_signal(signal.SIGKILL)
