@@ -52,6 +52,8 @@ class ModeResult:
     tokens_per_second: float
     relative: float  # tokens_per_second / off's
     relative_median: float  # median over cycles of (this mode's / off's throughput in the same cycle)
+    relative_min: float  # the spread of those per-cycle ratios: lowest ...
+    relative_max: float  # ... and highest
     cpu_ms_per_token: float  # this process's CPU time (all threads, export included) per token
     cpu_overhead: float  # cpu_ms_per_token / off's - 1
     spans_exported: int
@@ -154,23 +156,27 @@ def run_benchmark(
         receiver.stop()
     off = totals["off"]["tokens"] / totals["off"]["seconds"]
     off_cpu = totals["off"]["cpu"] / totals["off"]["tokens"]
+    ratios = {m: [c[m] / c["off"] for c in per_cycle] for m in totals}
     return [ModeResult(m, t["requests"], t["tokens"], t["seconds"], t["tokens"] / t["seconds"],
-                       (t["tokens"] / t["seconds"]) / off, statistics.median(c[m] / c["off"] for c in per_cycle),
+                       (t["tokens"] / t["seconds"]) / off, statistics.median(ratios[m]), min(ratios[m]), max(ratios[m]),
                        1000 * t["cpu"] / t["tokens"], (t["cpu"] / t["tokens"]) / off_cpu - 1,
                        t["exported"], t["dropped"]) for m, t in totals.items()]
 
 
 def format_report(results: Sequence[ModeResult]) -> str:
     """`vs off`: total throughput ratio; `cycle med`: median of the per-cycle ratios (robust to one
-    disturbed block); `cpu +`: extra CPU time per token (the least noisy figure on a shared machine).
-    The verdict uses the total throughput ratio."""
+    disturbed block); `cycle range`: their lowest and highest (the spread over repeats); `cpu +`: extra
+    CPU time per token (the least noisy figure on a shared machine). The verdict uses the total
+    throughput ratio."""
     lines = [f"{'telemetry':<12}{'requests':>9}{'tokens':>8}{'seconds':>9}{'tok/s':>9}{'vs off':>8}{'cycle med':>10}"
-             f"{'cpu ms/tok':>11}{'cpu +':>7}{'spans exported':>16}{'dropped':>9}  target"]
+             f"{'cycle range':>15}{'cpu ms/tok':>11}{'cpu +':>7}{'spans exported':>16}{'dropped':>9}  target"]
     for r in results:
         target = TARGETS.get(r.mode)
         verdict = "" if target is None else f">= {target:.0%} {'ok' if r.relative >= target else 'MISSED'}"
+        spread = f"{r.relative_min:.1%}-{r.relative_max:.1%}"
         lines.append(f"{r.mode:<12}{r.requests:>9}{r.tokens:>8}{r.seconds:>9.2f}{r.tokens_per_second:>9.1f}"
-                     f"{r.relative:>8.1%}{r.relative_median:>10.1%}{r.cpu_ms_per_token:>11.2f}{r.cpu_overhead:>7.1%}"
+                     f"{r.relative:>8.1%}{r.relative_median:>10.1%}{spread:>15}{r.cpu_ms_per_token:>11.2f}"
+                     f"{r.cpu_overhead:>7.1%}"
                      f"{r.spans_exported:>16}{r.spans_dropped:>9}  {verdict}")
     return "\n".join(lines)
 

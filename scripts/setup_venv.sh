@@ -13,3 +13,13 @@ if [ -n "$extras" ]; then
 else
   python -m pip install -q -e .
 fi
+
+# Test extras: the real observability backends the tests run against (tests/real_backends.py).
+# Prometheus from the Debian package, skipped when one is already on PATH; Arize Phoenix in its own
+# venv outside the checkout (scripts/setup_phoenix.sh; its dependencies clash with ours).
+if [[ ",$extras," == *",test,"* ]]; then
+  if ! command -v prometheus >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
+  fi
+  bash scripts/setup_phoenix.sh
+fi

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
 from otel import attributes as a
+from tests.real_backends import missing
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 REPO = DEPLOY.parent
@@ -127,6 +130,17 @@ def test_prometheus_scrapes_the_collectors_prometheus_exporter(collector):
     assert f"otel-collector:{port_of(collector['exporters']['prometheus']['endpoint'])}" in targets
     assert "metrics" in collector["service"]["pipelines"]
     assert "prometheus" in collector["service"]["pipelines"]["metrics"]["exporters"]
+
+
+def test_prometheus_config_passes_the_real_prometheus_checker():
+    """promtool (from the prometheus package) parses the file with Prometheus' own config loader, which
+    refuses unknown keys and bad durations that yaml.safe_load lets through."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        missing("promtool", "apt-get install prometheus; scripts/setup_venv.sh test does it")
+    result = subprocess.run([promtool, "check", "config", str(DEPLOY / "prometheus.yml")], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_grafana_datasources_point_at_compose_services(compose):

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
+from collections.abc import Sequence
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel.config import TelemetryConfig
 from otel.export import EXPORT_FAILED, QUEUE_FULL
 from otel.receiver import OtlpTraceReceiver
-from otel.setup import build_telemetry_from_config
-from otel.telemetry import NoTelemetry
+from otel.setup import bounded_processor, build_telemetry_from_config
+from otel.telemetry import NoTelemetry, OtelTelemetry
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
 POLICY = DraftPolicy(Drafter.MODEL, 2, policy_id="nb")
@@ -31,8 +36,9 @@ def tiny_queue_env(endpoint: str) -> dict:
             "OTEL_EXPORTER_OTLP_TIMEOUT": "300", "MOESPEC_VERIFY_SPAN_RATIO": "1"}
 
 
-def timed_request(engine, telemetry) -> tuple[float, float]:
-    """-> (seconds for the whole observed request, seconds spent inside telemetry calls)."""
+def timed_request(engine, telemetry, spans: list[int] | None = None) -> tuple[float, float]:
+    """-> (seconds for the whole observed request, seconds spent inside telemetry calls); appends the
+    number of spans the request ended to `spans` when given."""
     t0 = time.perf_counter()
     with telemetry.request(engine.info, REQUEST, POLICY) as obs:
         t1 = time.perf_counter()
@@ -41,6 +47,8 @@ def timed_request(engine, telemetry) -> tuple[float, float]:
         obs.finish(result)
         t3 = time.perf_counter()
     t4 = time.perf_counter()
+    if spans is not None:
+        spans.append(1 + len(result.steps))  # the request span and one verify span per step (ratio 1)
     return t4 - t0, (t1 - t0) + (t3 - t2) + (t4 - t3)
 
 
@@ -122,3 +130,86 @@ def test_spans_admitted_never_exceed_the_queue(engine):
             assert receiver.wait_for(lambda spans: len(spans) >= stats.exported)
         finally:
             telemetry.shutdown()
+
+
+# ------------------------------------------------------------ blocked vs slow exporters
+class GatedExporter(SpanExporter):
+    """An exporter whose export() takes `delay` seconds, or never returns while `blocked` (until the
+    test releases it): a collector stuck without a timeout, or an exporter bug."""
+
+    def __init__(self, delay: float = 0.0, blocked: bool = False):
+        self.delay, self.blocked = delay, blocked
+        self.release = threading.Event()
+        self.calls = 0
+        self.exported = 0
+
+    def export(self, spans: Sequence) -> SpanExportResult:
+        self.calls += 1
+        if self.blocked:
+            self.release.wait()  # forever, as far as the requests can tell
+            return SpanExportResult.FAILURE
+        time.sleep(self.delay)
+        self.exported += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        self.release.set()
+
+
+def telemetry_with(engine, exporter: SpanExporter, queue: int) -> OtelTelemetry:
+    """The production pipeline (bounded, counting processor over the SDK batch processor) around `exporter`."""
+    config = TelemetryConfig(bsp_max_queue_size=queue, bsp_max_export_batch_size=8, bsp_schedule_delay_ms=10)
+    provider = TracerProvider(shutdown_on_exit=False)
+    processor, stats = bounded_processor(exporter, config)
+    provider.add_span_processor(processor)
+    return OtelTelemetry(engine.info, provider, None, verify_span_ratio=1.0, export_stats=[stats], seed=0)
+
+
+def requests_in_a_thread(engine, telemetry, count: int, timeout: float = 120.0) -> tuple[int, float]:
+    """Run `count` observed requests on another thread -> (spans they ended, the most time one request
+    spent inside telemetry calls). Fails if they do not finish: a request waiting on a blocked export
+    would never return, whatever the machine's speed."""
+    spans, overheads = [], []
+
+    def work() -> None:
+        for _ in range(count):
+            _, spent = timed_request(engine, telemetry, spans)
+            overheads.append(spent)
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    assert not worker.is_alive(), "requests did not finish: the request path waits on the exporter"
+    assert len(spans) == count
+    return sum(spans), max(overheads)
+
+
+def test_blocked_exporter_never_holds_a_request_and_drops_what_exceeds_the_queue(engine):
+    exporter = GatedExporter(blocked=True)
+    telemetry = telemetry_with(engine, exporter, queue=16)
+    try:
+        ended, overhead = requests_in_a_thread(engine, telemetry, count=3)
+        (stats,) = telemetry.export_stats
+        assert overhead < 0.1  # admission only (see the slow test for what an export on the path costs)
+        assert wait_until(lambda: exporter.calls >= 1)  # the worker is inside the blocked export
+        # Nothing gets out; the queue holds exactly its capacity and everything else is counted lost.
+        assert stats.exported == 0 and stats.pending == 16
+        assert stats.dropped_by_reason() == {QUEUE_FULL: ended - 16, EXPORT_FAILED: 0}
+        assert ended > 16
+    finally:
+        exporter.release.set()
+        telemetry.shutdown()
+
+
+def test_slow_exporter_delays_nothing_and_loses_nothing_when_the_queue_holds_the_spans(engine):
+    exporter = GatedExporter(delay=0.2)  # 200 ms per batch of up to 8: slower than spans arrive
+    telemetry = telemetry_with(engine, exporter, queue=2048)
+    try:
+        ended, overhead = requests_in_a_thread(engine, telemetry, count=3)
+        (stats,) = telemetry.export_stats
+        # An export on the request path would cost >= 0.2 s per span; admission costs microseconds.
+        assert overhead < 0.1
+        assert wait_until(lambda: stats.exported == ended, timeout=30)
+        assert stats.dropped == 0 and stats.pending == 0 and exporter.exported == ended
+    finally:
+        telemetry.shutdown()

@@ -184,14 +184,25 @@ def test_verify_span_ratio_samples_a_share_of_the_steps(engine, receiver):
     assert 0 < len(verify) < len(result.steps)  # 39 steps at 0.5 (fixed seed)
 
 
-def test_unsampled_trace_reports_no_trace_id_and_exports_nothing(engine, receiver):
-    telemetry = telemetry_for(receiver, engine.info, OTEL_TRACES_SAMPLER="always_off")
-    try:
-        _, _, trace_id = run(engine, telemetry, POLICIES[0], max_new_tokens=4)
-        telemetry.force_flush()
-    finally:
-        telemetry.shutdown()
-    assert trace_id == ""
+def test_unsampled_trace_reports_no_trace_id_and_exports_nothing(engine):
+    # A receiver of its own, so "nothing" means nothing: the unsampled requests are flushed first,
+    # then a sampled request through the same kind of pipeline proves spans do arrive there.
+    with OtlpTraceReceiver() as own:
+        telemetry = telemetry_for(own, engine.info, OTEL_TRACES_SAMPLER="always_off")
+        try:
+            ids = [run(engine, telemetry, policy, max_new_tokens=6)[2] for policy in POLICIES]
+            assert telemetry.force_flush()
+        finally:
+            telemetry.shutdown()
+        marker = telemetry_for(own, engine.info)
+        try:
+            _, _, marker_id = run(engine, marker, POLICIES[0], max_new_tokens=4)
+            arrived = trace_spans(own, marker_id, 1)
+        finally:
+            marker.shutdown()
+        assert marker_id and arrived
+        assert {s["trace_id"] for s in own.spans} == {marker_id}  # nothing from the unsampled requests
+        assert ids == ["", "", ""]
 
 
 def test_server_fault_sets_error_status_and_error_type(engine, receiver):

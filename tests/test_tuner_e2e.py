@@ -9,15 +9,19 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import threading
 import time
+from contextlib import closing
+from pathlib import Path
 
 import optuna
 import pytest
 from optuna.trial import TrialState
 
 from service.server.client import MoespecClient
+from service.types import GenerationRequest, SamplingParams
 from tuner import study as st
 from tuner.loadgen import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, load_prompts
 from tuner.server_proc import MOESPEC, REPO_ROOT, start_server, telemetry_env
@@ -106,36 +110,88 @@ def test_tuner_stores_valued_trials_with_attrs_and_leaves_the_best_policy_applie
     assert "best policy:" in result.stdout and "optuna-dashboard" in result.stdout
 
 
-def test_sigkill_mid_trial_then_restart_resumes_without_losing_finished_trials(served, admin_client, load, otlp_port,
-                                                                               tmp_path):
-    storage = f"sqlite:///{tmp_path / 't.db'}"
-    cmd = tune_cmd(served.address, otlp_port, storage, "--trials", "3", "--remeasure", "0", "--tuner-id", "me",
-                   study="killed")
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+def trial_state(storage: optuna.storages.BaseStorage, study: str, number: int) -> TrialState | None:
+    """Trial `number`'s state in the stored study (None while the study or the trial does not exist)."""
     try:
-        for line in proc.stderr:  # wait until trial 1 has started (trial 0 is finished by then)
-            if line.startswith("trial 1 ["):
-                break
-        time.sleep(0.5)
+        trials = storage.get_all_trials(storage.get_study_id_from_name(study), deepcopy=False)
+    except KeyError:
+        return None
+    return trials[number].state if len(trials) > number else None
+
+
+def test_sigkill_mid_trial_then_restart_resumes_without_losing_finished_trials(served, admin_client, otlp_port,
+                                                                               tmp_path):
+    """The kill lands in a RUNNING trial by construction, not by timing. Traffic is one request at a
+    time, each sent only after the stored study shows trial 1 not yet started; so trial 1 gets at most
+    one request (16 tokens), below its window's 48, and cannot complete. Pruning is off and its
+    window's time limit is far beyond the test's, so it cannot be told PRUNED or FAIL either: it is
+    RUNNING until the kill, whenever the kill comes."""
+    db = tmp_path / "t.db"
+    url = f"sqlite:///{db}"
+    cmd = tune_cmd(served.address, otlp_port, url, "--trials", "3", "--remeasure", "0", "--tuner-id", "me",
+                   "--prune-factor", "0", study="killed")
+    cmd[cmd.index("--max-window-seconds") + 1] = "600"
+    request = GenerationRequest(prompt="def add(a, b):\n", max_new_tokens=16, sampling=SamplingParams(temperature=0))
+    log = (tmp_path / "tune.log").open("w")  # a file, not a pipe nobody drains
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stderr=log, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "MOESPEC_ADMIN_TOKEN": ""})
+    try:
+        # Open our own storage only once the tuner has made the schema (two creators would race).
+        wait_for(lambda: study_in_file(db, "killed"), 60, "the tuner's study")
+        storage = st.open_storage(url)
+        deadline = time.monotonic() + 180  # trial 0 needs ~3 requests; this only bounds a broken tuner
+        while (state := trial_state(storage, "killed", 1)) in (None, TrialState.WAITING):
+            assert proc.poll() is None, (tmp_path / "tune.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "tune.log").read_text()
+            admin_client.generate(request)  # trial 0's traffic, gated on trial 1 not having started
+        assert state is TrialState.RUNNING
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     finally:
         if proc.poll() is None:
             proc.kill()
-    before = load_study(storage, "killed")
+        log.close()
+    before = load_study(url, "killed")
+    assert before.trials[0].state is TrialState.COMPLETE
     assert before.trials[1].state is TrialState.RUNNING
     finished = {t.number: (t.state, t.value) for t in before.trials if t.state.is_finished()}
-    assert finished and all(state.is_finished() for state, _ in finished.values())
 
-    result = run_tune(cmd)
+    stop = threading.Event()
+    gen = LoadGenerator(admin_client, load_prompts(DEFAULT_PROMPTS), LoadSpec(concurrency=2, max_new_tokens=16))
+    thread = threading.Thread(target=gen.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        result = run_tune(cmd)
+    finally:
+        stop.set()
+        thread.join(30)
     assert result.returncode == 0, result.stderr
-    after = load_study(storage, "killed")
+    after = load_study(url, "killed")
     assert after.trials[1].state is TrialState.FAIL
     assert after.trials[1].user_attrs["fail_reason"] == st.FAIL_INTERRUPTED
     assert {n: (after.trials[n].state, after.trials[n].value) for n in finished} == finished
     assert "1 interrupted marked FAIL" in result.stderr
     assert st.search_trials_done(after) == 3
     assert admin_client.get_policy().policy_id == after.user_attrs["winner"]["policy_id"]
+
+
+def study_in_file(db: Path, name: str) -> bool:
+    if not db.exists():
+        return False
+    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as connection:  # read-only: never creates it
+        return connection.execute("SELECT 1 FROM studies WHERE study_name = ?", (name,)).fetchone() is not None
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if value := predicate():
+                return value
+        except sqlite3.Error:  # not there yet (tables not made)
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} not there in {timeout} s")
 
 
 def test_sigterm_mid_trial_fails_it_restores_the_incumbent_and_exits_130(served, admin_client, load, otlp_port,

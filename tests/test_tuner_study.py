@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import optuna
 import pytest
 from optuna.trial import TrialState
@@ -90,9 +92,33 @@ def test_grid_mode_enqueues_every_point_of_the_discrete_space_once(space):
     assert [policy_key(grid_space.policy_from_params(t.params, "")) for t in study.trials] == points
 
 
-def test_default_sampler_is_multivariate_grouped_tpe():
-    sampler = make_sampler(SamplerKind.TPE, seed=0, n_trials=30)
-    assert isinstance(sampler, optuna.samplers.TPESampler)
+def joint_space_after_history(sampler: optuna.samplers.BaseSampler, space: SearchSpace) -> set[str]:
+    """The parameters `sampler` would model jointly (Optuna's public `infer_relative_search_space`)
+    after a history holding all three branches of the conditional space: plain decoding (length
+    only), n-gram (length, drafter) and the model drafter (length, drafter, temperature)."""
+    study = optuna.create_study(sampler=sampler)
+    for policy in (DraftPolicy(Drafter.MODEL, 0), DraftPolicy(Drafter.NGRAM, 3), DraftPolicy(Drafter.MODEL, 3, 0.5),
+                   DraftPolicy(Drafter.NGRAM, 5), DraftPolicy(Drafter.MODEL, 2, 1.0)):
+        study.enqueue_trial(space.params_of(policy))
+        trial = study.ask()
+        space.suggest(trial, "")
+        study.tell(trial, float(policy.draft_length))
+    return set(sampler.infer_relative_search_space(study, study.trials[-1]))
+
+
+def test_default_sampler_is_multivariate_grouped_tpe(space):
+    # Multivariate: parameters are modelled jointly (an independent TPE infers no joint space).
+    # Grouped: the conditional temperature and drafter join the model although plain-decoding trials
+    # lack them (an ungrouped multivariate TPE keeps only the parameters every trial has).
+    everything = {"draft_length", "drafter", "draft_temperature"}
+    assert joint_space_after_history(make_sampler(SamplerKind.TPE, seed=0, n_trials=30), space) == everything
+    # Negative controls: the check tells the two settings apart on the real sampler.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        independent = optuna.samplers.TPESampler(seed=0, multivariate=False)
+        ungrouped = optuna.samplers.TPESampler(seed=0, multivariate=True, group=False)
+    assert joint_space_after_history(independent, space) == set()
+    assert joint_space_after_history(ungrouped, space) == {"draft_length"}
 
 
 def test_baselines_are_plain_default_and_ngram(space):
