@@ -11,12 +11,19 @@ from collections.abc import Callable, Iterable
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from otel import attributes as a
-from service.types import DraftPolicy, GenerationResult, ModelInfo, StepRecord
+from service.types import BatchPassRecord, DraftPolicy, GenerationResult, ModelInfo, StepRecord
 
 
 def unique_expert_buckets(info: ModelInfo) -> tuple[float, ...]:
     """From m (one position) to the widest possible window, in steps of m/2 (at most ~32 buckets)."""
     m, top = max(1, info.top_k), min(info.num_experts, (info.max_draft_length + 1) * max(1, info.top_k))
+    step = max(1, m // 2, (top - m) // 32)
+    return tuple(float(b) for b in range(m, top + 1, step))
+
+
+def batch_unique_expert_buckets(info: ModelInfo) -> tuple[float, ...]:
+    """A batch pass can touch every expert: from m to E, at most ~32 buckets."""
+    m, top = max(1, info.top_k), max(1, info.num_experts)
     step = max(1, m // 2, (top - m) // 32)
     return tuple(float(b) for b in range(m, top + 1, step))
 
@@ -43,6 +50,9 @@ class Instruments:
         self.step_seconds = histogram(a.STEP_SECONDS)
         self.drafted = counter(a.DRAFTED_TOKENS)
         self.committed = counter(a.COMMITTED_TOKENS)
+        self.batch_unique = histogram(a.BATCH_UNIQUE_EXPERTS, batch_unique_expert_buckets(info))
+        self.batch_size = histogram(a.BATCH_SIZE_METRIC)
+        self._batch_layers = [{a.MOE_LAYER: i} for i in range(info.num_layers)]
         if dropped_spans is not None:
             def observe(_: CallbackOptions) -> Iterable[Observation]:
                 return [Observation(dropped_spans())]
@@ -63,6 +73,12 @@ class Instruments:
             tpot = (result.seconds - result.time_to_first_token) / (result.completion_tokens - 1)
             self.time_per_output_token.record(max(0.0, tpot), base)
         self.record_steps(result.steps, policy)
+
+    def record_batch_pass(self, record: BatchPassRecord) -> None:
+        """Once per pass (otel.batch calls it when the pass is complete), not once per request."""
+        self.batch_size.record(record.batch_size)
+        for layer_attrs, unique in zip(self._batch_layers, record.unique_experts, strict=False):
+            self.batch_unique.record(unique, layer_attrs)
 
     def record_failure(self, duration_s: float, error_type: str) -> None:
         self.request_duration.record(duration_s, {**self.gen_ai_attributes, a.ERROR_TYPE: error_type})

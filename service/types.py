@@ -101,6 +101,29 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class BatchPassRecord:
+    """One target pass of continuous batching: the windows of every running request, verified at once.
+
+    The requests' own StepRecords carry their own windows' unions; this is the pass's view: the
+    distinct routed experts each layer had to run for all of them together (the batch union).
+    """
+
+    pass_id: int  # increasing per engine
+    batch_size: int  # requests the pass served
+    positions: int  # tokens in the pass: the sum of the windows
+    windows: tuple[int, ...]  # [batch_size] each request's window, in pass order
+    unique_experts: tuple[int, ...]  # [L] distinct routed experts per MoE layer over the whole pass
+    unique_experts_bound: int  # min(E, positions * m)
+    draft_seconds: float  # the pass's draft phase (n-gram lookups, batched draft-model passes)
+    verify_seconds: float  # the target pass plus every request's acceptance
+    start_time_ns: int  # wall clock (time.time_ns()) when the draft phase began
+
+    @property
+    def end_time_ns(self) -> int:
+        return self.start_time_ns + int((self.draft_seconds + self.verify_seconds) * 1e9)
+
+
+@dataclass(frozen=True)
 class StepRecord:
     """One draft/verify step (or one plain decode step: window 1, drafted = accepted = 0)."""
 
@@ -121,6 +144,7 @@ class StepRecord:
     decode_step_equivalents: float  # verify_seconds / the engine's recent plain decode step time
     topk_ids: tuple[tuple[tuple[int, ...], ...], ...] | None = None  # [L, w, m] when captured
     window_ids: tuple[int, ...] | None = None  # [w] the verified tokens, captured with topk_ids
+    batch: BatchPassRecord | None = None  # the pass this step's window was verified in (batching engines)
 
     @property
     def seconds(self) -> float:
@@ -149,6 +173,9 @@ class SpecStats:
     drafter: Drafter
     draft_length: int
     draft_temperature: float
+    # [L] mean over the steps of the batch union of the pass each was verified in; () when no step
+    # came from a batched pass (a backend that does not report passes)
+    batch_unique_experts_mean: tuple[float, ...] = ()
 
     @property
     def seconds_per_committed_token(self) -> float:
@@ -162,6 +189,7 @@ class SpecStats:
                 per_position[i] += int(ok)
         n = len(steps)
         layers = range(num_layers)
+        batched = [s.batch for s in steps if s.batch is not None]
         return cls(
             verify_steps=n,
             drafted_tokens=sum(s.drafted for s in steps),
@@ -177,6 +205,8 @@ class SpecStats:
             drafter=policy.drafter,
             draft_length=policy.draft_length,
             draft_temperature=policy.draft_temperature,
+            batch_unique_experts_mean=tuple(sum(b.unique_experts[i] for b in batched) / len(batched)
+                                            for i in layers) if batched else (),
         )
 
 
@@ -224,6 +254,8 @@ class ModelInfo:
     tunable: tuple[str, ...]  # knobs the tuner may search: "drafter", "draft_length", "draft_temperature"
     expert_bytes: int  # bytes of one routed expert's weights (the modelled cost's unit)
     decode_step_seconds: float  # the engine's calibrated plain decode step
+    # Requests the backend runs at once (its batch slots): the server runs as many callers as this.
+    max_batch: int = 1
     # What changing the policy costs: 0 for the embedded engine (any policy, any request); SGLang
     # fixes speculation at start-up, so a change swaps engines (the last swap's wall time).
     policy_switch_seconds: float = 0.0
