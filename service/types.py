@@ -254,8 +254,6 @@ class ModelInfo:
     tunable: tuple[str, ...]  # knobs the tuner may search: "drafter", "draft_length", "draft_temperature"
     expert_bytes: int  # bytes of one routed expert's weights (the modelled cost's unit)
     decode_step_seconds: float  # the engine's calibrated plain decode step
-    # Requests the backend runs at once (its batch slots): the server runs as many callers as this.
-    max_batch: int = 1
     # What changing the policy costs: 0 for the embedded engine (any policy, any request); SGLang
     # fixes speculation at start-up, so a change swaps engines (the last swap's wall time).
     policy_switch_seconds: float = 0.0

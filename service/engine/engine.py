@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,7 +87,11 @@ class Engine:
         # machine's current speed instead of the start-up calibration (which a busy CPU distorts).
         self._plain_steps: deque[float] = deque(maxlen=64)
         self.info = self._model_info()
+        self.max_batch = config.max_batch  # the Backend protocol's batch slots: the server runs this many callers
         self._scheduler = Scheduler(self, config.max_batch)  # owns the models from here on
+        # A scheduler thread still parked in torch when the interpreter exits aborts the process:
+        # stop it at exit (or when the engine is collected) if nobody called close().
+        self._finalizer = weakref.finalize(self, self._scheduler.close)
 
     # ----------------------------------------------------------------- public API
     def generate(
@@ -112,7 +117,7 @@ class Engine:
 
     def close(self) -> None:
         """Requests still running or waiting end CANCELLED; the scheduler thread exits."""
-        self._scheduler.close()
+        self._finalizer()
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -162,5 +167,4 @@ class Engine:
             tunable=tunable,
             expert_bytes=3 * cfg.hidden_size * cfg.moe_intermediate_size * bytes_per_param,
             decode_step_seconds=self.decode_step_seconds,
-            max_batch=self.config.max_batch,
         )

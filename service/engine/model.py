@@ -291,6 +291,7 @@ class RaggedBatch:
     """
 
     slots: torch.Tensor  # [B] cache slot of each sequence
+    starts: tuple[int, ...]  # [B] position of each window's first token
     positions: torch.Tensor  # [N] absolute position of each token
     token_slot: torch.Tensor  # [N] cache slot of each token
     row: torch.Tensor  # [N] sequence index b of each token
@@ -301,25 +302,34 @@ class RaggedBatch:
 
     @property
     def size(self) -> int:
-        return self.slots.shape[0]
+        return len(self.starts)
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], lengths: list[int]) -> RaggedBatch:
         if not slots or len(slots) != len(starts) or len(slots) != len(lengths) or min(lengths) < 1:
             raise ValueError(f"need one or more windows of >= 1 token, got {lengths}")
+        if len(slots) == 1:  # one window (a request alone, a prefill): no gathers, as few ops as can be
+            return cls._single(slots[0], starts[0], lengths[0])
         lens = torch.tensor(lengths)
         start = torch.tensor(starts)
         row = torch.repeat_interleave(torch.arange(len(slots)), lens)  # [N]
         first = torch.cumsum(lens, 0) - lens  # [B] flat index of each window's first token
         col = torch.arange(row.shape[0]) - first[row]  # [N]
         width, span = int(lens.max()), int((start + lens).max())
-        mask = None
-        if len(slots) > 1 or width > 1:
-            visible = start[:, None] + torch.arange(width)[None, :]  # [B, w'] last key each row sees
-            mask = (torch.arange(span)[None, None, :] <= visible[:, :, None]).unsqueeze(1)  # [B, 1, w', S']
+        visible = start[:, None] + torch.arange(width)[None, :]  # [B, w'] last key each row sees
+        mask = (torch.arange(span)[None, None, :] <= visible[:, :, None]).unsqueeze(1)  # [B, 1, w', S']
         slot_t = torch.tensor(slots)
-        return cls(slots=slot_t, positions=start[row] + col, token_slot=slot_t[row], row=row, col=col,
-                   width=width, span=span, mask=mask)
+        return cls(slots=slot_t, starts=tuple(starts), positions=start[row] + col, token_slot=slot_t[row], row=row,
+                   col=col, width=width, span=span, mask=mask)
+
+    @classmethod
+    def _single(cls, slot: int, start: int, w: int) -> RaggedBatch:
+        col = torch.arange(w)
+        # position start+i sees the prefix and window positions <= i
+        mask = torch.ones(w, start + w, dtype=torch.bool).tril(diagonal=start)[None, None] if w > 1 else None
+        return cls(slots=torch.tensor([slot]), starts=(start,), positions=col + start,
+                   token_slot=torch.full((w,), slot), row=torch.zeros(w, dtype=torch.long), col=col, width=w,
+                   span=start + w, mask=mask)
 
 
 class KVCache:
@@ -337,11 +347,13 @@ class KVCache:
                      v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [N, K, D] at each token's (slot, position) -> the batch's keys, values [B, K, S', D]."""
         ck, cv = self.k[layer], self.v[layer]  # [slots, K, S, D]
+        if batch.size == 1:  # one window: contiguous positions, written and read through views
+            slot, start = int(batch.slots[0]), batch.starts[0]
+            ck[slot, :, start:batch.span] = k.transpose(0, 1)  # [K, w, D]
+            cv[slot, :, start:batch.span] = v.transpose(0, 1)
+            return ck[slot:slot + 1, :, :batch.span], cv[slot:slot + 1, :, :batch.span]
         ck[batch.token_slot, :, batch.positions] = k
         cv[batch.token_slot, :, batch.positions] = v
-        if batch.size == 1:  # a view, no copy
-            slot = int(batch.slots[0])
-            return ck[slot:slot + 1, :, :batch.span], cv[slot:slot + 1, :, :batch.span]
         return ck[batch.slots, :, :batch.span], cv[batch.slots, :, :batch.span]
 
 
@@ -387,7 +399,11 @@ class Transformer(nn.Module):
         Everything but attention is per token, so it runs on all N at once (the MoE layer sees the
         whole pass: its union is the batch union); attention is one padded call per layer.
         """
-        cos, sin = self.rope_cos[batch.positions, None], self.rope_sin[batch.positions, None]  # [N, 1, D]
+        if batch.size == 1:  # contiguous positions: slices, not gathers
+            first, last = batch.starts[0], batch.span
+            cos, sin = self.rope_cos[first:last, None], self.rope_sin[first:last, None]  # [N, 1, D]
+        else:
+            cos, sin = self.rope_cos[batch.positions, None], self.rope_sin[batch.positions, None]  # [N, 1, D]
         x = self.embed_tokens(tokens)  # [N, H]
         ids = []
         for i, layer in enumerate(self.layers):

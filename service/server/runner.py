@@ -12,7 +12,7 @@ Contract:
   stops even if the caller's cancellation arrives late.
 
 Backends batch concurrent calls (the torch engine verifies every request in flight in one pass,
-up to `ModelInfo.max_batch` of them), so the server runs as many workers as the backend has batch
+up to its `max_batch`), so the server runs as many workers as the backend has batch
 slots: each worker is one caller blocked in `generate` while the backend's scheduler runs them all.
 """
 
