@@ -354,7 +354,8 @@ class KVCache:
             return ck[slot:slot + 1, :, :batch.span], cv[slot:slot + 1, :, :batch.span]
         ck[batch.token_slot, :, batch.positions] = k
         cv[batch.token_slot, :, batch.positions] = v
-        return ck[batch.slots, :, :batch.span], cv[batch.slots, :, :batch.span]
+        # index_select on the first dim is a plain row copy (advanced indexing here is several times slower)
+        return ck[:, :, :batch.span].index_select(0, batch.slots), cv[:, :, :batch.span].index_select(0, batch.slots)
 
 
 @dataclass
