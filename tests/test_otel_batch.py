@@ -52,7 +52,8 @@ def exported(engine):
         try:
             runs = traced_requests(engine, telemetry, 6)
             passes = {s.batch.pass_id for result, _ in runs for s in result.steps}
-            spans = rx.wait_for(lambda got: sum(s["name"] == a.VERIFY_BATCH_SPAN_NAME for s in got) >= len(passes))
+            spans = rx.wait_for(lambda got: sum(s["name"] == a.VERIFY_BATCH_SPAN_NAME for s in got) >= len(passes)
+                                and sum(s["name"].startswith("text_completion") for s in got) >= len(runs))
             request_spans = {s["trace_id"]: s for s in spans if s["name"].startswith("text_completion")}
         finally:
             metrics = reader.get_metrics_data()
