@@ -260,3 +260,26 @@ def test_a_stopped_request_waiting_for_a_slot_never_runs(engine):
     finally:
         small.close()
     assert waiting.finish_reason is FinishReason.CANCELLED and waiting.completion_tokens == 0 and not waiting.steps
+
+
+def test_a_failing_caller_callback_fails_only_its_own_request(engine):
+    """should_stop or on_delta raising is that caller's error; the batch and the scheduler go on."""
+    def broken_stop():
+        raise RuntimeError("stop callback broke")
+
+    def broken_delta(delta):
+        raise RuntimeError("delta callback broke")
+
+    prompts = heldout_prompts(3)
+    request = [GenerationRequest(prompt=p[-200:], max_new_tokens=24, sampling=GREEDY) for p in prompts]
+    with ThreadPoolExecutor(3) as pool:
+        fine = pool.submit(engine.generate, request[0], DraftPolicy())
+        bad_stop = pool.submit(engine.generate, request[1], DraftPolicy(), should_stop=broken_stop)
+        bad_delta = pool.submit(engine.generate, request[2], DraftPolicy(), on_delta=broken_delta)
+        # Timeouts: a scheduler killed by the error would leave every caller waiting forever.
+        with pytest.raises(RuntimeError, match="stop callback broke"):
+            bad_stop.result(timeout=60)
+        with pytest.raises(RuntimeError, match="delta callback broke"):
+            bad_delta.result(timeout=60)
+        assert fine.result(timeout=60).completion_tokens == 24
+    assert engine.generate(request[1], DraftPolicy()).completion_tokens == 24  # the scheduler still serves

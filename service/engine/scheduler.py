@@ -126,8 +126,9 @@ class Scheduler:
         """Admit newcomers: a stopped one leaves at once; the rest are prefilled in one ragged pass."""
         ready = []
         for seq in joining:
-            if seq.should_stop():  # its deadline passed, or its caller left, while it waited
-                self._finish(seq, FinishReason.CANCELLED)
+            if self._stopped(seq):  # its deadline passed, or its caller left, while it waited
+                if not seq.done.is_set():
+                    self._finish(seq, FinishReason.CANCELLED)
             else:
                 ready.append(seq)
         # Prefill all but the last prompt token: every output token then comes from a step whose
@@ -141,8 +142,18 @@ class Scheduler:
 
     def _leave_stopped(self, skip: list[Sequence]) -> None:
         # A newcomer was asked at admission; asking again would poll it twice before its first step.
-        for seq in [s for s in self._running if s not in skip and s.should_stop()]:
-            self._finish(seq, FinishReason.CANCELLED)
+        for seq in [s for s in self._running if s not in skip and self._stopped(s)]:
+            if not seq.done.is_set():
+                self._finish(seq, FinishReason.CANCELLED)
+
+    def _stopped(self, seq: Sequence) -> bool:
+        """The caller's should_stop(); if it raises, that request fails alone (the caller gets the error)."""
+        try:
+            return seq.should_stop()
+        except Exception as error:
+            self._release(seq)
+            seq.fail(error)
+            return True
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._release(seq)
