@@ -23,9 +23,9 @@ def greedy(tag: int) -> SamplingParams:
 
 
 def test_one_clients_deadline_does_not_disturb_the_others(client, backend, engine):
-    normal = [GenerationRequest(prompt=p[-200:], max_new_tokens=24, sampling=greedy(9100 + i))
+    normal = [GenerationRequest(prompt=p[-200:], max_new_tokens=24, sampling=greedy(9600 + i))
               for i, p in enumerate(heldout_prompts(4))]
-    doomed = GenerationRequest(prompt="def add(a, b):", max_new_tokens=400, sampling=greedy(9199))
+    doomed = GenerationRequest(prompt="def add(a, b):", max_new_tokens=400, sampling=greedy(9699))
     alone = [engine.generate(r, DraftPolicy(policy_id="default")).token_ids for r in normal]
     with ThreadPoolExecutor(5) as pool:
         doomed_call = pool.submit(client.generate, doomed, timeout=0.6)
@@ -33,7 +33,7 @@ def test_one_clients_deadline_does_not_disturb_the_others(client, backend, engin
         with pytest.raises(grpc.RpcError) as e:
             doomed_call.result()
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    stopped = backend.result_for(9199)
+    stopped = backend.result_for(9699)
     assert stopped.finish_reason is FinishReason.CANCELLED and stopped.completion_tokens < 400
     doomed_passes = {s.batch.pass_id for s in stopped.steps}
     shared = 0
@@ -49,7 +49,7 @@ def test_the_server_runs_as_many_requests_as_batch_slots_then_refuses():
     small = make_engine(max_batch=2)
     recording = RecordingBackend(small)
     server = ServerThread(recording, ServerConfig(port=0, max_queue=0))
-    long = [GenerationRequest(prompt="def add(a, b):", max_new_tokens=300, sampling=greedy(s)) for s in (9201, 9202)]
+    long = [GenerationRequest(prompt="def add(a, b):", max_new_tokens=300, sampling=greedy(s)) for s in (9701, 9702)]
     try:
         assert server.server.runner._capacity == 2  # workers default to the engine's batch slots
         with MoespecClient(server.address) as c:
