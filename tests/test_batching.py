@@ -283,3 +283,17 @@ def test_a_failing_caller_callback_fails_only_its_own_request(engine):
             bad_delta.result(timeout=60)
         assert fine.result(timeout=60).completion_tokens == 24
     assert engine.generate(request[1], DraftPolicy()).completion_tokens == 24  # the scheduler still serves
+
+
+def test_a_dropped_engine_is_collected_and_its_scheduler_thread_ends():
+    """Nobody called close(): the scheduler thread must not keep the engine (and its caches) alive."""
+    import gc
+    import weakref
+
+    engine = make_engine(max_batch=2)
+    assert engine.generate(GenerationRequest(prompt="def f():", max_new_tokens=3), DraftPolicy()).completion_tokens == 3
+    thread, collected = engine._scheduler._thread, weakref.ref(engine)
+    del engine
+    gc.collect()
+    thread.join(10)
+    assert collected() is None and not thread.is_alive()

@@ -89,8 +89,8 @@ class Engine:
         self.info = self._model_info()
         self.max_batch = config.max_batch  # the Backend protocol's batch slots: the server runs this many callers
         self._scheduler = Scheduler(self, config.max_batch)  # owns the models from here on
-        # A scheduler thread still parked in torch when the interpreter exits aborts the process:
-        # stop it at exit (or when the engine is collected) if nobody called close().
+        # Stop the scheduler thread when the engine is collected or the interpreter exits, if nobody
+        # called close() (a thread still parked in torch at exit aborts the process).
         self._finalizer = weakref.finalize(self, self._scheduler.close)
 
     # ----------------------------------------------------------------- public API

@@ -26,6 +26,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,8 @@ class Scheduler:
     def __init__(self, engine: Engine, max_batch: int):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        self.e = engine
+        # Weak: the scheduler thread must not keep its engine alive (the engine's finalizer stops it).
+        self._engine = weakref.ref(engine)
         self.max_batch = max_batch
         self._cv = threading.Condition()  # guards _waiting, _free_slots, _closed
         self._waiting: deque[Sequence] = deque()
@@ -68,6 +70,13 @@ class Scheduler:
         self._pass_ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="moespec-scheduler", daemon=True)
         self._thread.start()
+
+    @property
+    def e(self) -> Engine:
+        engine = self._engine()
+        if engine is None:
+            raise EngineClosed("the engine is gone")
+        return engine
 
     def submit(self, seq: Sequence) -> GenerationResult:
         with self._cv:
@@ -85,7 +94,8 @@ class Scheduler:
         with self._cv:
             self._closed = True
             self._cv.notify()
-        self._thread.join()
+        if threading.current_thread() is not self._thread:  # (the engine's finalizer may run anywhere)
+            self._thread.join()
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
