@@ -16,6 +16,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
+# A C compiler: the engine builds its fused CPU kernels (service/engine/kernels.py) for the CPU it
+# runs on at first start; without one it falls back to the slower eager step.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+
 # CPU-only torch first, from PyTorch's own index: the default PyPI wheel would pull in CUDA (GBs).
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from service.engine import kernels
 from service.engine.model import KVCache
 from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_for_inference, load_model
 
@@ -13,7 +14,14 @@ transformers = pytest.importorskip("transformers")
 TEXT = "import os\n\n\ndef read_config(path):\n    with open(path) as f:\n        return f.read()\n"
 
 
-@pytest.mark.parametrize("loader", [load_model, load_for_inference], ids=["plain", "fused"])
+def load_fast(directory):
+    """The fast step: the fused expert kernel (must build here: a silent eager fallback would pass)."""
+    built = kernels.build()
+    assert built is not None, "the fused kernel did not build"
+    return load_for_inference(directory, kernels=built)
+
+
+@pytest.mark.parametrize("loader", [load_model, load_for_inference, load_fast], ids=["plain", "fused", "fast"])
 @pytest.mark.parametrize("directory", [DEFAULT_TARGET_DIR, DEFAULT_DRAFT_DIR], ids=["target", "draft"])
 def test_logits_match_transformers_through_the_static_cache(directory, loader):
     oracle = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()

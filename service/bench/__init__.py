@@ -5,6 +5,7 @@
                               policies x concurrency under continuous batching (cost per token, batch union)
     moespec bench telemetry   throughput with telemetry off / live receiver / unreachable endpoint
     moespec bench tuner       exhaustive policy grid vs the tuner's pick on the same workload
+    moespec bench threads     `moespec serve` over gRPC at each --threads count and at the measured default
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "server": ("service.bench.server", "the gRPC server: overhead vs in-process, load at several concurrencies"),
     "telemetry": ("otel.bench", "throughput with telemetry off, on, and with an unreachable endpoint"),
     "tuner": ("tuner.bench", "exhaustive grid vs the tuner's pick"),
+    "threads": ("service.bench.threads", "moespec serve at each --threads count vs its measured default"),
 }
 
 

@@ -5,10 +5,14 @@
 - transformers' own `generate()` on the same checkpoints (plain, and assisted generation with its
   `heuristic` schedule), when transformers is installed;
 - verify cost in plain-decode-step equivalents by window size and by unique experts;
-- the overhead of routing capture (on vs off, interleaved).
+- the overhead of routing capture (on vs off, interleaved);
+- single-stream plain decoding as a share of the memory-bandwidth limit, the fast step against the
+  previous eager step (`EngineConfig.fast_step`), interleaved round by round (`bandwidth_share`).
 
-Greedy decoding throughout, so every mode produces the same tokens and only speed differs.
-Writes bench.json and bench.png to --out and prints a table.
+Greedy decoding throughout, so every mode produces the same tokens and only speed differs. Every
+engine runs with the thread count `moespec serve` would pick here (engine.threads).
+Writes bench.json, bench.md, bench.png and bandwidth.png to --out and prints a table;
+`--only-bandwidth` runs the last section alone.
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-draft-length", type=int, default=8)
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
     parser.add_argument("--out", default="reports/bench", help="folder for bench.json and bench.png")
+    parser.add_argument("--bandwidth-rounds", type=int, default=6,
+                        help="interleaved rounds of the bandwidth-share section (fast vs previous step)")
+    parser.add_argument("--only-bandwidth", action="store_true",
+                        help="run only the bandwidth-share section (writes bandwidth.json / .md / .png)")
 
 
 def load_prompts(count: int) -> list[str]:
@@ -108,12 +116,12 @@ def transformers_rows(prompts: list[str], max_new: int) -> list[Row]:
     return rows
 
 
-def capture_overhead(prompts: list[str], max_new: int, rounds: int = 6) -> dict:
+def capture_overhead(prompts: list[str], max_new: int, threads: int, rounds: int = 6) -> dict:
     """Routing capture on vs off: two engines alternate request by request (order flipped every
     round) so the machine's drift hits both alike; the overhead is the ratio of summed times."""
     from service.engine import Engine, EngineConfig
 
-    engines = {True: Engine(EngineConfig(capture_routing=True)), False: Engine(EngineConfig(capture_routing=False))}
+    engines = {capture: Engine(EngineConfig(capture_routing=capture, threads=threads)) for capture in (True, False)}
     seconds = {True: 0.0, False: 0.0}
     policy = DraftPolicy(draft_length=4, draft_temperature=0)
     for round_ in range(rounds):
@@ -219,8 +227,24 @@ def _series(rows: list[Row]) -> dict[str, list[Row]]:
     return series
 
 
+def run_bandwidth(prompts: list[str], max_new: int, rounds: int, threads: int, out: Path) -> tuple[dict, str]:
+    from service.bench import bandwidth
+
+    summary = bandwidth.bandwidth_share(prompts, max_new, rounds, threads)
+    text = bandwidth.markdown(summary, f"moespec bench engine --only-bandwidth --prompts {len(prompts)} "
+                                       f"--max-new-tokens {max_new} --bandwidth-rounds {rounds}")
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bandwidth.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "bandwidth.md").write_text(text)
+    bandwidth.plot(summary, out / "bandwidth.png")
+    print(f"wrote {out / 'bandwidth.json'}, {out / 'bandwidth.md'} and {out / 'bandwidth.png'}")
+    return summary, text
+
+
 def run(args: argparse.Namespace) -> int:
     from service.cli import UsageError
+    from service.cli.serve import default_threads
     from service.engine import Engine, EngineConfig
 
     try:
@@ -229,8 +253,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--temperatures: not a comma-separated list of numbers: {args.temperatures!r}") from None
     if not 1 <= args.prompts <= 64 or args.max_new_tokens < 1 or not 0 <= args.max_draft_length <= 8:
         raise UsageError("--prompts must be 1..64, --max-new-tokens >= 1, --max-draft-length 0..8")
+    if args.bandwidth_rounds < 1:
+        raise UsageError(f"--bandwidth-rounds must be >= 1, got {args.bandwidth_rounds}")
     prompts = load_prompts(args.prompts)
-    engine = Engine(EngineConfig())
+    threads = default_threads()  # what `moespec serve` picks on this machine
+    out = Path(args.out)
+    if args.only_bandwidth:
+        run_bandwidth(prompts, args.max_new_tokens, args.bandwidth_rounds, threads, out)
+        return 0
+    engine = Engine(EngineConfig(threads=threads))
     run_policy(engine, prompts[:2], 16, DraftPolicy(draft_length=2), "warm-up")
     rows, all_steps = [], []
     row, steps = run_policy(engine, prompts, args.max_new_tokens, DraftPolicy(), "plain")
@@ -249,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             print("transformers is not installed: skipping its baselines (pip install transformers)")
     curves = verify_cost_curves(all_steps)
-    overhead = capture_overhead(prompts[:4], args.max_new_tokens)
+    overhead = capture_overhead(prompts[:4], args.max_new_tokens, threads)
+    share, share_text = run_bandwidth(prompts, args.max_new_tokens, args.bandwidth_rounds, threads, out)
     print_table(rows)
     best = max((r for r in rows if not r.mode.startswith("transformers")), key=lambda r: r.tokens_per_second)
     best_hf = max((r for r in rows if r.mode.startswith("transformers")), key=lambda r: r.tokens_per_second,
@@ -262,13 +294,14 @@ def run(args: argparse.Namespace) -> int:
         "best_vs_best_transformers": round(best.tokens_per_second / best_hf.tokens_per_second, 2) if best_hf else None,
         "verify_cost_decode_steps": curves,
         "routing_capture": overhead,
+        "threads": threads,
+        "bandwidth_share": {k: v for k, v in share.items() if k != "per_round"},
     }
     print(json.dumps(summary, indent=2))
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows_json = [dict(r.__dict__, tokens_per_second=round(r.tokens_per_second, 2)) for r in rows]
     (out / "bench.json").write_text(json.dumps({"summary": summary, "rows": rows_json}, indent=2) + "\n")
-    (out / "bench.md").write_text(markdown(rows, summary))
+    (out / "bench.md").write_text(markdown(rows, summary) + "\n" + share_text)
     plot(rows, curves, out / "bench.png")
     print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and {out / 'bench.png'}")
     return 0

@@ -16,6 +16,7 @@ import asyncio
 import importlib
 import logging
 import os
+import sys
 from pathlib import Path
 
 from otel import cli as otel_cli
@@ -46,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest request or response message accepted")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds in-flight requests get to finish after SIGTERM")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (torch backend)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (torch backend); default: the fastest of 1, 2, 4, ... and all "
+                             "cores, measured at start-up, and printed")
     parser.add_argument("--max-batch", type=int, default=32,
                         help="torch backend: requests verified together in one pass (KV-cache slots)")
     parser.add_argument("--drafter", choices=[d.value for d in Drafter], default=Drafter.MODEL.value,
@@ -86,6 +89,8 @@ def server_config(args: argparse.Namespace, env_token: str | None) -> ServerConf
         raise UsageError("--max-batch must be >= 1")
     if (args.workers is not None and args.workers < 1) or args.max_queue < 0:
         raise UsageError("--workers must be >= 1 and --max-queue >= 0")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
     if args.max_message_bytes < 1024:
@@ -117,7 +122,18 @@ def create_backend(args: argparse.Namespace) -> Backend:
         return sglang.create_backend(args)
     from service.engine import Engine, EngineConfig  # imported here: torch loads only when serving with it
 
-    return Engine(EngineConfig(threads=args.threads, max_batch=args.max_batch))
+    return Engine(EngineConfig(threads=args.threads or default_threads(), max_batch=args.max_batch))
+
+
+def default_threads() -> int:
+    """Measure the thread counts worth trying on this machine (engine.threads) and say which won."""
+    from service.engine.kernels import build
+    from service.engine.threads import pick_threads
+    from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
+
+    choice = pick_threads(load_for_inference(DEFAULT_TARGET_DIR, kernels=build()))
+    print(f"moespec: {choice.describe()}", file=sys.stderr, flush=True)
+    return choice.threads
 
 
 def _sglang_module():

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from service.engine.kernels import build as build_kernels
 from service.engine.model import KVCache
 from service.engine.scheduler import Scheduler, unique_experts_per_layer
 from service.engine.sequence import Sequence
@@ -57,6 +58,7 @@ class EngineConfig:
     ngram_max: int = 4
     capture_topk: bool = False  # keep [L, w, m] routed ids in every StepRecord
     capture_routing: bool = True  # count unique experts (off only to measure its overhead)
+    fast_step: bool = True  # fused expert kernel (kernels.py); False: the previous eager step, to compare
     max_batch: int = 32  # requests verified together in one pass (KV-cache slots); more wait
 
 
@@ -67,8 +69,10 @@ class Engine:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
-        self.target = load_for_inference(config.target_dir)
-        self.draft = load_for_inference(config.draft_dir) if config.draft_dir else None
+        kernels = build_kernels() if config.fast_step else None  # None also when no C compiler is found
+        self.step_kind = "fast" if kernels else "reference"
+        self.target = load_for_inference(config.target_dir, kernels=kernels)
+        self.draft = load_for_inference(config.draft_dir, kernels=kernels) if config.draft_dir else None
         self.tokenizer = Tokenizer.from_file(str(Path(config.target_dir) / "tokenizer.json"))
         cfg = self.target.cfg
         if not cfg.is_moe:

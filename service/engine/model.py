@@ -11,6 +11,9 @@ Contract:
   Slots of rejected draft tokens are never rolled back: the next window simply overwrites them.
 - Each MoE layer reports the routed top-m expert ids of every position in the window, so the
   caller can count the distinct experts a verification pass touched (the union).
+- `fuse_for_inference(kernels)` selects the fast step: on CPU, windows of up to UNION_WINDOW_MAX
+  positions run experts, MLPs and the output layer in the fused kernels (kernels.py), where each
+  position's result does not depend on the rest of its window; without kernels, the eager step.
 
 Shape legend: w window positions, N tokens of a ragged pass, B sequences in it, T training tokens,
 H hidden, A attention heads, K kv heads, D head dim, E routed experts, m experts per token,
@@ -28,8 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.engine.kernels import Kernels, MoeBlock
+
 # Windows up to this many positions run every expert of the union on every position (a few
-# batched matmuls, cost ~ U); longer ones (prefill, training) gather the tokens of each expert.
+# batched matmuls, cost ~ U), or the fused kernel (kernels.py) when the model has one; longer ones
+# (prefill, training) gather the tokens of each expert.
 UNION_WINDOW_MAX = 16
 
 
@@ -100,8 +106,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernels: Kernels | None = None  # see Transformer.fuse_for_inference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.is_cpu and not torch.is_grad_enabled():  # one call instead of five ops
+            return self.kernels.rms_norm(x.contiguous(), self.weight, self.eps)
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
@@ -113,8 +122,23 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.kernels: Kernels | None = None  # see use_kernels
+        self.kernel_weights: tuple[torch.Tensor, ...] = ()
+
+    def use_kernels(self, kernels: Kernels | None) -> None:
+        """Inference only: short windows run in the fused kernel."""
+        self.kernels = kernels
+        # [1, I, H] x2 and [1, H, I]: this MLP as the only "expert" (views, no copies)
+        self.kernel_weights = (self.gate_proj.weight[None], self.up_proj.weight[None], self.down_proj.weight[None])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dim() == 2 and x.shape[0] <= UNION_WINDOW_MAX and x.is_cpu \
+                and not torch.is_grad_enabled():
+            out = torch.empty_like(x)
+            ids = torch.zeros(x.shape[0], 1, dtype=torch.long)  # [w, 1]: one "expert", this MLP, weight 1
+            self.kernels.swiglu_experts(x.contiguous(), *self.kernel_weights, ids, x.new_ones(x.shape[0], 1), out,
+                                        accumulate=False)
+            return out
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -188,14 +212,26 @@ class SparseMoE(nn.Module):
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.fused: tuple[torch.Tensor, torch.Tensor] | None = None  # see fuse()
+        self.kernels: Kernels | None = None
+        self.block: MoeBlock | None = None
 
-    def fuse(self) -> None:
-        """Inference only: router + shared-expert gate in one matmul, shared gate/up in another."""
+    def fuse(self, kernels: Kernels | None = None) -> None:
+        """Inference only: router + shared-expert gate in one matmul, shared gate/up in another;
+        with kernels, short windows run the whole block in one kernel call (which keeps pointers to
+        these weights: they must not move or be replaced afterwards)."""
         self.fused = (torch.cat([self.gate.weight, self.shared_expert_gate.weight]),  # [E+1, H]
                       torch.cat([self.shared_expert.gate_proj.weight, self.shared_expert.up_proj.weight]))
+        self.kernels = kernels
+        if kernels is not None:
+            shared = self.shared_expert
+            self.block = MoeBlock(self.fused[0], self.gate.top_k, self.gate.norm_topk_prob, self.experts.gate_up_proj,
+                                  self.experts.down_proj, shared.gate_proj.weight, shared.up_proj.weight,
+                                  shared.down_proj.weight)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [w, H] -> (out [w, H], router logits [w, E], routed ids [w, m])."""
+        if self.kernels is not None and x.shape[0] <= UNION_WINDOW_MAX and x.is_cpu and not torch.is_grad_enabled():
+            return self.forward_kernel(x.contiguous())
         if self.fused is None:
             logits, weights, ids = self.gate(x)
             shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -209,6 +245,10 @@ class SparseMoE(nn.Module):
         else:
             routed = self.experts.forward_grouped(x, ids, weights)
         return routed + shared, logits, ids
+
+    def forward_kernel(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Short windows, fused: router, top-k, routed and shared experts in one kernel call."""
+        return self.kernels.moe_block(self.block, x)  # [w, H], [w, E], [w, m]
 
 
 class Attention(nn.Module):
@@ -379,16 +419,34 @@ class Transformer(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)  # [S, D]
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        self.kernels: Kernels | None = None  # see fuse_for_inference
 
-    def fuse_for_inference(self) -> None:
-        """Concatenate projections that read the same input, for fewer matmuls per step.
+    def fuse_for_inference(self, kernels: Kernels | None = None) -> None:
+        """Concatenate projections that read the same input, for fewer matmuls per step; with
+        kernels (kernels.build()), also the fast step: MoE blocks, MLPs and the output layer of short
+        windows and every norm in the fused kernels. Without, the previous eager step (kept to
+        measure against).
 
         The fused tensors are copies: call after the weights are final (training never fuses).
         """
         for layer in self.layers:
             layer.self_attn.fuse()
             if self.cfg.is_moe:
-                layer.mlp.fuse()
+                layer.mlp.fuse(kernels)
+            else:
+                layer.mlp.use_kernels(kernels)
+        for norm in self.modules():
+            if isinstance(norm, RMSNorm):
+                norm.kernels = kernels
+        self.kernels = kernels
+
+    def output_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [w, H] -> logits [w, V]; short windows in the kernel (the largest single
+        weight of a decode step; a plain loop of dot products reads it about twice as fast as sgemm
+        does for one row, measured)."""
+        if self.kernels is not None and h.shape[0] <= UNION_WINDOW_MAX and h.is_cpu and not torch.is_grad_enabled():
+            return self.kernels.linear(h.contiguous(), self.lm_head.weight)
+        return self.lm_head(h)
 
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, slot: int = 0) -> ForwardOutput:
         """tokens [w] at positions start..start+w-1 of cache slot `slot` -> logits [w, V] and the routed ids."""
@@ -416,7 +474,7 @@ class Transformer(nn.Module):
             else:
                 h = layer.mlp(h)
             x = x + h
-        return ForwardOutput(logits=self.lm_head(self.norm(x)), routed_ids=torch.stack(ids) if ids else None)
+        return ForwardOutput(logits=self.output_logits(self.norm(x)), routed_ids=torch.stack(ids) if ids else None)
 
     def forward_train(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] -> (logits [B, T, V], load-balancing loss); no cache."""

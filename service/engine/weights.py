@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from service.engine.kernels import Kernels
 from service.engine.model import ModelConfig, Transformer
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -95,8 +96,10 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32) -> Transform
     return model.to(dtype).eval().requires_grad_(False)
 
 
-def load_for_inference(directory: Path, dtype: torch.dtype = torch.float32) -> Transformer:
-    """load_model with the projections fused for decoding (not for training: the copies would drift)."""
+def load_for_inference(directory: Path, dtype: torch.dtype = torch.float32,
+                       kernels: Kernels | None = None) -> Transformer:
+    """load_model with the projections fused for decoding (not for training: the copies would drift);
+    with kernels (float32 only), the fast step (see Transformer.fuse_for_inference)."""
     model = load_model(directory, dtype)
-    model.fuse_for_inference()
+    model.fuse_for_inference(kernels if dtype == torch.float32 else None)
     return model

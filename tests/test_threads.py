@@ -1,0 +1,97 @@
+"""The thread default: the candidates, the choice following real measurements
+(the fastest count wins, the fewest threads among near-equals), the server's measurement times real
+decode steps at the count it sets, and `moespec serve` without --threads says what it picked."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from service.engine import threads
+
+
+@pytest.fixture
+def restore_torch_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def busy(n: int) -> float:
+    """CPU seconds of real work proportional to n (the workloads below, not a stub); CPU time, so
+    other tenants of a shared machine preempting this thread do not reorder the candidates."""
+    t0 = time.thread_time()
+    total = 0
+    for i in range(n):
+        total += i * i
+    return time.thread_time() - t0
+
+
+@pytest.mark.parametrize("cores, expected", [(1, (1,)), (2, (1, 2)), (3, (1, 2, 3)), (4, (1, 2, 4)),
+                                             (16, (1, 2, 4, 8, 16))])
+def test_candidates_are_powers_of_two_and_all_cores(cores, expected):
+    assert threads.candidates(cores) == expected
+
+
+def test_on_one_core_there_is_nothing_to_measure():
+    choice = threads.choose(1, measure=lambda t: pytest.fail("measured with a single candidate"))
+    assert choice.threads == 1 and choice.seconds == {} and "nothing to measure" in choice.describe()
+
+
+def test_the_fastest_measured_count_wins():
+    # Work that shrinks with the thread count (as a parallel step would): 8 threads is clearly fastest.
+    choice = threads.choose(8, measure=lambda t: busy(400_000 // t))
+    assert choice.candidates == (1, 2, 4, 8)
+    assert choice.threads == 8, choice.seconds
+    # Work that grows with it (threads fighting over cores): 1 wins.
+    assert threads.choose(8, measure=lambda t: busy(50_000 * t)).threads == 1
+
+
+def test_near_equal_counts_go_to_the_fewest_threads():
+    choice = threads.choose(8, measure=lambda t: busy(100_000), tolerance=1.0)
+    assert choice.threads == 1
+    assert set(choice.seconds) == {1, 2, 4, 8}
+
+
+def test_a_hopeless_candidate_is_measured_once():
+    calls: list[int] = []
+
+    def measure(t: int) -> float:
+        calls.append(t)
+        return busy(20_000 * (10 if t == 4 else 1))
+
+    choice = threads.choose(4, measure=measure)
+    assert calls.count(4) == 1 and calls.count(1) == 3 and choice.threads != 4
+
+
+def test_the_request_timer_runs_the_model_at_the_count_it_is_given(engine, restore_torch_threads):
+    measure = threads.request_timer(engine.target, steps=4, prompt_tokens=8)
+    seconds = measure(2)
+    assert torch.get_num_threads() == 2
+    assert 0 < seconds < 30.0
+    # Picking for two cores times both candidates with the real model and applies the pick.
+    choice = threads.pick_threads(engine.target, cores=2)
+    assert choice.candidates == (1, 2) and set(choice.seconds) == {1, 2}
+    assert torch.get_num_threads() == choice.threads
+    assert choice.seconds[choice.threads] <= min(choice.seconds.values()) * 1.05
+    assert "short request" in choice.describe()
+
+
+def test_serve_without_threads_prints_its_pick_and_serves():
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("moespec serving on "), line
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    match = re.search(r"torch intra-op threads: (\d+) \((\d+) usable cores", err)
+    assert match, err
+    picked, cores = int(match.group(1)), int(match.group(2))
+    assert cores == threads.usable_cores() and picked in threads.candidates(cores)
