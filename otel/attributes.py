@@ -110,6 +110,7 @@ STEP_METRIC_KEYS = (SPEC_POLICY_ID, SPEC_DRAFTER, SPEC_DRAFT_LENGTH)  # on every
 class Kind(StrEnum):
     HISTOGRAM = "histogram"
     COUNTER = "counter"
+    GAUGE = "gauge"
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,21 @@ BATCH_SIZE_METRIC = MetricSpec(
 DROPPED_SPANS = MetricSpec(
     "moespec.telemetry.dropped_spans", Kind.COUNTER, "{span}",
     "Spans lost because the export queue was full or the exporter failed.")
+
+# ------------------------------------------------- the tuner's own metrics (moespec tune --continuous)
+TUNER_POLICY = "moespec.tuner.policy"  # human label of a policy, e.g. "ngram k=4"
+TUNER_EPOCH = "moespec.tuner.epoch"  # how many times the search re-opened on a workload shift
+TUNER_STUDY = "moespec.tuner.study"
+TUNER_DECISION = "moespec.tuner.decision"  # initial | promote | reopen | keep
+TUNER_INCUMBENT = MetricSpec(
+    "moespec.tuner.incumbent", Kind.GAUGE, "s",
+    "The continuous tuner's incumbent policy (one series, labelled by the policy): its seconds per committed "
+    "token on the study's scale.", None, (SPEC_POLICY_ID, TUNER_POLICY, TUNER_EPOCH, TUNER_STUDY))
+TUNER_DECISIONS = MetricSpec(
+    "moespec.tuner.decisions", Kind.COUNTER, "{decision}",
+    "The continuous tuner's decisions: promotions, re-opened searches, challenges that kept the incumbent.",
+    None, (TUNER_DECISION, TUNER_STUDY))
+TUNER_METRICS = (TUNER_INCUMBENT, TUNER_DECISIONS)
 
 METRICS = (REQUEST_DURATION, TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, STEP_ACCEPTED_TOKENS, STEP_UNIQUE_EXPERTS,
            STEP_DECODE_STEP_EQUIVALENTS, STEP_SECONDS, DRAFTED_TOKENS, COMMITTED_TOKENS, BATCH_UNIQUE_EXPERTS,

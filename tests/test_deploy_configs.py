@@ -151,10 +151,12 @@ def promql(dashboard: dict) -> list[str]:
     return exprs + [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
 
 
-EMITTED_SERIES = {s for spec in a.METRICS for s in a.prometheus_series(spec)}
-EMITTED_LABELS = {a.prometheus_label(k) for spec in a.METRICS for k in spec.attributes} | {"le"}
+ALL_METRICS = (*a.METRICS, *a.TUNER_METRICS)  # the server's and the continuous tuner's
+EMITTED_SERIES = {s for spec in ALL_METRICS for s in a.prometheus_series(spec)}
+EMITTED_LABELS = {a.prometheus_label(k) for spec in ALL_METRICS for k in spec.attributes} | {"le"}
 # Identifiers in PromQL that are neither metrics nor labels.
-PROMQL_WORDS = {"sum", "by", "rate", "histogram_quantile", "label_values", "le", "without", "avg", "max", "min"}
+PROMQL_WORDS = {"sum", "by", "rate", "histogram_quantile", "label_values", "le", "without", "avg", "max", "min",
+                "increase"}
 
 
 def test_dashboard_json_loads_and_uses_provisioned_datasources(dashboard):
@@ -173,11 +175,12 @@ def test_dashboard_queries_name_only_emitted_metrics_and_labels(dashboard):
         # Drop label values ("...") and Grafana variables ($x), then classify every identifier.
         bare = re.sub(r'"[^"]*"', '""', expr)
         bare = re.sub(r"\$\w+", "", bare)
+        bare = re.sub(r"\[\d+[smhd]\]", "", bare)  # range durations such as [10m]
         for word in re.findall(r"[a-zA-Z_][a-zA-Z0-9_]*", bare):
             if word in PROMQL_WORDS:
                 continue
             assert word in EMITTED_SERIES or word in EMITTED_LABELS or word in {
-                a.prometheus_name(spec) for spec in a.METRICS}, f"{word!r} in {expr}"
+                a.prometheus_name(spec) for spec in ALL_METRICS}, f"{word!r} in {expr}"
 
 
 def test_dashboard_shows_unique_experts_by_layer_acceptance_and_cost_by_policy(dashboard):
@@ -207,3 +210,15 @@ def test_readme_traceql_examples_name_real_span_attributes():
     attributes = re.findall(r"span\.(moespec\.[a-z_.]+)", readme)
     assert a.SPEC_POLICY_ID in attributes
     assert set(attributes) <= set(a.REQUEST_SPAN_KEYS) | set(a.VERIFY_SPAN_KEYS)
+
+
+def test_dashboard_shows_the_continuous_tuners_incumbent_and_decisions(dashboard, compose):
+    text = "\n".join(promql(dashboard))
+    assert a.prometheus_name(a.TUNER_INCUMBENT) == "moespec_tuner_incumbent_seconds"
+    assert re.search(rf"by \([^)]*{a.prometheus_label(a.TUNER_POLICY)}[^)]*\) \(moespec_tuner_incumbent_seconds\)",
+                     text)
+    assert f"by ({a.prometheus_label(a.TUNER_DECISION)}) (increase({a.prometheus_name(a.TUNER_DECISIONS)}" in text
+    # The compose tuner runs continuously and sends its metrics to the Collector's OTLP receiver.
+    tuner = compose["services"]["tuner"]
+    assert "--continuous" in tuner["command"]
+    assert port_of(tuner["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]) == 4317

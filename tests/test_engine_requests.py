@@ -3,7 +3,9 @@ equals the final text, cancellation stops within a step."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import statistics
 
 import pytest
 
@@ -89,6 +91,10 @@ def test_streamed_deltas_concatenate_to_the_final_text(engine):
     result = engine.generate(request, DraftPolicy(draft_length=3), on_delta=deltas.append)
     assert "".join(d.text for d in deltas) == result.text
     assert sum(len(d.token_ids) for d in deltas) == result.completion_tokens
+    # The stop string fired (the held-back text was never streamed), it did not just happen to be absent.
+    assert result.finish_reason == FinishReason.STOP
+    free = engine.generate(dataclasses.replace(request, stop=()), DraftPolicy(draft_length=3))
+    assert free.text.startswith(result.text + "return")
 
 
 def test_should_stop_cancels_within_one_step(engine):
@@ -134,3 +140,24 @@ def test_eos_ends_the_output_mid_window_and_is_kept_in_token_ids(engine):
             assert all(s.committed == s.accepted + 1 for s in result.steps[:-1])
     finally:
         engine.eos_id = real_eos
+
+
+def test_decode_step_equivalents_are_verify_seconds_over_the_current_decode_step(engine):
+    """Each step's decode_step_equivalents = its verify seconds / the engine's decode-step seconds
+    at that step (start-up calibration until 8 plain steps were seen, then their running median)."""
+    seen = []
+
+    def check(delta):  # runs right after the step's record was built, before the next step
+        seen.append((delta.step, engine.current_decode_step_seconds()))
+
+    # A prompt the shipped model continues without EOS: 70 plain steps fill the 64-step history.
+    request = GenerationRequest(prompt="def add(a, b):", max_new_tokens=70, sampling=SamplingParams(temperature=0))
+    for policy in (DraftPolicy(), DraftPolicy(draft_length=3, draft_temperature=0)):
+        engine.generate(request, policy, on_delta=check)
+    plain = [s.verify_seconds for s, _ in seen if s.window == 1]
+    assert len(plain) >= 70 and any(s.window > 1 for s, _ in seen)
+    for step, unit in seen:
+        assert step.decode_step_equivalents == pytest.approx(step.verify_seconds / unit, rel=1e-12)
+    # The unit is now the median of the last 64 plain steps, not the start-up calibration.
+    assert engine.current_decode_step_seconds() == pytest.approx(statistics.median(plain[-64:]), rel=1e-12)
+    assert engine.current_decode_step_seconds() != engine.decode_step_seconds

@@ -72,12 +72,14 @@ def test_stream_equals_unary_for_a_fixed_seed(client, policy, default_policy):
 
 
 def test_stream_with_a_stop_string_equals_unary(client):
-    req = request(seed=3, max_new_tokens=16, stop=(")",))
+    free = client.generate(request(seed=3, max_new_tokens=16))
+    stop = free.text[6:9]  # a string this seed really produces, so the stop must fire
+    assert stop.strip(), free.text
+    req = request(seed=3, max_new_tokens=16, stop=(stop,))
     unary = client.generate(req)
     chunks, final = collect_stream(client, req)
-    assert "".join(c.text for c in chunks) == unary.text == final.text
-    assert ")" not in final.text
-    assert final.finish_reason == unary.finish_reason
+    assert "".join(c.text for c in chunks) == unary.text == final.text == free.text[:free.text.index(stop)]
+    assert final.finish_reason == unary.finish_reason == FinishReason.STOP
 
 
 def test_stream_sends_tokens_before_the_final_chunk(client):

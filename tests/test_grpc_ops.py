@@ -61,6 +61,9 @@ def test_tls_server_answers_a_client_that_trusts_its_cert_and_refuses_plaintext(
         s.stop()
 
 
+DRAIN_TOKENS = 200  # seconds of greedy work on this CPU: the drain really waits for it
+
+
 def test_sigterm_marks_not_serving_and_lets_the_in_flight_stream_finish(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--threads", "1", "--grace", "60"],
@@ -72,20 +75,27 @@ def test_sigterm_marks_not_serving_and_lets_the_in_flight_stream_finish(tmp_path
         address = line.split()[-1]
         with MoespecClient(address) as c, grpc.insecure_channel(address) as channel:
             c.wait_ready(timeout=30)
-            statuses: list[int] = []
+            not_serving = threading.Event()
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
-            watcher = threading.Thread(target=lambda: statuses.extend(r.status for r in _until_not_serving(watch)))
+            watcher = threading.Thread(target=lambda: _until_not_serving(watch, not_serving))
             watcher.start()
-            request = GenerationRequest(prompt="def add(a, b):", max_new_tokens=48,
+            request = GenerationRequest(prompt="def add(a, b):", max_new_tokens=DRAIN_TOKENS,
                                         sampling=SamplingParams(temperature=0.0))
-            stream = c.stream(request, timeout=60)
+            stream = c.stream(request, timeout=120)
             next(stream)  # in flight
             proc.send_signal(signal.SIGTERM)
-            final = [chunk for chunk in stream][-1].reply
+            # Chunks that arrive after the server has said NOT_SERVING prove the drain happened
+            # while this request was in flight (checked, not assumed from its length).
+            tokens_after_not_serving = 0
+            for chunk in stream:
+                if not_serving.is_set():
+                    tokens_after_not_serving += len(chunk.token_ids)
+                final = chunk.reply
             watcher.join(30)
             watch.cancel()
-        assert final.finish_reason is FinishReason.LENGTH and final.completion_tokens == 48
-        assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
+        assert not_serving.is_set()
+        assert tokens_after_not_serving > 0, "the request finished before the drain began"
+        assert final.finish_reason is FinishReason.LENGTH and final.completion_tokens == DRAIN_TOKENS
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
@@ -93,8 +103,8 @@ def test_sigterm_marks_not_serving_and_lets_the_in_flight_stream_finish(tmp_path
             proc.wait()
 
 
-def _until_not_serving(watch):
+def _until_not_serving(watch, not_serving: threading.Event) -> None:
     for reply in watch:
-        yield reply
         if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            not_serving.set()
             return

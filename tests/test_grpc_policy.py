@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 
 from service.server.client import MoespecClient
 from service.server.server import ServerConfig
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
-from tests.conftest import ServerThread
+from tests.conftest import ADMIN_TOKEN, ServerThread
+from tests.engine_helpers import HoldingBackend
 
 TRIAL = DraftPolicy(Drafter.NGRAM, 3, 1.0, "trial-7")
 
@@ -63,13 +66,33 @@ def test_requests_started_after_set_policy_run_under_it_and_report_it(client, de
     assert (spec.policy_id, spec.draft_length, spec.drafted_tokens) == ("plain", 0, 0)
 
 
-def test_policy_set_mid_stream_does_not_change_a_running_request(client, default_policy):
+@pytest.fixture(scope="module")
+def holding(engine) -> HoldingBackend:
+    return HoldingBackend(engine)
+
+
+@pytest.fixture(scope="module")
+def held_server(holding):
+    """A server whose requests can be held between two engine steps (see HoldingBackend)."""
+    s = ServerThread(holding, ServerConfig(port=0, admin_token=ADMIN_TOKEN, max_queue=4))
+    yield s
+    s.stop()
+
+
+def test_policy_set_mid_stream_does_not_change_a_running_request(holding, held_server):
     req = GenerationRequest(prompt="while True:", max_new_tokens=10, sampling=SamplingParams(seed=8))
-    stream = client.stream(req)
-    next(stream)  # the request has started under the default policy
-    client.set_policy(TRIAL)
-    final = [c for c in stream][-1].reply
+    hold = holding.hold(seed=8, after_steps=2)
+    with MoespecClient(held_server.address, admin_token=ADMIN_TOKEN) as c:
+        stream = c.stream(req)
+        next(stream)  # the request has started under the default policy
+        assert hold.reached.wait(30)  # and is still running, by construction, while the policy changes
+        assert c.set_policy(TRIAL) == TRIAL
+        hold.release()
+        final = [chunk for chunk in stream][-1].reply
+        later = c.generate(dataclasses.replace(req, sampling=SamplingParams(seed=80)))
     assert final.spec.policy_id == "default" and final.spec.draft_length == 0
+    assert final.spec.drafted_tokens == 0 and final.completion_tokens > 2  # steps after the change stayed plain
+    assert (later.spec.policy_id, later.spec.drafter, later.spec.draft_length) == ("trial-7", Drafter.NGRAM, 3)
 
 
 def test_without_a_configured_token_set_policy_is_refused_and_get_policy_is_open(open_server):

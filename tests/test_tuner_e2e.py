@@ -83,12 +83,12 @@ def load_study(storage: str, study: str = "t") -> optuna.Study:
 def test_tuner_stores_valued_trials_with_attrs_and_leaves_the_best_policy_applied(served, admin_client, load,
                                                                                    otlp_port, tmp_path):
     storage = f"sqlite:///{tmp_path / 't.db'}"
-    result = run_tune(tune_cmd(served.address, otlp_port, storage, "--trials", "4", "--remeasure", "1",
+    result = run_tune(tune_cmd(served.address, otlp_port, storage, "--trials", "4", "--remeasure", "2",
                                study="basic"))
     assert result.returncode == 0, result.stderr
     study = load_study(storage, "basic")
     complete = study.get_trials(states=(TrialState.COMPLETE,))
-    assert len(complete) >= 2
+    assert len(complete) >= 2, result.stderr
     for t in complete:
         assert t.value > 0
         assert t.user_attrs["committed_tokens"] >= 48 and t.user_attrs["verify_steps"] >= 8
@@ -96,7 +96,9 @@ def test_tuner_stores_valued_trials_with_attrs_and_leaves_the_best_policy_applie
         for key in ("acceptance_rate", "mean_accepted_per_step", "widest_layer", "decode_step_equivalents",
                     "modelled_bytes_per_token", "requests"):
             assert key in t.user_attrs
-    assert [t.user_attrs["role"] for t in study.trials].count(st.ROLE_REMEASURE) == 1
+    # The best two are re-measured, less the incumbent: it is the control the other is paired with.
+    assert [t.user_attrs["role"] for t in study.trials].count(st.ROLE_REMEASURE) == 1, result.stderr
+    assert any(t.user_attrs.get("trial_mode") == "paired" for t in complete[1:]), result.stderr
     winner = study.user_attrs["winner"]
     applied = admin_client.get_policy()
     assert applied.policy_id == winner["policy_id"]
@@ -155,6 +157,45 @@ def test_sigterm_mid_trial_fails_it_restores_the_incumbent_and_exits_130(served,
     assert study.trials[1].state is TrialState.FAIL
     assert study.trials[1].user_attrs["fail_reason"] == st.FAIL_INTERRUPTED
     assert admin_client.get_policy().policy_id == "termed/0"  # the only complete trial is the incumbent
+
+
+def run_continuous_until(cmd: list[str], marker: str) -> tuple[int, str]:
+    """Start `moespec tune --continuous`, SIGTERM it once a stderr line contains `marker`."""
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    seen = []
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if marker in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, rest = proc.communicate(timeout=60)
+        return proc.returncode, "".join(seen) + rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_continuous_mode_sigterm_saves_state_and_a_restart_keeps_the_incumbent(served, admin_client, load,
+                                                                                 otlp_port, tmp_path):
+    storage = f"sqlite:///{tmp_path / 't.db'}"
+    cmd = tune_cmd(served.address, otlp_port, storage, "--trials", "2", "--remeasure", "0", "--continuous",
+                   "--exploration-share", "0.25", study="forever")
+    code, err = run_continuous_until(cmd, "trial 2 [challenge]")  # the search is over, a challenger runs
+    assert code == 130, err
+    study = load_study(storage, "forever")
+    assert "continuous" in study.user_attrs, err
+    saved = study.user_attrs["continuous"]["incumbent"]
+    assert [d["kind"] for d in study.user_attrs["decisions"]] == ["initial"]
+    assert study.trials[2].state is TrialState.FAIL  # the interrupted challenge
+    assert study.trials[2].user_attrs["role"] == st.ROLE_CHALLENGE
+    assert admin_client.get_split().arms[0].policy.policy_id == saved["policy_id"]  # alone again
+    assert len(admin_client.get_split().arms) == 1
+
+    code, err = run_continuous_until(cmd, "decision initial")
+    assert code == 130, err
+    assert "restarted: the saved incumbent is kept" in err and saved["policy_id"] in err
+    assert admin_client.get_policy().policy_id == saved["policy_id"]
 
 
 def test_window_without_traffic_is_told_fail_and_the_tuner_exits_5(served, otlp_port, tmp_path):

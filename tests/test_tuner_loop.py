@@ -13,6 +13,7 @@ from tuner import study as st
 from tuner.admin import PolicyAdmin, ServerUnavailable
 from tuner.assemble import TuneSettings, assemble
 from tuner.collector import SpanCollector
+from tuner.measure import TrialMode
 from tuner.pruning import PruneRule
 from tuner.space import policy_key
 from tuner.spans import request_sample
@@ -54,11 +55,13 @@ def test_small_budget_stores_valued_trials_with_attrs_and_applies_the_winner(tmp
     with SyntheticTraffic(server, collector.on_spans, cost):
         best = built.tuner.run()
     trials = built.study.get_trials()
-    search = [t for t in trials if t.user_attrs["role"] == st.ROLE_SEARCH]
-    assert len(search) == 6
+    assert st.search_trials_done(built.study) == 6  # measured ones; re-proposals come on top, free
     complete = [t for t in trials if t.state is TrialState.COMPLETE]
     assert complete and all(t.value > 0 and "acceptance_rate" in t.user_attrs for t in complete)
-    assert [t.user_attrs["role"] for t in trials[6:]] == [st.ROLE_REMEASURE] * 2
+    remeasured = [t for t in trials if t.user_attrs["role"] == st.ROLE_REMEASURE]
+    assert 1 <= len(remeasured) <= 2  # the top two, less the incumbent (the control of the others)
+    assert trials[0].user_attrs["trial_mode"] == "sequential"  # the first sets the scale
+    assert all(t.user_attrs["trial_mode"] == "paired" for t in complete[1:] if "duplicate_of" not in t.user_attrs)
     assert server.policy == best.policy and server.policy.policy_id == f"s/{best.trials[0]}"
     assert built.study.user_attrs["winner"]["policy_id"] == server.policy.policy_id
     # The baselines went first, and the best policy was applied between trials.
@@ -70,15 +73,20 @@ def test_a_policy_asked_again_reuses_its_result_without_measuring(tmp_path):
     from tests.tuner_fixtures import model_info
 
     server = FakeServer(model_info(max_draft_length=1, drafters=(Drafter.NGRAM,), tunable=("draft_length",)))
-    built, collector, _ = build(tmp_path, server, trials=5, remeasure_top=0)
+    events = []
+    built, collector, _ = build(tmp_path, server, events.append, trials=5, remeasure_top=0,
+                                max_consecutive_duplicates=3)
     with SyntheticTraffic(server, collector.on_spans, cost):
         built.tuner.run()
     search = built.study.trials
-    assert len(search) == 5
     copies = [t for t in search if "duplicate_of" in t.user_attrs]
-    assert len(copies) == 3  # only two distinct policies exist: plain and ngram k=1
+    # Only two distinct policies exist (plain, ngram k=1): re-proposals do not count towards the
+    # budget of 5, and three in a row end the search as converged instead of looping.
+    assert st.search_trials_done(built.study) == 2 and len(copies) == 3
+    assert [e.kind for e in events].count(EventKind.CONVERGED) == 1
     measured = {t.number for t in search} - {t.number for t in copies}
-    applied_trials = {p.policy_id for p in server.history}
+    applied_trials = {p.policy_id for p in server.history} | {
+        a.policy.policy_id for split in server.splits for a in split.arms}
     assert applied_trials >= {f"s/{n}" for n in measured}
     assert not applied_trials & {f"s/{t.number}" for t in copies}
     for t in copies:
@@ -89,7 +97,8 @@ def test_a_policy_asked_again_reuses_its_result_without_measuring(tmp_path):
 def test_trial_far_worse_than_incumbent_is_pruned_and_incumbent_restored(tmp_path):
     server = FakeServer()
     built, collector, _ = build(tmp_path, server, trials=2, prune=PruneRule(factor=1.5, min_fraction=0.25),
-                                window=WindowSpec(min_tokens=400, min_steps=8, max_seconds=5))
+                                window=WindowSpec(min_tokens=400, min_steps=8, max_seconds=5),
+                                trial_mode=TrialMode.SEQUENTIAL)
     with SyntheticTraffic(server, collector.on_spans, cost):
         built.tuner.run()
     plain, default = built.study.trials[:2]

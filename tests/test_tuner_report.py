@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import optuna
+import pytest
 
 from service.types import Drafter, DraftPolicy
 from tests.test_tuner_loop import build, cost
@@ -46,6 +47,14 @@ def test_report_folder_has_plots_json_and_markdown(tmp_path):
     assert len(data["trials"]) == len(built.study.trials)
     md = (out / "report.md").read_text()
     assert "Winner" in md and "optuna-dashboard sqlite:///x.db" in md and "1.67x" in md  # 1.0 / 0.6 ms
+    # Paired trials and the side-by-side ratios are shown with their intervals.
+    assert "## Paired trials" in md and "candidate / control [95% interval]" in md
+    paired = [t for t in data["trials"] if t["paired_ratio"] is not None]
+    bounded = [t for t in paired if t["paired_ratio_high"] is not None]
+    assert bounded and all(t["paired_ratio_low"] <= t["paired_ratio"] <= t["paired_ratio_high"] for t in bounded)
+    ratios = {r["name"]: r for r in data["side_by_side_ratios"]}
+    assert ratios["plain"]["paired_ratio"] == pytest.approx(1.0 / 0.6)  # one request each: no interval
+    assert ratios["plain"]["paired_ratio_high"] is None and "1.667x [-, -]" in md
 
 
 def test_uniform_union_matches_the_architecture_note():

@@ -3,12 +3,14 @@ with synthetic traffic (for the loop's logic, fast) beside the real-server helpe
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Callable
 
 import grpc
 
 from otel import attributes as attr
+from service.traffic import ArmAssigner, TrafficSplit
 from service.types import Drafter, DraftPolicy, ModelInfo
 
 
@@ -28,6 +30,7 @@ def model_info(**overrides) -> ModelInfo:
         tunable=("drafter", "draft_length", "draft_temperature"),
         expert_bytes=1000,
         decode_step_seconds=0.002,
+        concurrent_policies=True,
     )
     fields.update(overrides)
     return ModelInfo(**fields)
@@ -70,14 +73,20 @@ class FakeRpcError(grpc.RpcError):
 
 
 class FakeServer:
-    """PolicyClient in memory: records every SetPolicy, can 'restart' (policy back to default) or go down."""
+    """PolicyClient in memory: records every SetPolicy / SetTrafficSplit, assigns arms per request
+    with the server's own seeded assigner, can 'restart' (policy back to default) or go down."""
 
     def __init__(self, info: ModelInfo | None = None):
         self.info = info or model_info()
         self.lock = threading.Lock()
-        self.policy = DraftPolicy(policy_id="default")
+        self.assigner = ArmAssigner(TrafficSplit.single(DraftPolicy(policy_id="default"), seed=0))
         self.history: list[DraftPolicy] = []
+        self.splits: list[TrafficSplit] = []
         self.down = False
+
+    @property
+    def policy(self) -> DraftPolicy:
+        return self.assigner.split.primary
 
     def _check(self) -> None:
         if self.down:
@@ -95,18 +104,40 @@ class FakeServer:
     def set_policy(self, policy: DraftPolicy, timeout=None) -> DraftPolicy:
         self._check()
         with self.lock:
-            self.policy = policy
+            self.assigner = ArmAssigner(TrafficSplit.single(policy, seed=len(self.history)))
             self.history.append(policy)
             return policy
 
+    def get_split(self, timeout=None) -> TrafficSplit:
+        self._check()
+        with self.lock:
+            return self.assigner.split
+
+    def set_split(self, split: TrafficSplit, timeout=None) -> TrafficSplit:
+        self._check()
+        if len(split.arms) > 1 and not self.info.concurrent_policies:
+            raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT)
+        with self.lock:
+            stored = split if split.seed is not None else TrafficSplit(split.arms, seed=len(self.splits))
+            self.assigner = ArmAssigner(stored)
+            self.splits.append(stored)
+            if len(stored.arms) == 1:
+                self.history.append(stored.primary)
+            return stored
+
+    def next_policy(self) -> DraftPolicy:
+        with self.lock:
+            return self.assigner.next_policy()
+
     def restart(self) -> None:
         with self.lock:
-            self.policy = DraftPolicy(policy_id="default")
+            self.assigner = ArmAssigner(TrafficSplit.single(DraftPolicy(policy_id="default"), seed=0))
 
 
 class SyntheticTraffic:
-    """A thread that 'serves' a request every `period` s under the fake server's current policy and
-    hands its span to `sink`; the cost per committed token is `cost(policy)`."""
+    """A thread that 'serves' a request every `period` s under the arm the fake server assigns it and
+    hands its span to `sink`; the cost per committed token is `cost(policy) x speed()` (`speed` is the
+    machine: 2.0 = everything twice as slow) times a seeded per-request noise factor."""
 
     def __init__(
         self,
@@ -115,9 +146,13 @@ class SyntheticTraffic:
         cost: Callable[[DraftPolicy], float],
         period: float = 0.002,
         tokens_per_request: int = 16,
+        speed: Callable[[], float] = lambda: 1.0,
+        noise: float = 0.0,
+        seed: int = 0,
     ):
         self.server, self.sink, self.cost = server, sink, cost
         self.period, self.tokens = period, tokens_per_request
+        self.speed, self.noise, self.rng = speed, noise, random.Random(seed)
         self.stop_event = threading.Event()
         self.paused = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -134,10 +169,10 @@ class SyntheticTraffic:
         while not self.stop_event.wait(self.period):
             if self.paused.is_set() or self.server.down:
                 continue
-            with self.server.lock:
-                policy = self.server.policy
+            policy = self.server.next_policy()
             steps = max(1, self.tokens // (1 + policy.draft_length // 2))
-            seconds = self.cost(policy) * self.tokens
+            jitter = max(0.05, 1.0 + self.noise * self.rng.gauss(0.0, 1.0))
+            seconds = self.cost(policy) * self.speed() * jitter * self.tokens
             self.sink([request_span(policy.policy_id, steps=steps, committed=self.tokens,
                                     drafted=steps * policy.draft_length, accepted=self.tokens - steps,
                                     draft_seconds=seconds * 0.2, verify_seconds=seconds * 0.8)])

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import grpc
 
+from service.traffic import TrafficSplit
 from service.types import DraftPolicy, ModelInfo
 
 
@@ -31,6 +32,10 @@ class PolicyClient(Protocol):
     def get_policy(self, timeout: float | None = None) -> DraftPolicy: ...
 
     def set_policy(self, policy: DraftPolicy, timeout: float | None = None) -> DraftPolicy: ...
+
+    def get_split(self, timeout: float | None = None) -> TrafficSplit: ...
+
+    def set_split(self, split: TrafficSplit, timeout: float | None = None) -> TrafficSplit: ...
 
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -89,4 +94,15 @@ class PolicyAdmin:
         if self.current(retry_seconds=0).policy_id == policy.policy_id:
             return False
         self.apply(policy)
+        return True
+
+    def apply_split(self, split: TrafficSplit) -> TrafficSplit:
+        return self._call("SetTrafficSplit", lambda: self._client.set_split(split, timeout=self._timeout))
+
+    def ensure_split(self, split: TrafficSplit) -> bool:
+        """Re-apply `split` if the server runs another one (compared by arm ids); True when it had to."""
+        running = self._call("GetTrafficSplit", lambda: self._client.get_split(timeout=self._timeout), 0)
+        if [a.policy.policy_id for a in running.arms] == [a.policy.policy_id for a in split.arms]:
+            return False
+        self.apply_split(split)
         return True

@@ -14,7 +14,7 @@ import optuna
 from service.types import ModelInfo
 from tuner.admin import PolicyAdmin
 from tuner.collector import SpanCollector
-from tuner.measure import MeasureConfig, Measurer
+from tuner.measure import MeasureConfig, Measurer, TrialMode
 from tuner.pruning import PruneRule
 from tuner.sampler import SamplerKind, initial_policies, make_sampler, rationale, temperature_step
 from tuner.space import SearchSpace
@@ -40,6 +40,23 @@ class TuneSettings:
     policy_check_seconds: float = 1.0
     fixed_bytes_per_pass: int | None = None  # None: estimate from ModelInfo (see cost_model)
     enqueue_baselines: bool = True
+    trial_mode: TrialMode | None = None  # None: resolved from the objective and ModelInfo (trial_mode())
+    candidate_share: float = 0.5
+    switch_window_factor: float = 10.0
+    max_consecutive_duplicates: int = 20
+
+
+def trial_mode(settings: TuneSettings, info: ModelInfo) -> TrialMode:
+    """Paired where the backend serves several policies at once, control/candidate/control windows
+    where it cannot. The modelled objective counts bytes, which a slower machine does not change, so
+    it needs no control and runs sequentially."""
+    if settings.trial_mode is not None:
+        if settings.trial_mode is TrialMode.PAIRED and not info.concurrent_policies:
+            return TrialMode.INTERLEAVED  # asked for, impossible here: the nearest thing that works
+        return settings.trial_mode
+    if settings.objective is Objective.MODELLED:
+        return TrialMode.SEQUENTIAL
+    return TrialMode.PAIRED if info.concurrent_policies else TrialMode.INTERLEAVED
 
 
 def cost_model(info: ModelInfo, fixed_bytes_per_pass: int | None) -> CostModel:
@@ -59,6 +76,7 @@ class Assembled:
     space: SearchSpace
     info: ModelInfo
     cost: CostModel
+    mode: TrialMode
 
 
 def assemble(
@@ -73,12 +91,15 @@ def assemble(
     sampler = make_sampler(settings.sampler, settings.seed, settings.trials)
     study = open_study(storage, settings.study_name, sampler, settings.objective.value)
     cost = cost_model(info, settings.fixed_bytes_per_pass)
+    mode = trial_mode(settings, info)
     if "model_info" not in study.user_attrs:
         # For the report and the dashboard: what the space and the modelled cost were derived from.
         study.set_user_attr("model_info", _info_dict(info))
         study.set_user_attr("sampler", settings.sampler.value)
         study.set_user_attr("sampler_why", rationale(settings.sampler))
         study.set_user_attr("window", asdict(settings.window))
+    study.set_user_attr("trial_mode", mode.value)
+    study.set_user_attr("candidate_share", settings.candidate_share)
     measurer = Measurer(
         admin,
         collector,
@@ -105,12 +126,16 @@ def assemble(
             stale_seconds=settings.stale_seconds,
             max_consecutive_failures=settings.max_consecutive_failures,
             initial_policies=tuple(initial_policies(settings.sampler, space, settings.enqueue_baselines)),
+            mode=mode,
+            candidate_share=settings.candidate_share,
+            switch_window_factor=settings.switch_window_factor,
+            max_consecutive_duplicates=settings.max_consecutive_duplicates,
         ),
         user_attrs=lambda stats: stats.user_attrs(cost, info.decode_step_seconds),
         traffic=collector.traffic,
         on_event=on_event,
     )
-    return Assembled(tuner, study, space, info, cost)
+    return Assembled(tuner, study, space, info, cost, mode)
 
 
 def _info_dict(info: ModelInfo) -> dict[str, object]:

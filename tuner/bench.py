@@ -1,6 +1,10 @@
 """Tuner benchmark: an exhaustive grid vs the tuner's pick, on the same workload, in one run.
 
-    python -m tuner.bench [--out DIR] [--trials 27] [--remeasure 3] ...   (or `moespec bench --tuner`)
+    python -m tuner.bench [--out DIR] [--trials 27] [--remeasure 3] ...   (or `moespec bench tuner`)
+    moespec bench tuner --scenario noise [--seeds 5] [--trials 10] ...  (tuner/bench_noise.py)
+    moespec bench tuner --scenario shift [--steady-seconds 30] ...      (tuner/bench_shift.py)
+
+The default scenario (`grid`):
 
 1. One server (embedded model), one closed-loop greedy load cycling the first --prompt-count prompts
    (a window is one pass over them, so every policy is measured on the same work), one span receiver.
@@ -35,7 +39,7 @@ from tuner.assemble import TuneSettings, assemble
 from tuner.collector import SpanCollector
 from tuner.compare import Compared, compare
 from tuner.demo import DEFAULT_POLICY
-from tuner.loadgen import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, first_prompts, load_prompts
+from tuner.loadgen import DEFAULT_PROMPTS, REPEAT_PROMPTS, LoadGenerator, LoadSpec, first_prompts, load_prompts
 from tuner.measure import MeasureConfig, Measurer
 from tuner.progress import ProgressPrinter
 from tuner.pruning import PruneRule
@@ -50,8 +54,28 @@ from tuner.window import Objective, WindowSpec
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Exhaustive grid vs the online tuner on one workload; writes bench.json / bench.md."
     parser.add_argument("--out", type=Path, default=None, help="output folder (default ./reports/bench-<timestamp>)")
-    parser.add_argument("--trials", type=int, default=27, help="tuner search trials (default 27)")
-    parser.add_argument("--remeasure", type=int, default=3, help="tuner re-measurements (default 3; 27+3 = 30)")
+    parser.add_argument("--scenario", choices=("grid", "noise", "shift"), default="grid",
+                        help="grid: exhaustive grid vs the tuner (default); noise: sequential vs paired trials under "
+                             "a background CPU load switching every 10-30 s, several seeds (tuner/bench_noise.py); "
+                             "shift: the continuous tuner under a workload shift, a no-shift control and the cost "
+                             "of exploration (tuner/bench_shift.py)")
+    parser.add_argument("--trials", type=int, default=None,
+                        help="tuner search trials (default 27; 10 per study for --scenario noise)")
+    parser.add_argument("--remeasure", type=int, default=None,
+                        help="tuner re-measurements (default 3, so 27+3 = 30; 1 for --scenario noise)")
+    parser.add_argument("--seeds", type=int, default=5, help="--scenario noise: seeds, each a sequential and a "
+                                                              "paired study (default 5)")
+    parser.add_argument("--load-workers", type=int, default=1,
+                        help="--scenario noise: processes spinning a core each while the background load is on")
+    parser.add_argument("--steady-seconds", type=float, default=30.0,
+                        help="--scenario shift: exploring before the shift, and each period of the exploration-cost "
+                             "alternation (default 30)")
+    parser.add_argument("--shift-timeout", type=float, default=300.0,
+                        help="--scenario shift: give up waiting for a decision after this long (default 300)")
+    parser.add_argument("--exploration-share", type=float, default=0.1, help="--scenario shift (default 0.1)")
+    parser.add_argument("--reopen-trials", type=int, default=8, help="--scenario shift (default 8)")
+    parser.add_argument("--shift-prompts", type=Path, default=REPEAT_PROMPTS,
+                        help="--scenario shift: the second workload (default service/prompts/repeat.jsonl)")
     parser.add_argument("--prompt-count", type=int, default=8,
                         help="cycle the first N shipped prompts (default 8), so every window serves the same work")
     parser.add_argument("--min-tokens", type=int, default=None,
@@ -71,10 +95,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from otel.receiver import OtlpTraceReceiver
 
-    if args.trials < 1 or args.remeasure < 0 or args.compare_rounds < 1:
-        raise UsageError("--trials >= 1, --remeasure >= 0 and --compare-rounds >= 1 please")
+    noise = args.scenario == "noise"
+    args.trials = args.trials if args.trials is not None else (10 if noise else 27)
+    args.remeasure = args.remeasure if args.remeasure is not None else (1 if noise else 3)
+    if args.trials < 1 or args.remeasure < 0 or args.compare_rounds < 1 or args.seeds < 1 or args.load_workers < 1:
+        raise UsageError("--trials, --compare-rounds, --seeds and --load-workers >= 1 and --remeasure >= 0 please")
     out = args.out or Path("reports") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
+    if args.scenario == "shift":
+        from tuner.bench_shift import run_shift
+
+        code = first_prompts(load_prompts(args.prompts), args.prompt_count)
+        if args.min_tokens is None:
+            args.min_tokens = len(code) * args.max_new_tokens
+        return run_shift(args, code, first_prompts(load_prompts(args.shift_prompts), args.prompt_count), out)
+    if noise:
+        from tuner.bench_noise import run_noise
+
+        prompts = first_prompts(load_prompts(args.prompts), args.prompt_count)
+        if args.min_tokens is None:
+            args.min_tokens = len(prompts) * args.max_new_tokens
+        return run_noise(args, prompts, out)
     storage_url = f"sqlite:///{(out / 'bench.db').resolve()}"
     storage = open_storage(storage_url)
     prompts = first_prompts(load_prompts(args.prompts), args.prompt_count)

@@ -4,6 +4,9 @@ It listens for the server's request spans on --otlp-listen (OTLP/gRPC), keeps it
 --storage, and sets policies through PolicyAdmin. Environment read here, at run time:
 MOESPEC_ADMIN_TOKEN (when --admin-token is not given).
 
+--continuous keeps it running after the search (tuner/continuous.py); its incumbent gauge goes to
+--metrics-endpoint (default $OTEL_EXPORTER_OTLP_METRICS_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT).
+
 Exit codes: 0 done (winner applied), 2 bad arguments (incl. a storage URL that cannot be opened),
 3 server unreachable, 4 admin token refused, 5 no traffic (trial windows kept starving), 130 interrupted.
 """
@@ -23,6 +26,8 @@ from service.server.client import MoespecClient
 from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
 from tuner.assemble import TuneSettings, assemble
 from tuner.collector import SpanCollector
+from tuner.continuous import ContinuousConfig, ContinuousTuner
+from tuner.measure import TrialMode
 from tuner.progress import ProgressPrinter, fmt_cost
 from tuner.pruning import PruneRule
 from tuner.sampler import SamplerKind, rationale
@@ -78,6 +83,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tuner-id", default=None,
                         help="identity for crash recovery: a restarted tuner with the same id fails its own "
                              "unfinished trial at once (default HOSTNAME:SERVER)")
+    pairing = parser.add_argument_group("paired trials and continuous mode")
+    pairing.add_argument("--trial-mode", choices=["auto", *(m.value for m in TrialMode)], default="auto",
+                         help="paired: candidate beside the incumbent in one traffic split; interleaved: "
+                              "control/candidate/control windows (backends with one policy at a time); "
+                              "sequential: the candidate alone (drift goes into its value). auto (default): "
+                              "paired where GetModelInfo.concurrent_policies, else interleaved; sequential for "
+                              "--objective modelled")
+    pairing.add_argument("--candidate-share", type=float, default=0.5,
+                         help="share of the requests the candidate gets in a paired trial, in (0, 0.5] "
+                              "(default 0.5); a bad candidate hurts only its share")
+    pairing.add_argument("--switch-window-factor", type=float, default=10.0,
+                         help="every window lasts at least this x GetModelInfo.policy_switch_seconds, so "
+                              "policy switches (SGLang restarts its engine) cost at most ~1/x of the time")
+    pairing.add_argument("--continuous", action="store_true",
+                         help="after the search keep running: challengers at --exploration-share beside the "
+                              "incumbent, promotion with confidence, the search re-opens on a workload shift; "
+                              "stops only on SIGTERM / Ctrl-C")
+    pairing.add_argument("--exploration-share", type=float, default=0.1,
+                         help="continuous mode: share of the requests the challenger gets, in (0, 0.5] (default 0.1)")
+    pairing.add_argument("--reopen-trials", type=int, default=12,
+                         help="continuous mode: search trials when the search re-opens (default 12)")
+    pairing.add_argument("--metrics-endpoint", default=None,
+                         help="OTLP/gRPC endpoint for the tuner's metrics (moespec.tuner.incumbent); default "
+                              "$OTEL_EXPORTER_OTLP_METRICS_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT; none = off")
     parser.add_argument("--fixed-bytes-per-pass", type=int, default=None,
                         help="modelled cost: bytes every verify pass reads besides routed experts "
                              "(default: shared experts at routed-expert size, a lower bound)")
@@ -101,6 +130,10 @@ def settings_from_args(args: argparse.Namespace) -> TuneSettings:
         (args.prune_factor == 0 or args.prune_factor > 1, "--prune-factor must be > 1 (or 0 to disable)"),
         (args.remeasure >= 0 and args.max_failures >= 1, "--remeasure must be >= 0 and --max-failures >= 1"),
         (args.connect_timeout >= 0, "--connect-timeout must be >= 0"),
+        (0 < args.candidate_share <= 0.5, "--candidate-share must be in (0, 0.5]"),
+        (0 < args.exploration_share <= 0.5, "--exploration-share must be in (0, 0.5]"),
+        (args.switch_window_factor >= 0, "--switch-window-factor must be >= 0"),
+        (args.reopen_trials >= 1, "--reopen-trials must be >= 1"),
     ]
     for ok, reason in checks:
         if not ok:
@@ -119,7 +152,14 @@ def settings_from_args(args: argparse.Namespace) -> TuneSettings:
         remeasure_top=args.remeasure,
         max_consecutive_failures=args.max_failures,
         fixed_bytes_per_pass=args.fixed_bytes_per_pass,
+        trial_mode=None if args.trial_mode == "auto" else TrialMode(args.trial_mode),
+        candidate_share=args.candidate_share,
+        switch_window_factor=args.switch_window_factor,
     )
+
+
+def continuous_config(args: argparse.Namespace) -> ContinuousConfig:
+    return ContinuousConfig(exploration_share=args.exploration_share, reopen_trials=args.reopen_trials)
 
 
 def dashboard_hint(storage_url: str) -> str:
@@ -149,6 +189,10 @@ def run(args: argparse.Namespace) -> int:
     admin = PolicyAdmin(client, args.server, retry_seconds=args.connect_timeout)
     printer = ProgressPrinter(err, settings.objective.value)
     built = None
+    continuous = None
+    metrics_endpoint = (args.metrics_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+                        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    meter_provider = None
     try:
         try:
             receiver.start()
@@ -158,6 +202,14 @@ def run(args: argparse.Namespace) -> int:
               file=err, flush=True)
         print(f"tuner: sampler {rationale(settings.sampler)}", file=err, flush=True)
         built = assemble(settings, storage, admin, collector, printer)
+        print(f"tuner: trials {built.mode.value} (backend {built.info.backend}, concurrent policies "
+              f"{built.info.concurrent_policies}, policy switch {built.info.policy_switch_seconds:.2f} s)",
+              file=err, flush=True)
+        if args.continuous:
+            meter_provider, continuous = _continuous(args, settings, storage, admin, collector, printer, built,
+                                                     metrics_endpoint)
+            continuous.run(threading.Event())  # returns only through SIGTERM / Ctrl-C
+            return 0
         best = built.tuner.run()
     except StudyMismatch as e:
         raise UsageError(str(e)) from None
@@ -175,15 +227,21 @@ def run(args: argparse.Namespace) -> int:
             built.tuner.apply_incumbent()
         return EXIT_NO_TRAFFIC
     except KeyboardInterrupt:
-        # The interrupted trial is already told FAIL (tuning.Tuner); leave the server on the best.
-        if built is not None:
-            with suppress(Exception):
+        # The interrupted trial is already told FAIL (tuning.Tuner); leave the server on the best
+        # (in continuous mode: the saved incumbent, which a restart keeps).
+        with suppress(Exception):
+            if continuous is not None and continuous.incumbent is not None:
+                continuous.restore()
+            elif built is not None:
                 built.tuner.apply_incumbent()
         print("moespec tune: interrupted; the study resumes where it stopped", file=err)
         return 130
     finally:
         receiver.stop(grace=0.5)
         client.close()
+        if meter_provider is not None:
+            with suppress(Exception):
+                meter_provider.shutdown()
     if best is None:
         print("moespec tune: no trial completed; nothing applied", file=err)
         return EXIT_NO_TRAFFIC
@@ -191,6 +249,26 @@ def run(args: argparse.Namespace) -> int:
           f"policy id {best.policy.policy_id})")
     print(f"open the study: {dashboard_hint(args.storage)}")
     return 0
+
+
+def _continuous(args, settings, storage, admin, collector, printer, root, metrics_endpoint):
+    from dataclasses import replace
+
+    from tuner.metrics import TunerMetrics, otlp_meter_provider
+
+    provider = otlp_meter_provider(metrics_endpoint) if metrics_endpoint else None
+    metrics = TunerMetrics(provider.get_meter("moespec.tuner"), settings.study_name) if provider else None
+
+    def make(name: str, trials: int):
+        if name == settings.study_name:
+            return root
+        return assemble(replace(settings, study_name=name, trials=trials), storage, admin, collector, printer)
+
+    def log(d) -> None:
+        print(f"tuner: decision {d.kind}: incumbent {d.policy} ({fmt_cost(d.value, settings.objective.value)}, "
+              f"{d.policy_id}, epoch {d.epoch}): {d.reason}", file=sys.stderr, flush=True)
+
+    return provider, ContinuousTuner(root.study, make, continuous_config(args), settings.trials, metrics, log)
 
 
 def _raise_interrupt(signum, frame) -> None:

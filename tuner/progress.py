@@ -44,7 +44,7 @@ class ProgressPrinter:
         if e.kind is EventKind.RESUMED:
             return f"tuner: {e.message}; {e.done}/{e.total} search trials done"
         if e.kind is EventKind.TRIAL_STARTED:
-            tag = "re-measure" if e.role == "remeasure" else f"{e.done + 1}/{e.total}"
+            tag = {"remeasure": "re-measure", "challenge": "challenge"}.get(e.role, f"{e.done + 1}/{e.total}")
             return f"trial {e.trial} [{tag}] {policy_key(e.policy).label()} ({e.policy.policy_id}) ... {best}"
         if e.kind is EventKind.TRIAL_FINISHED:
             stats = ""
@@ -52,7 +52,12 @@ class ProgressPrinter:
                 stats = (f" {e.stats.requests} req {e.stats.committed} tok acc {e.stats.acceptance_rate:.2f}"
                          f" unique/layer {','.join(f'{x:.0f}' for x in e.stats.unique_experts_mean)}")
             reason = f" ({e.message})" if e.message else ""
-            return f"trial {e.trial} {e.state} {fmt_cost(e.value, self._objective)}{stats}{reason}"
+            paired = ""
+            if e.paired is not None and e.paired.ratio == e.paired.ratio:  # not NaN
+                paired = f" = {e.paired.ratio:.3f}x control [{e.paired.low:.3f}, {e.paired.high:.3f}]"
+            return f"trial {e.trial} {e.state} {fmt_cost(e.value, self._objective)}{paired}{stats}{reason}"
+        if e.kind is EventKind.CONVERGED:
+            return f"search converged after {e.done} measured trials: {e.message}"
         if e.kind is EventKind.INCUMBENT:
             label = e.best.key.label() if e.best else ""
             if label == self._last_incumbent:

@@ -25,6 +25,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from service.types import Drafter, ModelInfo
 from tuner.compare import Compared
+from tuner.paired import PairedRatio
 from tuner.space import SearchSpace, policy_key
 from tuner.study import PolicyScore, role
 
@@ -275,13 +276,38 @@ def write_report(
                     "value": r.value, **{k: r.attrs.get(k) for k in (
                         "acceptance_rate", "mean_accepted_per_step", "unique_experts_mean", "widest_layer",
                         "decode_step_equivalents", "modelled_bytes_per_token", "requests", "committed_tokens",
-                        "fail_reason", "prune_reason")}} for r in rows],
+                        "fail_reason", "prune_reason", "trial_mode", "control_policy", "paired_ratio",
+                        "paired_ratio_low", "paired_ratio_high", "candidate_share", "duplicate_of")}} for r in rows],
+        "trial_mode": study.user_attrs.get("trial_mode"),
+        "side_by_side_ratios": side_by_side_ratios(compared),
         "plots": plots,
         **extra,
     }
     (out / "report.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
     (out / "report.md").write_text(_markdown(data, compared, winner, step, explanation, plots))
     return out
+
+
+def side_by_side_ratios(compared: Sequence[Compared]) -> list[dict[str, object]]:
+    """Each policy's cost relative to the best one over the comparison rounds, with the 95% interval
+    from their per-request costs (tuner.paired)."""
+    best = next((c for c in compared if c.name == "best"), None)
+    if best is None or not best.stats.committed:
+        return []
+    out = []
+    for c in compared:
+        if c is best or not c.stats.committed:
+            continue
+        r = PairedRatio.of(c.stats, best.stats)
+        out.append({"name": c.name, "policy": policy_key(c.policy).label(), **r.as_attrs()})
+    return out
+
+
+def _fmt_ratio(ratio, low, high) -> str:
+    if ratio is None:
+        return "-"
+    interval = f" [{low:.3f}, {high:.3f}]" if low is not None and high is not None else " [-, -]"
+    return f"{ratio:.3f}x{interval}"
 
 
 def _markdown(data: dict, compared: Sequence[Compared], winner: PolicyScore | None, step: float,
@@ -310,6 +336,28 @@ def _markdown(data: dict, compared: Sequence[Compared], winner: PolicyScore | No
                 f"{', '.join(f'{x:.1f}' for x in d['unique_experts_mean'])} | {d['committed_tokens']} |"
                 if spt else f"| {c.name} | {d['policy']} | no tokens | - | - | - | - | - | 0 |")
         lines.append("")
+        if data["side_by_side_ratios"]:
+            lines += ["Cost relative to the best policy over the same rounds, with the 95% interval from the "
+                      "per-request costs (>1: the best policy is cheaper):", "",
+                      "| | policy | cost / best's [95% interval] |", "|---|---|---|"]
+            for r in data["side_by_side_ratios"]:
+                lines.append(f"| {r['name']} | {r['policy']} | "
+                             f"{_fmt_ratio(r['paired_ratio'], r['paired_ratio_low'], r['paired_ratio_high'])} |")
+            lines.append("")
+    paired = [t for t in data["trials"] if t.get("paired_ratio") is not None]
+    if paired:
+        lines += ["## Paired trials", "",
+                  f"Trial mode `{data['trial_mode']}`: each candidate ran beside a control (the incumbent) in the "
+                  "same window; its value is the candidate/control cost ratio times the control's value, so a "
+                  "machine that slows down slows both arms and leaves the value alone.", "",
+                  "| # | role | state | candidate | control | share | candidate / control [95% interval] |",
+                  "|---|---|---|---|---|---|---|"]
+        for t in paired:
+            share = f"{t['candidate_share']:.2f}" if t.get("candidate_share") is not None else "-"
+            lines.append(f"| {t['number']} | {t['role']} | {t['state']} | {t['policy']} | {t['control_policy']} | "
+                         f"{share} | "
+                         f"{_fmt_ratio(t['paired_ratio'], t['paired_ratio_low'], t['paired_ratio_high'])} |")
+        lines.append("")
     lines += ["## Trials", "", f"States: {dict(data['trial_states'])}. Sampler: {data['sampler_why']} "
               "(details in `tuner/sampler.py`).", "",
               "| # | role | state | policy | ms / token | acceptance | unique experts / layer | note |",
@@ -319,6 +367,8 @@ def _markdown(data: dict, compared: Sequence[Compared], winner: PolicyScore | No
         acc = f"{t['acceptance_rate']:.2f}" if t.get("acceptance_rate") is not None else "-"
         ue = ", ".join(f"{x:.1f}" for x in t.get("unique_experts_mean") or [])
         note = (t.get("prune_reason") or t.get("fail_reason") or "").replace("|", "/")
+        if t.get("duplicate_of") is not None:
+            note = f"re-proposal of trial {t['duplicate_of']}: result reused, not counted"
         lines.append(f"| {t['number']} | {t['role']} | {t['state']} | {t['policy']} | {value} | {acc} | {ue} | "
                      f"{note} |")
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]

@@ -27,6 +27,7 @@ from tuner.space import PolicyKey, SearchSpace, policy_key
 
 ROLE_SEARCH = "search"
 ROLE_REMEASURE = "remeasure"
+ROLE_CHALLENGE = "challenge"  # continuous mode: a challenger beside the incumbent at the exploration share
 FAIL_INTERRUPTED = "interrupted"
 
 
@@ -108,10 +109,13 @@ def role(trial: FrozenTrial) -> str:
 
 
 def search_trials_done(study: optuna.Study) -> int:
-    """Finished search trials that count towards --trials (interrupted ones are redone)."""
+    """Finished search trials that count towards --trials: measured ones. Interrupted trials are
+    redone; re-proposals of a measured policy reuse its result and spend no traffic, so they do not
+    count either (the budget is traffic spent, not sampler calls)."""
     done = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
-        if role(t) == ROLE_SEARCH and t.user_attrs.get("fail_reason") != FAIL_INTERRUPTED:
+        if (role(t) == ROLE_SEARCH and t.user_attrs.get("fail_reason") != FAIL_INTERRUPTED
+                and "duplicate_of" not in t.user_attrs):
             done += 1
     return done
 

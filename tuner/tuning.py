@@ -4,8 +4,15 @@ Contract (what survives what):
 - Start: RUNNING trials a killed tuner left behind are told FAIL (`study.recover_interrupted`),
   then the incumbent (best mean over COMPLETE trials) is re-applied, so a restart never leaves the
   server on an abandoned trial policy. Finished trials are never touched.
-- Budget: `trials` counts finished search trials in the study, so a restarted tuner continues to
-  the same total instead of starting over. Interrupted trials do not count (they are redone).
+- Budget: `trials` counts finished, *measured* search trials in the study, so a restarted tuner
+  continues to the same total instead of starting over. Interrupted trials do not count (they are
+  redone), nor do re-proposals of an already-measured policy (their result is reused, no traffic
+  spent); `max_consecutive_duplicates` re-proposals in a row end the search as converged.
+- Comparison (`TrialMode`): the first trial runs alone and sets the scale; every later one is
+  paired with the incumbent as control (same window, traffic split, `candidate_share` of the
+  requests) and told `ratio x incumbent value`, or, on a backend that runs one policy at a time,
+  measured between two control windows (the trailing one is the next trial's leading one).
+  Windows last at least `switch_window_factor` x the backend's policy switch time.
 - Each trial: COMPLETE with the objective, PRUNED (intermediate value reported first, so samplers
   still learn from it) when far worse than the incumbent, or FAIL when the window starved. The
   incumbent is applied after every trial. `max_consecutive_failures` starved windows in a row stop
@@ -21,7 +28,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -30,9 +37,10 @@ from service.types import DraftPolicy
 from tuner import study as st
 from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
 from tuner.collector import Traffic
-from tuner.measure import Measurement, Measurer, Outcome
-from tuner.space import SearchSpace, policy_key
-from tuner.window import WindowStats
+from tuner.measure import Measurement, Measurer, Outcome, PairedMeasurement, TrialMode
+from tuner.paired import PairedRatio
+from tuner.space import PolicyKey, SearchSpace, policy_key
+from tuner.window import WindowSpec, WindowStats
 
 
 class NoTraffic(Exception):
@@ -48,6 +56,10 @@ class TunerConfig:
     stale_seconds: float = 120.0  # another tuner's RUNNING trial with no heartbeat this long is dead
     max_consecutive_failures: int = 3
     initial_policies: tuple[DraftPolicy, ...] = ()  # enqueued, in order, when the study is fresh
+    mode: TrialMode = TrialMode.PAIRED
+    candidate_share: float = 0.5  # of the requests, for the candidate arm of a paired trial
+    switch_window_factor: float = 10.0  # a window lasts >= this x ModelInfo.policy_switch_seconds
+    max_consecutive_duplicates: int = 20  # re-proposals in a row that end the search as converged
 
 
 class EventKind(enum.StrEnum):
@@ -56,6 +68,7 @@ class EventKind(enum.StrEnum):
     TRIAL_STARTED = "trial_started"
     TRIAL_PROGRESS = "trial_progress"
     TRIAL_FINISHED = "trial_finished"
+    CONVERGED = "converged"
     WINNER = "winner"
 
 
@@ -72,6 +85,16 @@ class TunerEvent:
     done: int = 0  # finished search trials
     total: int = 0
     message: str = ""
+    paired: PairedRatio | None = None  # for TRIAL_FINISHED of a paired / interleaved trial
+
+
+@dataclass(frozen=True)
+class Challenge:
+    trial: int
+    policy: DraftPolicy
+    state: TrialState
+    measurement: Measurement
+    paired: PairedMeasurement | None  # None when it ran alone (sequential mode)
 
 
 class Tuner:
@@ -98,6 +121,8 @@ class Tuner:
         self._traffic = traffic
         self._emit = on_event
         self._wall_clock = wall_clock
+        # INTERLEAVED: the last trial's trailing control window, reusable as the next leading one
+        self._last_control: tuple[PolicyKey, WindowStats] | None = None
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -116,13 +141,19 @@ class Tuner:
         if not study.trials:
             for policy in cfg.initial_policies[: cfg.trials]:
                 study.enqueue_trial(self._space.params_of(policy), user_attrs={"role": st.ROLE_SEARCH})
-        failures = 0
+        failures = duplicates = 0
         while st.search_trials_done(study) < cfg.trials:
-            state = self._run_trial(st.ROLE_SEARCH)
+            state, number = self._run_trial(st.ROLE_SEARCH)
             failures = failures + 1 if state is TrialState.FAIL else 0
+            reused = "duplicate_of" in study.get_trials(deepcopy=False)[number].user_attrs
+            duplicates = duplicates + 1 if reused else 0
             self.apply_incumbent()
             if failures >= cfg.max_consecutive_failures:
                 raise NoTraffic(self._diagnose(failures))
+            if duplicates >= cfg.max_consecutive_duplicates:
+                self._emit(TunerEvent(EventKind.CONVERGED, done=st.search_trials_done(study), total=cfg.trials,
+                                      message=f"{duplicates} re-proposals of measured policies in a row"))
+                break
         self._remeasure()
         return self._finish()
 
@@ -131,6 +162,9 @@ class Tuner:
         for candidate in st.remeasure_candidates(self._study, self._space, self._config.remeasure_top):
             if attempts.get(candidate.key, 0):
                 continue  # already re-measured (possibly before a restart)
+            best = st.incumbent(self._study, self._space)
+            if self._config.mode is not TrialMode.SEQUENTIAL and best is not None and best.key == candidate.key:
+                continue  # paired with itself it would measure a ratio of 1: the control needs no re-measure
             self._study.enqueue_trial(
                 self._space.params_of(candidate.policy),
                 user_attrs={"role": st.ROLE_REMEASURE, "remeasure_of": candidate.trials[0]},
@@ -158,6 +192,9 @@ class Tuner:
                               done=st.search_trials_done(self._study), total=self._config.trials))
         return best
 
+    def apply(self, policy: DraftPolicy) -> None:
+        self._admin.apply(policy)
+
     def apply_incumbent(self) -> st.PolicyScore | None:
         best = st.incumbent(self._study, self._space)
         if best is not None:
@@ -167,10 +204,10 @@ class Tuner:
 
     # -- one trial ---------------------------------------------------------------------------
 
-    def _run_trial(self, role: str) -> TrialState:
+    def _run_trial(self, role: str) -> tuple[TrialState, int]:
         trial = self._study.ask()
         try:
-            return self._run_asked(trial, role)
+            return self._run_asked(trial, role), trial.number
         except ServerUnavailable as e:
             self._fail(trial, f"server unreachable: {e}")
             raise
@@ -204,29 +241,145 @@ class Tuner:
 
         # Re-measurements are never pruned: cutting short the one that disagrees with a lucky first
         # measurement would keep exactly the noise they exist to remove.
-        prune_against = best.mean if best and role == st.ROLE_SEARCH else None
-        m = self._measurer.measure(
-            policy, prune_against, progress, heartbeat=lambda: st.beat(trial, self._wall_clock)
-        )
-        state = self._tell(trial, m, best)
+        prune = role == st.ROLE_SEARCH
+        paired = self.measure_against(policy, best, progress, lambda: st.beat(trial, self._wall_clock), prune,
+                                      cfg.candidate_share)
+        m = paired.candidate if isinstance(paired, PairedMeasurement) else paired
+        state = self._tell(trial, m, best, paired if isinstance(paired, PairedMeasurement) else None)
         self._emit(TunerEvent(EventKind.TRIAL_FINISHED, trial.number, role, policy, state.name,
                               m.value if state is not TrialState.FAIL else None, m.stats,
                               st.incumbent(study, self._space), st.search_trials_done(study), cfg.trials,
-                              str(trial.user_attrs.get("fail_reason") or trial.user_attrs.get("prune_reason") or "")))
+                              str(trial.user_attrs.get("fail_reason") or trial.user_attrs.get("prune_reason") or ""),
+                              paired.ratio if isinstance(paired, PairedMeasurement) else None))
         return state
+
+    def measure_against(
+        self,
+        policy: DraftPolicy,
+        control: st.PolicyScore | None,
+        progress: Callable[[WindowStats], None],
+        heartbeat: Callable[[], None],
+        prune: bool,
+        share: float,
+    ) -> Measurement | PairedMeasurement:
+        """Measure `policy` the configured way against `control` (alone when there is none yet)."""
+        mode, window = self._config.mode, self.window()
+        if control is None or mode is TrialMode.SEQUENTIAL or control.key == policy_key(policy):
+            self._last_control = None
+            prune_against = control.mean if control is not None and prune else None
+            return self._measurer.measure(policy, prune_against, progress, heartbeat, window)
+        control_policy = replace(control.policy, policy_id=f"{policy.policy_id}/control")
+        if mode is TrialMode.PAIRED:
+            self._last_control = None
+            return self._measurer.measure_paired(policy, control_policy, share, control.mean, progress, heartbeat,
+                                                 window, prune)
+        return self._measure_interleaved(policy, control, progress, heartbeat, window, prune)
+
+    def _measure_interleaved(
+        self,
+        policy: DraftPolicy,
+        control: st.PolicyScore,
+        progress: Callable[[WindowStats], None],
+        heartbeat: Callable[[], None],
+        window: WindowSpec,
+        prune: bool,
+    ) -> PairedMeasurement:
+        """Control, candidate, control: three windows, two policy switches, and the trailing control
+        window is kept for the next trial's leading one (two switches per trial in a run)."""
+        measure = self._measurer.measure
+        reused, self._last_control = self._last_control, None
+        if reused is not None and reused[0] == control.key:
+            lead = reused[1]
+        else:
+            before = measure(replace(control.policy, policy_id=f"{policy.policy_id}/control-before"), None, None,
+                             heartbeat, window)
+            if before.outcome is not Outcome.COMPLETE:
+                m = Measurement(policy, Outcome.STARVED, WindowStats(policy.policy_id), float("inf"), before.seconds,
+                                before.reapplied, before.other_spans)
+                return PairedMeasurement(m, before.stats, control.policy, PairedRatio.of(m.stats, before.stats), 0.5)
+            lead = before.stats
+        cand = measure(policy, lead.seconds_per_token if prune else None, progress, heartbeat, window)
+        controls = lead.copy()
+        if cand.outcome is Outcome.COMPLETE:
+            after = measure(replace(control.policy, policy_id=f"{policy.policy_id}/control-after"), None, None,
+                            heartbeat, window)
+            if after.outcome is Outcome.COMPLETE:
+                controls.merge(after.stats)
+                self._last_control = (control.key, after.stats)
+        ratio = PairedRatio.of(cand.stats, controls)
+        m = replace(cand, value=ratio.ratio * control.mean) if cand.stats.committed else cand
+        return PairedMeasurement(m, controls, control.policy, ratio, 0.5)
+
+    def window(self) -> WindowSpec:
+        """The trial window, stretched where a policy switch is expensive: every window lasts at
+        least `switch_window_factor` x the backend's last measured switch, so switching costs at most
+        ~1/factor of the time spent measuring."""
+        base = self._measurer.window
+        factor = self._config.switch_window_factor
+        switch = self._admin.model_info().policy_switch_seconds if factor > 0 else 0.0
+        if switch <= 0:
+            return base
+        floor = factor * switch
+        return replace(base, min_seconds=max(base.min_seconds, floor), max_seconds=base.max_seconds + floor)
+
+    def challenge(
+        self, params: dict[str, object] | None, incumbent: st.PolicyScore, share: float, prune: bool = True
+    ) -> Challenge | None:
+        """Continuous mode: one challenger (`params`, or TPE's next proposal when None) beside the
+        incumbent at `share` of the traffic, told as a trial of role "challenge" (TPE learns from it;
+        it never changes the incumbent by itself). None when TPE proposed a policy already measured
+        (its result reused, no traffic spent)."""
+        if params is not None:
+            self._study.enqueue_trial(params, user_attrs={"role": st.ROLE_CHALLENGE})
+        trial = self._study.ask()
+        try:
+            trial.set_user_attr("role", st.ROLE_CHALLENGE)
+            trial.set_user_attr("tuner_id", self._config.tuner_id)
+            st.beat(trial, self._wall_clock)
+            policy = self._space.suggest(trial, st.policy_id(self._study.study_name, trial.number))
+            if params is None and (policy_key(policy) == incumbent.key or st.previous_result(
+                    self._study, self._space, policy_key(policy)) is not None):
+                self._tell_duplicate_challenge(trial, policy, incumbent)
+                return None
+            self._emit(TunerEvent(EventKind.TRIAL_STARTED, trial.number, st.ROLE_CHALLENGE, policy, best=incumbent))
+            measured = self.measure_against(policy, incumbent, lambda stats: None,
+                                            lambda: st.beat(trial, self._wall_clock), prune, share)
+            paired = measured if isinstance(measured, PairedMeasurement) else None
+            m = paired.candidate if paired else measured
+            state = self._tell(trial, m, incumbent, paired)
+        except ServerUnavailable as e:
+            self._fail(trial, f"server unreachable: {e}")
+            raise
+        except BaseException:
+            self._fail(trial, st.FAIL_INTERRUPTED)
+            raise
+        self._emit(TunerEvent(EventKind.TRIAL_FINISHED, trial.number, st.ROLE_CHALLENGE, policy, state.name,
+                              m.value if state is not TrialState.FAIL else None, m.stats, incumbent,
+                              message=str(trial.user_attrs.get("fail_reason") or trial.user_attrs.get("prune_reason")
+                                          or ""), paired=paired.ratio if paired else None))
+        return Challenge(trial.number, policy, state, m, paired)
+
+    def _tell_duplicate_challenge(self, trial: optuna.Trial, policy: DraftPolicy, incumbent: st.PolicyScore) -> None:
+        previous = st.previous_result(self._study, self._space, policy_key(policy))
+        if previous is not None:
+            self._tell_duplicate(trial, policy, previous)
+            return
+        trial.set_user_attr("duplicate_of", incumbent.trials[0])  # TPE proposed the incumbent itself
+        self._study.tell(trial, incumbent.mean)
 
     def _tell_duplicate(self, trial: optuna.Trial, policy: DraftPolicy, previous: FrozenTrial) -> TrialState:
         """The sampler asked for a policy already measured: reuse that result instead of spending
-        traffic on it (noise is handled by the re-measure phase, not by random repeats). The trial
-        still counts towards --trials, so a converged sampler cannot loop forever."""
+        traffic on it (noise is handled by pairing and the re-measure phase, not by random repeats).
+        It does not count towards --trials; `max_consecutive_duplicates` in a row end the search."""
         for key, value in previous.user_attrs.items():
             if key not in ("role", "tuner_id", "heartbeat"):
                 trial.set_user_attr(key, value)
         trial.set_user_attr("duplicate_of", previous.number)
         if previous.state is TrialState.COMPLETE:
-            score = next(s for s in st.scores(self._study, self._space) if s.key == policy_key(policy))
-            self._study.tell(trial, score.mean)
-            state, value = TrialState.COMPLETE, score.mean
+            score = next((s for s in st.scores(self._study, self._space) if s.key == policy_key(policy)), None)
+            value = score.mean if score is not None else float(previous.value)  # a challenge-only policy
+            self._study.tell(trial, value)
+            state = TrialState.COMPLETE
         else:
             step, value = max(previous.intermediate_values.items()) if previous.intermediate_values else (0, None)
             if value is not None:
@@ -238,9 +391,20 @@ class Tuner:
                               self._config.trials, f"same policy as trial {previous.number}: result reused"))
         return state
 
-    def _tell(self, trial: optuna.Trial, m: Measurement, best: st.PolicyScore | None) -> TrialState:
+    def _tell(
+        self, trial: optuna.Trial, m: Measurement, best: st.PolicyScore | None, paired: PairedMeasurement | None
+    ) -> TrialState:
         for key, value in self._user_attrs(m.stats).items():
             trial.set_user_attr(key, value)
+        trial.set_user_attr("trial_mode", self._config.mode.value if paired else TrialMode.SEQUENTIAL.value)
+        if paired is not None:
+            for key, value in paired.ratio.as_attrs().items():
+                trial.set_user_attr(key, value)
+            trial.set_user_attr("control_policy", policy_key(paired.control_policy).label())
+            trial.set_user_attr("control_value", best.mean if best else None)
+            trial.set_user_attr("control_seconds_per_token",
+                                paired.control.seconds_per_token if paired.control.committed else None)
+            trial.set_user_attr("candidate_share", paired.share)
         trial.set_user_attr("window_seconds", round(m.seconds, 3))
         trial.set_user_attr("policy_reapplied", m.reapplied)
         window = self._measurer.window
@@ -249,9 +413,10 @@ class Tuner:
             return TrialState.COMPLETE
         if m.outcome is Outcome.PRUNED:
             trial.report(m.value, step=m.stats.committed)
+            against = "incumbent" if paired is None or self._config.mode is TrialMode.PAIRED else "control window"
             trial.set_user_attr(
                 "prune_reason",
-                f"running cost {m.value:.4g} > {self._measurer.prune.factor} x incumbent {best.mean:.4g} "
+                f"running cost {m.value:.4g} > {self._measurer.prune.factor} x {against} {best.mean:.4g} "
                 f"after {m.stats.committed} tokens",
             )
             self._study.tell(trial, state=TrialState.PRUNED)

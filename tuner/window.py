@@ -62,8 +62,11 @@ class WindowStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     expert_step_sums: list[float] = field(default_factory=list)  # [L] sum over passes of unique experts
+    # (draft + verify seconds, committed tokens) of each request: the spread a confidence interval needs
+    request_costs: list[tuple[float, int]] = field(default_factory=list)
 
     def add(self, sample: RequestSample) -> None:
+        self.request_costs.append((sample.draft_seconds + sample.verify_seconds, sample.committed_tokens))
         self.requests += 1
         self.steps += sample.verify_steps
         self.drafted += sample.drafted_tokens
@@ -87,9 +90,11 @@ class WindowStats:
             self.expert_step_sums.extend([0.0] * (len(other.expert_step_sums) - len(self.expert_step_sums)))
         for layer, total in enumerate(other.expert_step_sums):
             self.expert_step_sums[layer] += total
+        self.request_costs.extend(other.request_costs)
 
     def copy(self) -> WindowStats:
-        return WindowStats(**{**self.__dict__, "expert_step_sums": list(self.expert_step_sums)})
+        return WindowStats(**{**self.__dict__, "expert_step_sums": list(self.expert_step_sums),
+                              "request_costs": list(self.request_costs)})
 
     @property
     def seconds(self) -> float:
@@ -167,14 +172,16 @@ class WindowState(enum.StrEnum):
 
 @dataclass(frozen=True)
 class WindowSpec:
-    """When a trial's window is done. Both minimums must hold; `max_seconds` bounds the wait."""
+    """When a trial's window is done. Every minimum must hold; `max_seconds` bounds the wait.
+    `min_seconds` makes a window last long enough to amortise an expensive policy switch (SGLang)."""
 
     min_tokens: int = 256
     min_steps: int = 32
     max_seconds: float = 60.0
+    min_seconds: float = 0.0
 
     def state(self, stats: WindowStats, elapsed: float) -> WindowState:
-        if stats.committed >= self.min_tokens and stats.steps >= self.min_steps:
+        if stats.committed >= self.min_tokens and stats.steps >= self.min_steps and elapsed >= self.min_seconds:
             return WindowState.COMPLETE
         if elapsed >= self.max_seconds:
             return WindowState.STARVED

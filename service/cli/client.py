@@ -1,4 +1,4 @@
-"""`moespec client`: talk to a running server — generate, policy get|set, info, health.
+"""`moespec client`: talk to a running server — generate, policy get|set|split, info, health.
 
 Exit codes: 0 ok, 1 the server answered with an error (printed as `CODE: details`) or is not
 serving, 2 bad arguments. The admin token comes from --admin-token or MOESPEC_ADMIN_TOKEN.
@@ -16,6 +16,7 @@ import grpc
 
 from service.cli import UsageError
 from service.server.client import MoespecClient, Reply
+from service.traffic import TrafficArm, TrafficSplit
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
 ADMIN_TOKEN_ENV = "MOESPEC_ADMIN_TOKEN"
@@ -40,10 +41,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--stream", action="store_true", help="print tokens as the server commits them")
 
     pol = sub.add_parser("policy", help="get or set the draft policy", description="get or set the draft policy")
-    pol_sub = pol.add_subparsers(dest="policy_action", metavar="get|set", required=True)
-    for name in ("get", "set"):
-        p = pol_sub.add_parser(name, parents=[common], help=f"{name} the current draft policy")
+    pol_sub = pol.add_subparsers(dest="policy_action", metavar="get|set|split", required=True)
+    helps = {"get": "get the current draft policy (--split: the whole traffic split)",
+             "set": "set one draft policy for all traffic",
+             "split": "serve several policies at once: each request is assigned one --arm by weight"}
+    for name in ("get", "set", "split"):
+        p = pol_sub.add_parser(name, parents=[common], help=helps[name], description=helps[name])
         p.add_argument("--admin-token", default=None, help=f"bearer token (default: ${ADMIN_TOKEN_ENV})")
+        if name == "get":
+            p.add_argument("--split", action="store_true", help="print every arm with its weight and the seed")
+        if name == "split":
+            p.add_argument("--arm", action="append", required=True, metavar="WEIGHT:DRAFTER:LENGTH[:TEMP[:ID]]",
+                           help="one arm, e.g. 0.9:model:0 (plain) or 0.1:ngram:4::trial-7 (repeatable)")
+            p.add_argument("--seed", type=int, default=None, help="seed of the per-request draws (default: random)")
         if name == "set":
             p.add_argument("--drafter", choices=[d.value for d in Drafter], default=Drafter.MODEL.value)
             p.add_argument("--draft-length", type=int, required=True, help="0 = no speculation")
@@ -99,7 +109,29 @@ def _generate(client: MoespecClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_arm(spec: str) -> TrafficArm:
+    """WEIGHT:DRAFTER:LENGTH[:TEMPERATURE[:POLICY_ID]] -> TrafficArm (UsageError when malformed)."""
+    parts = spec.split(":", 4)
+    if len(parts) < 3:
+        raise UsageError(f"--arm {spec!r}: expected WEIGHT:DRAFTER:LENGTH[:TEMPERATURE[:POLICY_ID]]")
+    weight, drafter, length = parts[:3]
+    temperature = parts[3] if len(parts) > 3 and parts[3] else str(DraftPolicy().draft_temperature)
+    policy_id = parts[4] if len(parts) > 4 else ""
+    try:
+        return TrafficArm(DraftPolicy(Drafter(drafter), int(length), float(temperature), policy_id), float(weight))
+    except ValueError:
+        raise UsageError(f"--arm {spec!r}: weight and temperature must be numbers, length an integer, drafter "
+                         f"one of {', '.join(d.value for d in Drafter)}") from None
+
+
 def _policy(client: MoespecClient, args: argparse.Namespace) -> int:
+    if args.policy_action == "split":
+        split = TrafficSplit(tuple(parse_arm(a) for a in args.arm), args.seed)
+        print(_dump(asdict(client.set_split(split, timeout=args.timeout))))
+        return 0
+    if args.policy_action == "get" and args.split:
+        print(_dump(asdict(client.get_split(timeout=args.timeout))))
+        return 0
     if args.policy_action == "get":
         policy = client.get_policy(timeout=args.timeout)
     else:

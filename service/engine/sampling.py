@@ -26,11 +26,13 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = scaled.softmax(-1)
     if params.top_p < 1.0:
-        sorted_p, order = probs.sort(-1, descending=True)
-        # Drop a token when the mass strictly before it already reaches top_p; the top token stays.
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        # Keep the smallest set of likeliest tokens whose mass reaches top_p (the top token always
+        # stays) and every token tied with its least likely member: equal probabilities are treated
+        # alike, as top-k treats ties, so the result never depends on the order of the vocabulary.
+        sorted_p = probs.sort(-1, descending=True).values  # [n, V]
+        kept_sorted = (sorted_p.cumsum(-1) - sorted_p) < params.top_p  # mass strictly before < top_p
+        cutoff = sorted_p.masked_fill(~kept_sorted, float("inf")).amin(-1, keepdim=True)  # [n, 1]
+        probs = probs.masked_fill(probs < cutoff, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 

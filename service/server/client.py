@@ -5,6 +5,7 @@
     reply = client.generate(GenerationRequest(prompt="def f(", max_new_tokens=32))
     for chunk in client.stream(request): ...   # chunk.text; chunk.reply on the last one
     client.set_policy(DraftPolicy(Drafter.NGRAM, 4, policy_id="trial-7"))
+    client.set_split(TrafficSplit((TrafficArm(plain, 0.9), TrafficArm(candidate, 0.1))))
 
 Dataclasses in and out (service.types); RPC failures surface as grpc.RpcError. Thread-safe: one
 channel may serve many threads. `tls_ca` is PEM bytes (or a path) of the CA that signed the
@@ -24,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
 from service.server import convert
+from service.traffic import TrafficSplit
 from service.types import DraftPolicy, FinishReason, GenerationRequest, ModelInfo, SpecStats
 
 # Generous client-side limit: the server enforces its own, which is what a caller hits.
@@ -105,6 +107,15 @@ class MoespecClient:
         """Returns the policy as the server stored it (policy_id derived when left empty)."""
         msg = pb.SetPolicyRequest(policy=convert.policy_to_pb(policy))
         return convert.policy_from_pb(self._policy.SetPolicy(msg, metadata=self._admin, timeout=timeout))
+
+    def get_split(self, timeout: float | None = None) -> TrafficSplit:
+        msg = self._policy.GetTrafficSplit(pb.GetTrafficSplitRequest(), metadata=self._admin, timeout=timeout)
+        return convert.split_from_pb(msg)
+
+    def set_split(self, split: TrafficSplit, timeout: float | None = None) -> TrafficSplit:
+        """Returns the split as stored (policy ids derived, the seed filled in when left unset)."""
+        msg = pb.SetTrafficSplitRequest(split=convert.split_to_pb(split))
+        return convert.split_from_pb(self._policy.SetTrafficSplit(msg, metadata=self._admin, timeout=timeout))
 
     # -- health ---------------------------------------------------------------------------------
     def health(self, service: str = "", timeout: float | None = 5.0) -> str:

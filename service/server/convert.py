@@ -9,6 +9,7 @@ drafter enum number).
 from __future__ import annotations
 
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
+from service.traffic import TrafficArm, TrafficSplit
 from service.types import (
     MAX_DRAFT_TEMPERATURE,
     Drafter,
@@ -83,9 +84,9 @@ def request_to_pb(request: GenerationRequest) -> pb.GenerateRequest:
 # -- policy -----------------------------------------------------------------------------------
 
 
-def policy_from_pb(msg: pb.DraftPolicy) -> DraftPolicy:
+def policy_from_pb(msg: pb.DraftPolicy, field_prefix: str = "policy") -> DraftPolicy:
     return DraftPolicy(
-        drafter=drafter_from_pb(msg.drafter),
+        drafter=drafter_from_pb(msg.drafter, f"{field_prefix}.drafter"),
         draft_length=msg.draft_length,
         draft_temperature=(
             msg.draft_temperature if msg.HasField("draft_temperature") else DraftPolicy().draft_temperature
@@ -101,6 +102,22 @@ def policy_to_pb(policy: DraftPolicy) -> pb.DraftPolicy:
         draft_temperature=policy.draft_temperature,
         policy_id=policy.policy_id,
     )
+
+
+def split_from_pb(msg: pb.TrafficSplit) -> TrafficSplit:
+    arms = []
+    for i, arm in enumerate(msg.arms):
+        if not arm.HasField("policy"):
+            raise InvalidRequest(f"split.arms[{i}].policy", "is missing")
+        arms.append(TrafficArm(policy_from_pb(arm.policy, f"split.arms[{i}].policy"), arm.weight))
+    return TrafficSplit(tuple(arms), msg.seed if msg.HasField("seed") else None)
+
+
+def split_to_pb(split: TrafficSplit) -> pb.TrafficSplit:
+    msg = pb.TrafficSplit(arms=[pb.TrafficArm(policy=policy_to_pb(a.policy), weight=a.weight) for a in split.arms])
+    if split.seed is not None:
+        msg.seed = split.seed
+    return msg
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -203,6 +220,7 @@ def info_to_pb(info: ModelInfo) -> pb.ModelInfo:
         max_draft_temperature=MAX_DRAFT_TEMPERATURE,
         policy_switch_seconds=info.policy_switch_seconds,
         policy_switches=info.policy_switches,
+        concurrent_policies=info.concurrent_policies,
     )
 
 
@@ -224,4 +242,5 @@ def info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
         decode_step_seconds=msg.decode_step_seconds,
         policy_switch_seconds=msg.policy_switch_seconds,
         policy_switches=msg.policy_switches,
+        concurrent_policies=msg.concurrent_policies,
     )

@@ -1,9 +1,10 @@
 """The moespec.v1 servicers: protobuf in, dataclasses to the engine runner, protobuf out.
 
 Contract:
-- Every generation runs under the draft policy current when it starts (read once, reported in
-  spec.policy_id) and inside `telemetry.request(...)`, opened in the RPC's own context, ended by
-  exactly one of `finish(result)` (also for a partial, cancelled generation) or `fail(error, ...)`.
+- Every generation runs under the arm of the traffic split assigned when it starts (drawn once,
+  reported in spec.policy_id and its spans; see service.traffic) and inside `telemetry.request(...)`,
+  opened in the RPC's own context, ended by exactly one of `finish(result)` (also for a partial,
+  cancelled generation) or `fail(error, ...)`.
 - Errors map to status codes here and only here: InvalidRequest -> INVALID_ARGUMENT (message starts
   with the field; the field is also the trailing metadata "moespec-invalid-field"), Overloaded ->
   RESOURCE_EXHAUSTED, a deadline that stopped the engine -> DEADLINE_EXCEEDED, anything else from
@@ -19,6 +20,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -31,6 +33,7 @@ from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
 from service.server import convert
 from service.server.runner import EngineRunner, GenerationCancelled, Overloaded
+from service.traffic import ArmAssigner, TrafficSplit
 from service.types import (
     DraftPolicy,
     FinishReason,
@@ -47,18 +50,37 @@ INVALID_FIELD_KEY = "moespec-invalid-field"
 
 
 class PolicyStore:
-    """The current draft policy. Read and replaced on the event loop only, so no lock is needed."""
+    """The traffic split in force and its seeded arm assignment. Read and replaced on the event loop
+    only, so no lock is needed; `assign` is called once per request, in the order requests start."""
 
-    def __init__(self, info: ModelInfo, initial: DraftPolicy):
+    def __init__(self, info: ModelInfo, initial: DraftPolicy, seed_source: Callable[[], int] | None = None):
         self._info = info
-        self._current = self.check(initial)
+        self._seed_source = seed_source or (lambda: secrets.randbits(63))
+        self._assigner = ArmAssigner(self._seeded(TrafficSplit.single(self.check(initial))))
 
     def current(self) -> DraftPolicy:
-        return self._current
+        """The first arm's policy (the only one unless a split is set)."""
+        return self._assigner.split.primary
+
+    def split(self) -> TrafficSplit:
+        return self._assigner.split
+
+    def assign(self) -> DraftPolicy:
+        """The policy the request starting now runs under."""
+        return self._assigner.next_policy()
 
     def set(self, policy: DraftPolicy) -> DraftPolicy:
-        self._current = self.check(policy)
-        return self._current
+        """One arm with all the traffic."""
+        self._assigner = ArmAssigner(self._seeded(TrafficSplit.single(self.check(policy))))
+        return self.current()
+
+    def set_split(self, split: TrafficSplit) -> TrafficSplit:
+        checked = split.validate(self.check, self._info.concurrent_policies)
+        self._assigner = ArmAssigner(self._seeded(checked))
+        return self._assigner.split
+
+    def _seeded(self, split: TrafficSplit) -> TrafficSplit:
+        return split if split.seed is not None else replace(split, seed=self._seed_source())
 
     def check(self, policy: DraftPolicy) -> DraftPolicy:
         """Validate against this backend's bounds; an empty policy_id is derived from the fields."""
@@ -147,7 +169,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         on_delta: Callable[[StreamDelta], None] | None,
     ) -> tuple[GenerationResult, str]:
         request = convert.request_from_pb(request_pb)
-        policy = self._policies.current()
+        policy = self._policies.assign()
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         with self._observe(request, policy) as obs:
@@ -194,13 +216,7 @@ class PolicyAdminServicer(pb_grpc.PolicyAdminServicer):
         return convert.policy_to_pb(self._policies.current())
 
     async def SetPolicy(self, request: pb.SetPolicyRequest, context: grpc.aio.ServicerContext) -> pb.DraftPolicy:
-        if self._token is None:
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                "SetPolicy is disabled: the server has no admin token (start it with --admin-token "
-                "or MOESPEC_ADMIN_TOKEN)",
-            )
-        await self._authenticate(context)
+        await self._require_token(context)
         try:
             if not request.HasField("policy"):
                 raise InvalidRequest("policy", "is missing")
@@ -209,6 +225,35 @@ class PolicyAdminServicer(pb_grpc.PolicyAdminServicer):
             await _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field).abort(context)
         log.info("draft policy set: %s", stored)
         return convert.policy_to_pb(stored)
+
+    async def GetTrafficSplit(
+        self, request: pb.GetTrafficSplitRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TrafficSplit:
+        if self._token is not None:
+            await self._authenticate(context)
+        return convert.split_to_pb(self._policies.split())
+
+    async def SetTrafficSplit(
+        self, request: pb.SetTrafficSplitRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TrafficSplit:
+        await self._require_token(context)
+        try:
+            if not request.HasField("split"):
+                raise InvalidRequest("split", "is missing")
+            stored = self._policies.set_split(convert.split_from_pb(request.split))
+        except InvalidRequest as e:
+            await _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field).abort(context)
+        log.info("traffic split set: %s", ", ".join(f"{a.policy.policy_id} x{a.weight:g}" for a in stored.arms))
+        return convert.split_to_pb(stored)
+
+    async def _require_token(self, context: grpc.aio.ServicerContext) -> None:
+        if self._token is None:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "SetPolicy and SetTrafficSplit are disabled: the server has no admin token (start it with "
+                "--admin-token or MOESPEC_ADMIN_TOKEN)",
+            )
+        await self._authenticate(context)
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
         presented = _bearer_token(context.invocation_metadata() or ())

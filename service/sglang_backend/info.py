@@ -25,4 +25,5 @@ def build_info(target: MoeGeometry, draft_name: str, spec: SpecConfig, max_conte
         tunable=tunable_knobs(spec),
         expert_bytes=target.expert_bytes,
         decode_step_seconds=decode_step_seconds,
+        concurrent_policies=False,  # speculation is fixed at engine start-up: one policy at a time
     )

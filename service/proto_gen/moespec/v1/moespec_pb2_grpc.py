@@ -193,6 +193,9 @@ class Inference:
 
 class PolicyAdminStub:
     """The draft policy applied to requests that start after it is set. Needs the admin token.
+    The server holds a traffic split: one or more arms {policy, weight}; each request is assigned
+    one arm when it starts (seeded draws, so an assignment sequence can be reproduced) and reports
+    it in spec.policy_id. SetPolicy is a split of one arm with all the traffic.
     """
 
     def __init__(self, channel):
@@ -211,14 +214,28 @@ class PolicyAdminStub:
                 request_serializer=moespec_dot_v1_dot_moespec__pb2.SetPolicyRequest.SerializeToString,
                 response_deserializer=moespec_dot_v1_dot_moespec__pb2.DraftPolicy.FromString,
                 _registered_method=True)
+        self.SetTrafficSplit = channel.unary_unary(
+                '/moespec.v1.PolicyAdmin/SetTrafficSplit',
+                request_serializer=moespec_dot_v1_dot_moespec__pb2.SetTrafficSplitRequest.SerializeToString,
+                response_deserializer=moespec_dot_v1_dot_moespec__pb2.TrafficSplit.FromString,
+                _registered_method=True)
+        self.GetTrafficSplit = channel.unary_unary(
+                '/moespec.v1.PolicyAdmin/GetTrafficSplit',
+                request_serializer=moespec_dot_v1_dot_moespec__pb2.GetTrafficSplitRequest.SerializeToString,
+                response_deserializer=moespec_dot_v1_dot_moespec__pb2.TrafficSplit.FromString,
+                _registered_method=True)
 
 
 class PolicyAdminServicer:
     """The draft policy applied to requests that start after it is set. Needs the admin token.
+    The server holds a traffic split: one or more arms {policy, weight}; each request is assigned
+    one arm when it starts (seeded draws, so an assignment sequence can be reproduced) and reports
+    it in spec.policy_id. SetPolicy is a split of one arm with all the traffic.
     """
 
     def GetPolicy(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The first arm's policy (the whole policy when the split has one arm).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -226,6 +243,20 @@ class PolicyAdminServicer:
     def SetPolicy(self, request, context):
         """Returns the policy as stored (policy_id filled in when it was left empty).
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetTrafficSplit(self, request, context):
+        """Bad splits answer INVALID_ARGUMENT naming the field ("split.arms[1].weight: ..."); a backend
+        with ModelInfo.concurrent_policies false accepts one arm only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTrafficSplit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -243,6 +274,16 @@ def add_PolicyAdminServicer_to_server(servicer, server):
                     request_deserializer=moespec_dot_v1_dot_moespec__pb2.SetPolicyRequest.FromString,
                     response_serializer=moespec_dot_v1_dot_moespec__pb2.DraftPolicy.SerializeToString,
             ),
+            'SetTrafficSplit': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetTrafficSplit,
+                    request_deserializer=moespec_dot_v1_dot_moespec__pb2.SetTrafficSplitRequest.FromString,
+                    response_serializer=moespec_dot_v1_dot_moespec__pb2.TrafficSplit.SerializeToString,
+            ),
+            'GetTrafficSplit': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTrafficSplit,
+                    request_deserializer=moespec_dot_v1_dot_moespec__pb2.GetTrafficSplitRequest.FromString,
+                    response_serializer=moespec_dot_v1_dot_moespec__pb2.TrafficSplit.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'moespec.v1.PolicyAdmin', rpc_method_handlers)
@@ -253,6 +294,9 @@ def add_PolicyAdminServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class PolicyAdmin:
     """The draft policy applied to requests that start after it is set. Needs the admin token.
+    The server holds a traffic split: one or more arms {policy, weight}; each request is assigned
+    one arm when it starts (seeded draws, so an assignment sequence can be reproduced) and reports
+    it in spec.policy_id. SetPolicy is a split of one arm with all the traffic.
     """
 
     @staticmethod
@@ -299,6 +343,60 @@ class PolicyAdmin:
             '/moespec.v1.PolicyAdmin/SetPolicy',
             moespec_dot_v1_dot_moespec__pb2.SetPolicyRequest.SerializeToString,
             moespec_dot_v1_dot_moespec__pb2.DraftPolicy.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetTrafficSplit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moespec.v1.PolicyAdmin/SetTrafficSplit',
+            moespec_dot_v1_dot_moespec__pb2.SetTrafficSplitRequest.SerializeToString,
+            moespec_dot_v1_dot_moespec__pb2.TrafficSplit.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTrafficSplit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moespec.v1.PolicyAdmin/GetTrafficSplit',
+            moespec_dot_v1_dot_moespec__pb2.GetTrafficSplitRequest.SerializeToString,
+            moespec_dot_v1_dot_moespec__pb2.TrafficSplit.FromString,
             options,
             channel_credentials,
             insecure,

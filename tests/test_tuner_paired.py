@@ -1,0 +1,155 @@
+"""Paired trials: a machine that slows down slows both arms and leaves the paired objective alone,
+while a sequential objective follows the machine; the ratio's interval covers the truth; a backend
+that runs one policy at a time gets control/candidate/control windows sized by its switch cost."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from tests.test_tuner_loop import build, cost
+from tests.tuner_fixtures import FakeServer, SyntheticTraffic, model_info
+from tuner import study as st
+from tuner.measure import TrialMode
+from tuner.paired import PairedRatio, relative_variance
+from tuner.pruning import PruneRule
+from tuner.space import policy_key
+from tuner.tuning import EventKind
+from tuner.window import RequestSample, WindowSpec, WindowStats
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+SLOWDOWN = 2.5
+
+
+def run_with_slowdown_after_first_trial(tmp_path, mode: TrialMode, server: FakeServer | None = None, **kw):
+    """Trial 0 (plain, alone: the scale) runs on a fast machine; from then on everything is 2.5x slower."""
+    server = server or FakeServer()
+    tmp_path.mkdir()
+    speed = {"factor": 1.0}
+
+    def on_event(e):
+        if e.kind is EventKind.TRIAL_FINISHED and e.trial == 0:
+            speed["factor"] = SLOWDOWN
+
+    built, collector, _ = build(tmp_path, server, on_event, trials=3, remeasure_top=0, trial_mode=mode,
+                                window=WindowSpec(min_tokens=160, min_steps=8, max_seconds=5), **kw)
+    with SyntheticTraffic(server, collector.on_spans, cost, speed=lambda: speed["factor"]):
+        built.tuner.run()
+    values = {}  # a pruned trial's value is its last intermediate one
+    for t in built.study.trials:
+        value = t.value if t.state is TrialState.COMPLETE else max(t.intermediate_values.items())[1]
+        values[policy_key(built.space.policy_from_params(t.params, "")).label()] = value
+    return built, values
+
+
+@pytest.mark.parametrize("mode", [TrialMode.PAIRED, TrialMode.INTERLEAVED])
+def test_paired_objective_ignores_a_slowdown_that_hits_both_arms_and_a_sequential_one_does_not(tmp_path, mode):
+    server = FakeServer(model_info(concurrent_policies=mode is TrialMode.PAIRED))
+    built, paired = run_with_slowdown_after_first_trial(tmp_path / "p", mode, server)
+    _, sequential = run_with_slowdown_after_first_trial(tmp_path / "s", TrialMode.SEQUENTIAL)
+    assert paired["plain"] == pytest.approx(1.0) and sequential["plain"] == pytest.approx(1.0)
+    # n-gram k=3 truly costs 0.65 of plain: the paired value says so although the machine slowed down...
+    assert paired["ngram k=3"] == pytest.approx(0.65, rel=0.02)
+    assert st.incumbent(built.study, built.space).key.label() == "ngram k=3"
+    # ...while the sequential value took the slowdown for the policy (0.65 x 2.5 > 1.5 x plain: it
+    # was even pruned as "far worse") and kept plain.
+    assert sequential["ngram k=3"] == pytest.approx(0.65 * SLOWDOWN, rel=0.02)
+    ngram = next(t for t in built.study.trials if t.params.get("drafter") == "ngram")
+    assert ngram.user_attrs["trial_mode"] == mode.value
+    assert ngram.user_attrs["paired_ratio"] == pytest.approx(0.65, rel=0.02)
+    assert ngram.user_attrs["control_policy"] == "plain"
+
+
+def test_paired_candidate_gets_its_share_and_a_bad_one_is_pruned_against_the_control(tmp_path):
+    server = FakeServer()
+    built, collector, _ = build(tmp_path, server, trials=2, remeasure_top=0, candidate_share=0.2,
+                                window=WindowSpec(min_tokens=400, min_steps=8, max_seconds=5))
+    with SyntheticTraffic(server, collector.on_spans, cost):
+        built.tuner.run()
+    plain, default = built.study.trials[:2]
+    assert default.state is TrialState.PRUNED and default.intermediate_values  # model k=3 T=1 costs 3x
+    assert default.user_attrs["committed_tokens"] < 400
+    split = server.splits[-1]
+    assert [policy_key(a.policy).label() for a in split.arms] == ["plain", "model k=3 T=1.00"]
+    assert split.shares == pytest.approx((0.8, 0.2))
+    assert server.history[-1].policy_id == "s/0"  # the incumbent alone again, at once
+
+
+def sample(seconds: float, tokens: int = 16) -> RequestSample:
+    return RequestSample("x", 8, 8, 8, tokens, (), 0.0, seconds, tokens)
+
+
+def window_of(rng: random.Random, per_token: float, requests: int, spread: float) -> WindowStats:
+    w = WindowStats("x")
+    for _ in range(requests):
+        tokens = rng.randint(8, 48)
+        w.add(sample(per_token * tokens * math.exp(rng.gauss(0.0, spread)), tokens))
+    return w
+
+
+def coverage(interval, runs: int = 400) -> float:
+    rng = random.Random(7)
+    truth = 0.8  # both arms carry the same log-normal noise, so their expected costs differ by 0.8
+    hits = 0
+    for _ in range(runs):
+        cand, ctrl = window_of(rng, 0.8, 30, 0.3), window_of(rng, 1.0, 60, 0.3)
+        low, high = interval(cand, ctrl)
+        hits += low <= truth <= high
+    return hits / runs
+
+
+def test_ratio_interval_covers_the_true_ratio_about_95_percent_and_a_control_blind_one_does_not():
+    def ours(cand, ctrl):
+        r = PairedRatio.of(cand, ctrl)
+        return r.low, r.high
+
+    def control_blind(cand, ctrl):  # negative control: forgets the control arm's own noise
+        r = cand.seconds_per_token / ctrl.seconds_per_token
+        sd = math.sqrt(relative_variance(cand.request_costs))
+        return r * math.exp(-1.96 * sd), r * math.exp(1.96 * sd)
+
+    assert 0.91 <= coverage(ours) <= 0.99
+    assert coverage(control_blind) < 0.88
+
+
+def test_ratio_without_enough_requests_has_an_unbounded_interval():
+    one = WindowStats("x")
+    one.add(sample(0.1))
+    r = PairedRatio.of(one, one)
+    assert r.ratio == pytest.approx(1.0) and r.high == math.inf and not r.better
+
+
+def test_one_policy_at_a_time_backend_gets_shared_control_windows_that_amortise_its_switch_cost(tmp_path):
+    info = model_info(concurrent_policies=False, policy_switch_seconds=0.05)
+    server = FakeServer(info)
+    built, collector, _ = build(tmp_path, server, trials=3, remeasure_top=0, prune=PruneRule(factor=0),
+                                window=WindowSpec(min_tokens=32, min_steps=4, max_seconds=5))
+    assert built.mode is TrialMode.INTERLEAVED
+    with SyntheticTraffic(server, collector.on_spans, cost):
+        built.tuner.run()
+    assert not server.splits  # never asked for two arms at once
+    complete = [t for t in built.study.trials if t.state is TrialState.COMPLETE]
+    assert len(complete) >= 2 and all(t.user_attrs["window_seconds"] >= 10 * 0.05 for t in complete)
+    # plain alone; then control, model k=3, control; n-gram k=3 reuses that trailing control window
+    # (plain is still the incumbent: the model drafter lost), so no switch and no window before it.
+    ids = [p.policy_id for p in server.history]
+    assert ids[:8] == ["s/0", "s/0", "s/1/control-before", "s/1", "s/1/control-after", "s/0", "s/2",
+                       "s/2/control-after"]
+    assert set(ids[8:]) == {"s/2"}  # n-gram won: applied as the incumbent, then as the winner
+
+
+def test_trial_mode_follows_model_info_and_the_objective(tmp_path):
+    from tuner.assemble import TuneSettings, trial_mode
+    from tuner.window import Objective
+
+    concurrent, single = model_info(concurrent_policies=True), model_info(concurrent_policies=False)
+    base = TuneSettings(study_name="s", trials=1, tuner_id="t")
+    assert trial_mode(base, concurrent) is TrialMode.PAIRED
+    assert trial_mode(base, single) is TrialMode.INTERLEAVED
+    assert trial_mode(TuneSettings("s", 1, "t", objective=Objective.MODELLED), concurrent) is TrialMode.SEQUENTIAL
+    assert trial_mode(TuneSettings("s", 1, "t", trial_mode=TrialMode.PAIRED), single) is TrialMode.INTERLEAVED

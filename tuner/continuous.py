@@ -1,0 +1,293 @@
+"""`moespec tune --continuous`: the tuner as a background job that never stops on its own.
+
+Contract:
+- Start: the epoch's search runs (or resumes) exactly like `moespec tune`; its winner becomes the
+  incumbent unless a saved incumbent of the same epoch exists (a restart keeps what was decided).
+- Then, forever, rounds: one challenger beside the incumbent at `exploration_share` of the traffic
+  (a paired trial of role "challenge"), chosen in rotation: plain decoding (the shift probe), the
+  runners-up, a fresh TPE proposal. A challenger whose whole confidence interval of cost relative to
+  the incumbent lies below 1 - `min_gain` is promoted. Between rounds the incumbent serves alone for
+  an idle time that doubles while nothing changes (cheap when the workload is steady) and resets
+  after any decision. On a backend that runs one policy at a time the challenger's window had all
+  the traffic, so the idle time is also at least window x (1 - share) / share.
+- Workload shift (`ShiftDetector`): the incumbent's cost relative to plain decoding (pooled over the
+  plain probes since it was chosen) moves by more than `plain_shift` with the old value outside the
+  new interval, or the incumbent's acceptance rate moves by more than `acceptance_shift`, in
+  `confirmations` consecutive windows. Then the search
+  re-opens: a fresh study `<study>~<epoch>` (TPE starts without the old workload's history) with
+  `reopen_trials` trials, and its winner becomes the incumbent.
+- State: every decision is appended to the root study's user attribute "decisions" (the last
+  `max_decisions`), the current state is its attribute "continuous" (epoch, incumbent, baselines),
+  logged through `on_decision`, and published as the `moespec.tuner.incumbent` gauge. SIGTERM takes
+  the Ctrl-C path: the running challenge is told FAIL and the saved incumbent re-applied by the CLI.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import optuna
+from optuna.trial import TrialState
+
+from service.types import DraftPolicy
+from tuner import study as st
+from tuner.assemble import Assembled
+from tuner.metrics import TunerMetrics
+from tuner.space import SearchSpace, policy_key
+from tuner.tuning import Challenge
+
+
+@dataclass(frozen=True)
+class ContinuousConfig:
+    exploration_share: float = 0.1  # of the requests, for the challenger
+    min_gain: float = 0.02  # a challenger must be cheaper by at least this much, with confidence
+    reopen_trials: int = 12  # search trials when the search re-opens on a workload shift
+    plain_shift: float = 0.25  # relative move of the incumbent's cost relative to plain decoding
+    acceptance_shift: float = 0.15  # absolute move of the incumbent's acceptance rate
+    confirmations: int = 2  # consecutive acceptance observations that must agree
+    probe_plain_every: int = 3  # every Nth challenge is plain decoding (when the incumbent speculates)
+    min_drafted_for_acceptance: int = 64  # drafted tokens a window needs before its acceptance counts
+    idle_seconds: float = 5.0  # incumbent alone between rounds; doubles while nothing changes
+    max_idle_seconds: float = 300.0
+    runners_up: int = 3
+    max_decisions: int = 200
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: str  # initial | kept | promote | reopen
+    policy: str  # label of the incumbent after the decision
+    policy_id: str
+    value: float
+    epoch: int
+    reason: str
+    at: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"kind": self.kind, "policy": self.policy, "policy_id": self.policy_id, "value": self.value,
+                "epoch": self.epoch, "reason": self.reason, "at": round(self.at, 3)}
+
+
+@dataclass
+class ShiftDetector:
+    """Decides from challenge windows whether the workload changed under the incumbent.
+
+    The plain-decoding baseline comes from the plain probes themselves (paired, same window), never
+    from the search's values: the search's winner is the policy whose measurement was luckiest, so
+    its value is biased low and a baseline built on it flags a shift that is only regression to the
+    mean (the first benchmark run did exactly that). Probes that signal nothing are pooled into the
+    baseline (geometric mean); a shift needs `confirmations` signalling probes in a row, or one in
+    which plain decoding beats the incumbent with confidence."""
+
+    config: ContinuousConfig
+    plain_ratio: float | None = None  # cost(plain) / cost(incumbent), pooled over this incumbent's probes
+    acceptance: float | None = None  # the incumbent's acceptance rate when it was chosen
+    plain_probes: int = 0
+    _plain_strikes: int = 0
+    _acceptance_strikes: int = 0
+
+    def observe_plain_probe(self, ratio: float, low: float, high: float) -> str | None:
+        """`ratio` = cost(plain) / cost(incumbent) from a paired window, with its interval."""
+        if not math.isfinite(ratio) or ratio <= 0:
+            return None
+        if self.plain_ratio is None:
+            self.plain_ratio, self.plain_probes = ratio, 1
+            return None
+        moved = abs(math.log(ratio / self.plain_ratio)) > math.log1p(self.config.plain_shift)
+        if moved and not low <= self.plain_ratio <= high:
+            self._plain_strikes += 1
+            # Plain decoding beating the incumbent with confidence needs no second look.
+            if self._plain_strikes >= self.config.confirmations or high < 1.0:
+                return (f"plain decoding now costs {ratio:.2f}x the incumbent (interval {low:.2f}-{high:.2f}), "
+                        f"was {self.plain_ratio:.2f}x over {self.plain_probes} probes; {self._plain_strikes} "
+                        f"probes in a row")
+            return None
+        self._plain_strikes = 0
+        n = self.plain_probes
+        self.plain_ratio = math.exp((n * math.log(self.plain_ratio) + math.log(ratio)) / (n + 1))
+        self.plain_probes = n + 1
+        return None
+
+    def observe_acceptance(self, acceptance: float, drafted: int) -> str | None:
+        if drafted < self.config.min_drafted_for_acceptance:
+            return None
+        if self.acceptance is None:
+            self.acceptance = acceptance
+            return None
+        if abs(acceptance - self.acceptance) > self.config.acceptance_shift:
+            self._acceptance_strikes += 1
+        else:
+            self._acceptance_strikes = 0
+        if self._acceptance_strikes >= self.config.confirmations:
+            return (f"the incumbent's acceptance rate moved from {self.acceptance:.2f} to {acceptance:.2f} "
+                    f"in {self._acceptance_strikes} windows in a row")
+        return None
+
+
+def idle_floor(c: Challenge | None, share: float) -> float:
+    """Where the challenger had all the traffic for its window (a backend that runs one policy at a
+    time: interleaved windows), the incumbent then serves alone long enough that the challenger got
+    at most `share` of the time. Nothing to add after a split window: the split already bounds it."""
+    if c is None or (c.paired is not None and c.paired.share == share):
+        return 0.0
+    return c.measurement.seconds * (1.0 - share) / share
+
+
+def epoch_study_name(root: str, epoch: int) -> str:
+    return root if epoch == 0 else f"{root}~{epoch}"
+
+
+class ContinuousTuner:
+    def __init__(
+        self,
+        root: optuna.Study,
+        make: Callable[[str, int], Assembled],
+        config: ContinuousConfig,
+        initial_trials: int,
+        metrics: TunerMetrics | None = None,
+        on_decision: Callable[[Decision], None] = lambda d: None,
+    ):
+        self._root = root
+        self._make = make
+        self._config = config
+        self._initial_trials = initial_trials
+        self._metrics = metrics
+        self._on_decision = on_decision
+        self.built: Assembled | None = None
+        self.incumbent: st.PolicyScore | None = None
+        self.epoch = int(root.user_attrs.get("continuous", {}).get("epoch", 0))
+        self.detector = ShiftDetector(config)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        self._open_epoch(self.epoch, resumed=True)
+        rounds = 0
+        idle = self._config.idle_seconds
+        while not stop.is_set():
+            challenger = self._next_challenger(rounds)
+            rounds += 1
+            # The plain probe is never pruned: plain far worse than the incumbent is the normal case,
+            # and its ratio is what the shift detector needs (its cost is bounded by the share).
+            probe = challenger is not None and challenger.get("draft_length") == 0
+            result = self.built.tuner.challenge(challenger, self.incumbent, self._config.exploration_share,
+                                                prune=not probe)
+            decided = self._judge(result) if result is not None else False
+            self.restore()
+            idle = self._config.idle_seconds if decided else min(self._config.max_idle_seconds, idle * 2)
+            stop.wait(max(idle, idle_floor(result, self._config.exploration_share)))
+
+    def restore(self) -> None:
+        """Put the incumbent back as the only policy (after a challenge, an interruption, at start)."""
+        if self.incumbent is not None and self.built is not None:
+            self.built.tuner.apply(self.incumbent.policy)
+
+    def _judge(self, c: Challenge) -> bool:
+        """Promote, re-open or keep; True when something was decided (the idle time resets)."""
+        if c.state is not TrialState.COMPLETE or c.paired is None:
+            self._decide("kept", f"challenger {policy_key(c.policy).label()} {c.state.name.lower()}")
+            return False
+        ratio = c.paired.ratio
+        shift = None
+        if c.policy.draft_length == 0 and self.incumbent.policy.draft_length > 0:
+            shift = self.detector.observe_plain_probe(ratio.ratio, ratio.low, ratio.high)
+        if shift is None and self.incumbent.policy.draft_length > 0:
+            shift = self.detector.observe_acceptance(c.paired.control.acceptance_rate, c.paired.control.drafted)
+        if shift is not None:
+            self._reopen(shift)
+            return True
+        if ratio.high < 1.0 - self._config.min_gain:
+            self._promote(c, f"cost {ratio.ratio:.3f}x the incumbent's (95% interval {ratio.low:.3f}-"
+                             f"{ratio.high:.3f}) over {ratio.candidate_requests} + {ratio.control_requests} requests")
+            return True
+        self._decide("kept", f"challenger {policy_key(c.policy).label()} at {ratio.ratio:.3f}x "
+                             f"({ratio.low:.3f}-{ratio.high:.3f}): not better with confidence")
+        return False
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def _open_epoch(self, epoch: int, resumed: bool) -> None:
+        self.epoch = epoch
+        name = epoch_study_name(self._root.study_name, epoch)
+        self.built = self._make(name, self._initial_trials if epoch == 0 else self._config.reopen_trials)
+        winner = self.built.tuner.run()
+        saved = self._root.user_attrs.get("continuous", {})
+        kept = saved.get("incumbent") if resumed and saved.get("epoch") == epoch else None
+        self.detector = ShiftDetector(self._config)
+        if kept is not None:
+            self.incumbent = self._score_from_saved(kept)
+            self.detector.plain_ratio = saved.get("plain_ratio")
+            self.detector.plain_probes = int(saved.get("plain_probes", 1 if saved.get("plain_ratio") else 0))
+            self.detector.acceptance = saved.get("acceptance")
+            self._decide("initial", "restarted: the saved incumbent is kept")
+        elif winner is not None:
+            self.incumbent = winner
+            self._baseline_from_study()
+            self._decide("initial", f"epoch {epoch}: the search's winner")
+        else:
+            raise RuntimeError("the search finished without a single complete trial")
+        self.restore()
+
+    def _reopen(self, reason: str) -> None:
+        self._decide("reopen", reason)
+        self._open_epoch(self.epoch + 1, resumed=False)
+
+    def _promote(self, c: Challenge, reason: str) -> None:
+        value = c.measurement.value
+        self.incumbent = st.PolicyScore(policy_key(c.policy), c.policy, value, (value,), (c.trial,))
+        # New incumbent, new baselines: the next probes measure against it.
+        self.detector = ShiftDetector(self._config, acceptance=c.measurement.stats.acceptance_rate
+                                      if c.measurement.stats.drafted >= self._config.min_drafted_for_acceptance
+                                      else None)
+        self._decide("promote", reason)
+
+    def _baseline_from_study(self) -> None:
+        """The acceptance baseline from the winner's own window; the plain baseline is left to the
+        probes (see ShiftDetector)."""
+        trial = self.built.study.get_trials(deepcopy=False)[self.incumbent.trials[0]]
+        if int(trial.user_attrs.get("drafted_tokens", 0)) >= self._config.min_drafted_for_acceptance:
+            self.detector.acceptance = float(trial.user_attrs.get("acceptance_rate", 0.0))
+
+    def _decide(self, kind: str, reason: str) -> None:
+        inc = self.incumbent
+        d = Decision(kind, inc.key.label(), inc.policy.policy_id, inc.mean, self.epoch, reason)
+        decisions = list(self._root.user_attrs.get("decisions", []))[-(self._config.max_decisions - 1):]
+        decisions.append(d.as_dict())
+        self._root.set_user_attr("decisions", decisions)
+        self._root.set_user_attr("continuous", {
+            "epoch": self.epoch,
+            "incumbent": {"params": self.built.space.params_of(inc.policy), "policy_id": inc.policy.policy_id,
+                          "value": inc.mean, "trial": inc.trials[0], "label": inc.key.label()},
+            "plain_ratio": self.detector.plain_ratio,
+            "plain_probes": self.detector.plain_probes,
+            "acceptance": self.detector.acceptance,
+        })
+        if self._metrics is not None:
+            self._metrics.decision(kind)
+            self._metrics.incumbent(inc.policy.policy_id, inc.key.label(), inc.mean, self.epoch)
+        self._on_decision(d)
+
+    def _score_from_saved(self, saved: dict) -> st.PolicyScore:
+        policy = self.built.space.policy_from_params(saved["params"], saved["policy_id"])
+        value = float(saved["value"])
+        return st.PolicyScore(policy_key(policy), policy, value, (value,), (int(saved["trial"]),))
+
+    # -- who challenges ----------------------------------------------------------------------
+
+    def _next_challenger(self, rounds: int) -> dict[str, object] | None:
+        """Params of the next challenger, or None for a fresh TPE proposal."""
+        space: SearchSpace = self.built.space
+        speculating = self.incumbent.policy.draft_length > 0
+        if speculating and rounds % self._config.probe_plain_every == 0:
+            return space.params_of(DraftPolicy(draft_length=0))
+        if rounds % 2 == 1:
+            runners = [s for s in st.scores(self.built.study, space) if s.key != self.incumbent.key]
+            runners = runners[: self._config.runners_up]
+            if runners:
+                pick = runners[(rounds // 2) % len(runners)]
+                return space.params_of(replace(pick.policy))
+        return None
