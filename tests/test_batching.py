@@ -19,8 +19,7 @@ import torch
 from service.engine.model import KVCache, RaggedBatch
 from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
 from service.types import Drafter, DraftPolicy, FinishReason, GenerationRequest, SamplingParams
-from tests.engine_helpers import heldout_prompts, make_engine
-from tests.test_speculative_lossless import _fit_pvalue
+from tests.engine_helpers import fit_pvalue, heldout_prompts, make_engine, patch_engine_sampling
 
 NEAR_TIE = 1e-4
 GREEDY = SamplingParams(temperature=0)
@@ -157,21 +156,21 @@ MIXED = [DraftPolicy(), DraftPolicy(drafter=Drafter.NGRAM, draft_length=3),
 def test_sampled_first_tokens_from_a_mixed_batch_follow_the_target_distribution(engine, spread_prompt):
     prompt, p, sampling = spread_prompt
     tokens = first_tokens(engine, prompt, sampling, MIXED, range(400))
-    assert _fit_pvalue(tokens, p) > 1e-3
+    assert fit_pvalue(tokens, p) > 1e-3
 
 
 def test_a_wrong_acceptance_rule_in_the_batch_path_is_detected(engine, spread_prompt, monkeypatch):
     """Negative control for the test above: accepting every draft makes the output follow q, not p."""
-    import service.engine.scheduler as scheduler
+    from service.engine.sampling import sample
 
     def accept_everything(draft, q, p, generator):
         k = draft.shape[0]
-        return k, torch.ones(k, dtype=torch.bool), scheduler.sample(p[k:k + 1], generator)
+        return k, torch.ones(k, dtype=torch.bool), sample(p[k:k + 1], generator)
 
-    monkeypatch.setattr(scheduler, "accept", accept_everything)
+    patch_engine_sampling(monkeypatch, accept=accept_everything)
     prompt, p, sampling = spread_prompt
     tokens = first_tokens(engine, prompt, sampling, [DraftPolicy(draft_length=1, draft_temperature=1.4)], range(400))
-    assert _fit_pvalue(tokens, p) < 1e-6
+    assert fit_pvalue(tokens, p) < 1e-6
 
 
 # ------------------------------------------------------------------------------ batch records
