@@ -1,7 +1,8 @@
 """`moespec bench SUITE`: each suite measures side by side in one run and prints figures.
 
     moespec bench engine      policies vs plain decoding vs transformers, verify cost, capture overhead
-    moespec bench server      gRPC overhead vs in-process, throughput and latency at concurrency 1/4/16
+    moespec bench server      gRPC overhead vs in-process, throughput and latency at concurrency 1/4/16/32,
+                              policies x concurrency under continuous batching (cost per token, batch union)
     moespec bench telemetry   throughput with telemetry off / live receiver / unreachable endpoint
     moespec bench tuner       exhaustive policy grid vs the tuner's pick on the same workload
     moespec bench threads     `moespec serve` over gRPC at each --threads count and at the measured default

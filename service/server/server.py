@@ -37,7 +37,7 @@ SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = pick a free port
-    workers: int = 1  # engine threads
+    workers: int | None = None  # concurrent generate() callers; None: the backend's batch slots (`max_batch`)
     max_queue: int = 16  # generations waiting for a worker before RESOURCE_EXHAUSTED
     admin_token: str | None = None  # None: SetPolicy refused
     tls_cert: bytes | None = None  # PEM; with tls_key, serve TLS only
@@ -57,7 +57,8 @@ class MoespecServer:
     ):
         self.config = config
         self.info = backend.info
-        self.runner = EngineRunner(backend, workers=config.workers, max_queue=config.max_queue)
+        workers = config.workers or max(1, getattr(backend, "max_batch", 1))
+        self.runner = EngineRunner(backend, workers=workers, max_queue=config.max_queue)
         self.policies = PolicyStore(self.info, config.initial_policy)
         self._telemetry = telemetry
         self._interceptors = tuple(interceptors)
