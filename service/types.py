@@ -228,3 +228,4 @@ class ModelInfo:
     # fixes speculation at start-up, so a change swaps engines (the last swap's wall time).
     policy_switch_seconds: float = 0.0
     policy_switches: int = 0
+    device: str = ""  # where the backend computes ("cpu", "cuda"); "" = not reported

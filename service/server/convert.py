@@ -203,6 +203,7 @@ def info_to_pb(info: ModelInfo) -> pb.ModelInfo:
         max_draft_temperature=MAX_DRAFT_TEMPERATURE,
         policy_switch_seconds=info.policy_switch_seconds,
         policy_switches=info.policy_switches,
+        device=info.device,
     )
 
 
@@ -224,4 +225,5 @@ def info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
         decode_step_seconds=msg.decode_step_seconds,
         policy_switch_seconds=msg.policy_switch_seconds,
         policy_switches=msg.policy_switches,
+        device=msg.device,
     )

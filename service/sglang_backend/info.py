@@ -9,7 +9,7 @@ from service.types import MAX_DRAFT_LENGTH, ModelInfo
 
 
 def build_info(target: MoeGeometry, draft_name: str, spec: SpecConfig, max_context: int,
-               decode_step_seconds: float = 0.0) -> ModelInfo:
+               decode_step_seconds: float = 0.0, device: str = "cuda") -> ModelInfo:
     return ModelInfo(
         backend="sglang",
         model_name=target.name,
@@ -25,4 +25,5 @@ def build_info(target: MoeGeometry, draft_name: str, spec: SpecConfig, max_conte
         tunable=tunable_knobs(spec),
         expert_bytes=target.expert_bytes,
         decode_step_seconds=decode_step_seconds,
+        device=device,
     )
