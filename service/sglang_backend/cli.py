@@ -47,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sglang-no-expert-record", action="store_true",
                        help="run without the per_token expert recorder (counts only, no expert unions)")
     group.add_argument("--sglang-record-dir", type=Path, help="where the recorder dumps (default: a temp dir)")
+    group.add_argument("--sglang-keep-records", action="store_true",
+                       help="keep every dump read, in --sglang-record-dir/read/NNNNN/ with request.json (the "
+                            "request's policy, prompt and output ids and SGLang's meta_info): raw evidence for "
+                            "offline checks; grows without bound")
     group.add_argument("--sglang-capture-topk", action="store_true", help="keep [L, w, m] routed ids per step")
     group.add_argument("--sglang-no-calibrate", action="store_true",
                        help="skip the plain-decoding start-up run that calibrates the decode step")
@@ -70,6 +74,9 @@ def create_backend(args: argparse.Namespace):
     )
     base = base_kwargs(args, record=not args.sglang_no_expert_record)
     policy = initial_policy(args, spec)
+    if args.sglang_keep_records and (args.sglang_record_dir is None or args.sglang_no_expert_record):
+        raise UsageError("--sglang-keep-records needs --sglang-record-dir (the default temp dir is removed at exit) "
+                         "and the recorder on")
     # SGLang reads its CPU switch when its modules are imported: set before the import.
     os.environ.update(devices.environment(args.device, dict(os.environ)))
     sglang = import_sglang()
@@ -96,6 +103,7 @@ def create_backend(args: argparse.Namespace):
         spec=spec,
         base_kwargs=base,
         record_dir=record_dir,
+        keep_records=args.sglang_keep_records,
         tokenizer_path=args.model_path / "tokenizer.json",
         capture_topk=args.sglang_capture_topk,
         calibrate=not args.sglang_no_calibrate,
