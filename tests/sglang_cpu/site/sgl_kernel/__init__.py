@@ -144,7 +144,8 @@ def build_tree_kernel_efficient_cpu(parent_list: torch.Tensor, selected_index: t
     seq_lens = verified_seq_len.tolist()
     # Flat views: the callers' tensors are [bs, n] or [bs * n]; the addressing is b * n + i either way.
     retrieve_index, retrieve_next_token = retrieve_index.view(-1, n), retrieve_next_token.view(-1, n)
-    retrieve_next_sibling, tree_mask, positions = retrieve_next_sibling.view(-1, n), tree_mask.view(-1), positions.view(-1)
+    retrieve_next_sibling = retrieve_next_sibling.view(-1, n)
+    tree_mask, positions = tree_mask.view(-1), positions.view(-1)
     parent_list = parent_list.reshape(len(seq_lens), -1)
     selected_index = selected_index.reshape(len(seq_lens), -1)
     full_offset = 0  # FULL_MASK: requests' blocks are n rows of (seq_len + n) columns, back to back
@@ -176,10 +177,8 @@ def build_tree_kernel_efficient_cpu(parent_list: torch.Tensor, selected_index: t
                 visible.append(node)
                 node, steps = parents[node], steps + 1
             positions[b * n + i] = seq_len + steps
-            if tree_mask_mode == 0:
-                row = full_offset + i * (seq_len + n) + seq_len
-            else:
-                row = b * n * n + i * n
+            full_mask = tree_mask_mode == 0
+            row = full_offset + i * (seq_len + n) + seq_len if full_mask else b * n * n + i * n
             tree_mask[row:row + n] = False
             for j in visible:
                 tree_mask[row + j] = True

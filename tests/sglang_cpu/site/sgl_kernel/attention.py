@@ -74,8 +74,8 @@ def extend_attention_cpu(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buf
     row i marks which extend tokens token i sees, as NGRAM's verify trees do)."""
     _unsupported(is_cross, sliding_window, encoder_lens, sinks)
     mask_offset = 0
-    for i, (row, total, n, start) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist(),
-                                                   extend_seq_lens.tolist(), extend_start_loc.tolist(), strict=True)):
+    for row, total, n, start in zip(req_pool_indices.tolist(), seq_lens.tolist(), extend_seq_lens.tolist(),
+                                    extend_start_loc.tolist(), strict=True):
         prefix = total - n
         if k_extend is not None and v_extend is not None:
             slots = req_to_token[row, :prefix].long()
