@@ -4,6 +4,7 @@
     moespec bench server      gRPC overhead vs in-process, throughput and latency at concurrency 1/4/16
     moespec bench telemetry   throughput with telemetry off / live receiver / unreachable endpoint
     moespec bench tuner       exhaustive policy grid vs the tuner's pick on the same workload
+    moespec bench sglang      the SGLang backend by policy beside the embedded engine (SGLang venv)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "server": ("service.bench.server", "the gRPC server: overhead vs in-process, load at several concurrencies"),
     "telemetry": ("otel.bench", "throughput with telemetry off, on, and with an unreachable endpoint"),
     "tuner": ("tuner.bench", "exhaustive grid vs the tuner's pick"),
+    "sglang": ("service.bench.sglang", "the SGLang backend by policy, the embedded engine beside it"),
 }
 
 
