@@ -208,7 +208,7 @@ def check_requests_against_oracle(record_dir, receiver, oracle, replies, policy,
             expected = oracle_topk(oracle, committed, record, m)
             assert torch.equal(recorded.sort(-1).values, expected.sort(-1).values), f"pass in {request['folder']}"
             unique = [int(recorded[layer].unique().numel()) for layer in range(recorded.shape[0])]
-            assert span["attributes"][a.MOE_UNIQUE_EXPERTS] == unique
+            assert list(span["attributes"][a.MOE_UNIQUE_EXPERTS]) == unique
             assert all(m <= u <= min(E, w * m) for u in unique)
             assert span["attributes"][a.MOE_UNIQUE_EXPERTS_BOUND] == min(E, w * m)
             histogram[span["attributes"][a.SPEC_ACCEPTED_TOKENS]] += 1
