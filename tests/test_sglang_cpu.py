@@ -309,8 +309,13 @@ def test_a_short_tuner_run_completes(client, server, receiver, otlp_port, tmp_pa
         thread.join(60)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     import optuna
+    from optuna.trial import TrialState
 
     study = optuna.load_study(study_name="sglang-cpu", storage=storage)
-    finished = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    assert len(finished) == 3, (time.monotonic() - t0, done.stdout[-2000:])
-    assert all(t.value > 0 for t in finished)
+    states = [t.state for t in study.trials]
+    # Every trial ran to an end: measured, or pruned by the tuner's own rule after measuring.
+    assert len(states) == 3 and set(states) <= {TrialState.COMPLETE, TrialState.PRUNED}, (
+        time.monotonic() - t0, states, done.stdout[-2000:])
+    complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert complete and all(t.value > 0 for t in complete)
+    assert "best policy:" in done.stdout
