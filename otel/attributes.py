@@ -110,6 +110,7 @@ RESOURCE_SERVICE_NAME = "service.name"
 RESOURCE_MODEL_NAME = "moespec.model.name"
 RESOURCE_DRAFT_MODEL_NAME = "moespec.model.draft"
 RESOURCE_BACKEND = "moespec.backend"
+RESOURCE_DEVICE = "moespec.device"  # where the backend computes ("cpu", "cuda"), when it says
 
 # ---------------------------------------------------------- metric attributes
 MOE_LAYER = "moespec.moe.layer"

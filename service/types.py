@@ -265,3 +265,4 @@ class ModelInfo:
     # Whether requests under different policies can run at once (a traffic split of several arms).
     # False unless a backend says so: a backend that fixes its policy at start-up cannot.
     concurrent_policies: bool = False
+    device: str = ""  # where the backend computes ("cpu", "cuda"); "" = not reported

@@ -7,6 +7,7 @@
     moespec bench tuner       exhaustive policy grid vs the tuner's pick on the same workload
     moespec bench threads     `moespec serve` over gRPC at each --threads count and at the measured default
     moespec bench whatif      what-if predictions of shorter draft lengths vs running them for real
+    moespec bench sglang      the SGLang backend by policy beside the embedded engine (SGLang venv)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "tuner": ("tuner.bench", "exhaustive grid vs the tuner's pick"),
     "threads": ("service.bench.threads", "moespec serve at each --threads count vs its measured default"),
     "whatif": ("service.bench.whatif", "what-if predictions of shorter draft lengths vs measured runs"),
+    "sglang": ("service.bench.sglang", "the SGLang backend by policy, the embedded engine beside it"),
 }
 
 

@@ -56,6 +56,7 @@ class MoespecServer:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ):
         self.config = config
+        self._backend = backend
         self.info = backend.info
         workers = config.workers or max(1, getattr(backend, "max_batch", 1))
         self.runner = EngineRunner(backend, workers=workers, max_queue=config.max_queue)
@@ -79,7 +80,8 @@ class MoespecServer:
         ]
         server = grpc.aio.server(options=options, interceptors=self._interceptors)
         pb_grpc.add_InferenceServicer_to_server(
-            InferenceServicer(self.runner, self.info, self.policies, self._telemetry), server
+            InferenceServicer(self.runner, self.info, self.policies, self._telemetry,
+                              live_info=lambda: self._backend.info), server
         )
         pb_grpc.add_PolicyAdminServicer_to_server(PolicyAdminServicer(self.policies, cfg.admin_token), server)
         self._health = health.aio.HealthServicer()
