@@ -10,12 +10,14 @@ import optuna
 from optuna.trial import TrialState
 
 from service.recording import StepRecorder
-from service.types import DraftPolicy
+from service.traffic import TrafficArm, TrafficSplit
+from service.types import Drafter, DraftPolicy
 from tests.test_whatif import H, info, synthetic_step
 from tests.tuner_fixtures import FakeServer, SyntheticTraffic, model_info
 from tuner import study as st
 from tuner.admin import PolicyAdmin
 from tuner.assemble import TuneSettings, assemble
+from tuner.bench_whatif import SwitchCountingAdmin
 from tuner.collector import SpanCollector
 from tuner.space import SearchSpace, policy_key
 from tuner.spans import request_sample
@@ -135,3 +137,18 @@ def test_a_malformed_recording_is_logged_and_the_search_goes_on(tmp_path):
     study, _, _ = tune(tmp_path, accepted=1, recording="garbage.jsonl", trials=3)
     assert st.search_trials_done(study) == 3
     assert "not JSON" in study.trials[1].user_attrs["whatif_error"]
+
+
+def test_bench_counts_a_switch_when_the_served_policies_change_not_their_ids():
+    server = FakeServer()
+    admin = SwitchCountingAdmin(server, "fake:0", retry_seconds=0.2, sleep=lambda s: None)
+    plain, ngram = DraftPolicy(draft_length=0, policy_id="a"), DraftPolicy(Drafter.NGRAM, 3, policy_id="b")
+    admin.apply(plain)
+    admin.apply(dataclasses.replace(plain, policy_id="a2"))  # an id-only change swaps nothing
+    assert admin.switches == 1
+    admin.apply_split(TrafficSplit((TrafficArm(plain, 0.5), TrafficArm(ngram, 0.5))))
+    admin.apply_split(TrafficSplit((TrafficArm(dataclasses.replace(plain, policy_id="c"), 0.5),
+                                    TrafficArm(dataclasses.replace(ngram, policy_id="d"), 0.5))))
+    assert admin.switches == 2
+    admin.apply(plain)
+    assert admin.switches == 3 and server.policy == plain
