@@ -51,7 +51,9 @@ class RecordingServer(FakeServer):
         return policy
 
 
-def tune(tmp_path, *, accepted: int = 1, recording: str | None = "steps.jsonl", trials: int = 5):
+def tune(tmp_path, *, accepted: int = 1, recording: str | None = "steps.jsonl", trials: int = 5,
+         queued: tuple[DraftPolicy, ...] = ()):
+    """`queued`: policies enqueued in a fresh study before the tuner opens it (instead of its baselines)."""
     path = tmp_path / "steps.jsonl"
     recorder = StepRecorder(path, info(), hidden_size=H)
     server = RecordingServer(recorder, accepted)
@@ -61,7 +63,12 @@ def tune(tmp_path, *, accepted: int = 1, recording: str | None = "steps.jsonl", 
                             window=WindowSpec(min_tokens=64, min_steps=8, max_seconds=2.0),
                             poll_seconds=0.01, policy_check_seconds=0.05,
                             whatif_recording=tmp_path / recording if recording else None)
-    built = assemble(settings, st.open_storage(f"sqlite:///{tmp_path / 't.db'}"),
+    storage = st.open_storage(f"sqlite:///{tmp_path / 't.db'}")
+    if queued:
+        study = optuna.create_study(storage=storage, study_name="s", direction="minimize")
+        for policy in queued:
+            study.enqueue_trial(SearchSpace.from_model_info(model_info()).params_of(policy))
+    built = assemble(settings, storage,
                      PolicyAdmin(server, "fake:0", retry_seconds=0.2, sleep=lambda s: None), collector, events.append)
     with SyntheticTraffic(server, collector.on_spans, cost):
         built.tuner.run()
@@ -114,6 +121,16 @@ def test_a_hint_for_an_already_measured_policy_is_not_enqueued(tmp_path):
     assert not any("whatif_of" in t.user_attrs for t in study.trials)
     skipped = [e.message for e in events if e.kind is EventKind.WHATIF]
     assert skipped and all("measured in trial 0" in m for m in skipped)
+
+
+def test_a_hint_for_a_policy_already_queued_is_not_queued_twice(tmp_path):
+    ngram1 = DraftPolicy(Drafter.NGRAM, 1)
+    study, _, events = tune(tmp_path, accepted=1, trials=3,
+                            queued=(DraftPolicy(draft_length=0), DraftPolicy(Drafter.NGRAM, 8), ngram1))
+    assert study.trials[1].user_attrs["whatif_best_length"] == 1
+    assert [label(t) for t in study.trials[:3]] == ["plain", "ngram k=8", "ngram k=1"]
+    assert not any("whatif_of" in t.user_attrs for t in study.trials)
+    assert any(e.kind is EventKind.WHATIF and e.message.endswith("already queued") for e in events)
 
 
 def test_everything_accepted_records_the_prediction_and_suggests_nothing(tmp_path):
