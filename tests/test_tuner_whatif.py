@@ -11,7 +11,7 @@ from optuna.trial import TrialState
 
 from service.recording import StepRecorder
 from service.traffic import TrafficArm, TrafficSplit
-from service.types import Drafter, DraftPolicy
+from service.types import Drafter, DraftPolicy, ModelInfo
 from tests.test_whatif import H, info, synthetic_step
 from tests.tuner_fixtures import FakeServer, SyntheticTraffic, model_info
 from tuner import study as st
@@ -38,8 +38,8 @@ class RecordingServer(FakeServer):
     """Every request the synthetic traffic serves is also recorded, as `moespec serve --record-steps`
     does: its steps under the policy id it ran with. Each step accepts `accepted` of its k drafts."""
 
-    def __init__(self, recorder: StepRecorder, accepted: int):
-        super().__init__()
+    def __init__(self, recorder: StepRecorder, accepted: int, info: ModelInfo | None = None):
+        super().__init__(info)
         self.recorder, self.accepted = recorder, accepted
 
     def next_policy(self) -> DraftPolicy:
@@ -52,11 +52,11 @@ class RecordingServer(FakeServer):
 
 
 def tune(tmp_path, *, accepted: int = 1, recording: str | None = "steps.jsonl", trials: int = 5,
-         queued: tuple[DraftPolicy, ...] = ()):
+         queued: tuple[DraftPolicy, ...] = (), server_info: ModelInfo | None = None):
     """`queued`: policies enqueued in a fresh study before the tuner opens it (instead of its baselines)."""
     path = tmp_path / "steps.jsonl"
     recorder = StepRecorder(path, info(), hidden_size=H)
-    server = RecordingServer(recorder, accepted)
+    server = RecordingServer(recorder, accepted, server_info)
     events = []
     collector = SpanCollector(request_sample)
     settings = TuneSettings(study_name="s", trials=trials, tuner_id="t", seed=0, remeasure_top=0,
@@ -67,7 +67,7 @@ def tune(tmp_path, *, accepted: int = 1, recording: str | None = "steps.jsonl", 
     if queued:
         study = optuna.create_study(storage=storage, study_name="s", direction="minimize")
         for policy in queued:
-            study.enqueue_trial(SearchSpace.from_model_info(model_info()).params_of(policy))
+            study.enqueue_trial(SearchSpace.from_model_info(server_info or model_info()).params_of(policy))
     built = assemble(settings, storage,
                      PolicyAdmin(server, "fake:0", retry_seconds=0.2, sleep=lambda s: None), collector, events.append)
     with SyntheticTraffic(server, collector.on_spans, cost):
@@ -131,6 +131,18 @@ def test_a_hint_for_a_policy_already_queued_is_not_queued_twice(tmp_path):
     assert [label(t) for t in study.trials[:3]] == ["plain", "ngram k=8", "ngram k=1"]
     assert not any("whatif_of" in t.user_attrs for t in study.trials)
     assert any(e.kind is EventKind.WHATIF and e.message.endswith("already queued") for e in events)
+
+
+def test_a_re_proposal_of_a_hinted_policy_is_not_marked_as_hinted(tmp_path):
+    # Three policies in all (plain, n-gram k=1, 2): TPE soon re-proposes the hinted one, and the
+    # copy of its result must not claim a hint queued it.
+    small = model_info(max_draft_length=2, drafters=(Drafter.NGRAM,), tunable=("draft_length",))
+    study, _, _ = tune(tmp_path, accepted=1, trials=4, server_info=small,
+                       queued=(DraftPolicy(draft_length=0), DraftPolicy(Drafter.NGRAM, 2)))
+    copies = [t for t in study.trials if "duplicate_of" in t.user_attrs]
+    assert copies
+    assert len([t for t in study.trials if "whatif_of" in t.user_attrs]) == 1
+    assert not any("whatif_of" in t.user_attrs for t in copies)
 
 
 def test_everything_accepted_records_the_prediction_and_suggests_nothing(tmp_path):

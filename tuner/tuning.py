@@ -426,7 +426,7 @@ class Tuner:
         traffic on it (noise is handled by pairing and the re-measure phase, not by random repeats).
         It does not count towards --trials; `max_consecutive_duplicates` in a row end the search."""
         for key, value in previous.user_attrs.items():
-            if key not in ("role", "tuner_id", "heartbeat"):
+            if key not in ("role", "tuner_id", "heartbeat", "whatif_of"):  # a copy was not queued by a hint
                 trial.set_user_attr(key, value)
         trial.set_user_attr("duplicate_of", previous.number)
         if previous.state is TrialState.COMPLETE:
