@@ -16,6 +16,7 @@ from types import MappingProxyType
 # ---------------------------------------------------------------- span names
 GEN_AI_OPERATION = "text_completion"
 VERIFY_SPAN_NAME = "verify"
+VERIFY_BATCH_SPAN_NAME = "verify_batch"  # one continuous-batching pass, linked to the request spans it served
 
 
 def request_span_name(model: str) -> str:
@@ -52,6 +53,10 @@ MOE_UNIQUE_EXPERTS_MEAN = "moespec.moe.unique_experts_mean"  # double[L]
 MOE_UNIQUE_EXPERTS_MAX = "moespec.moe.unique_experts_max"  # int[L]
 COST_DRAFT_SECONDS = "moespec.cost.draft_seconds"
 COST_VERIFY_SECONDS = "moespec.cost.verify_seconds"
+# Beyond the architecture note (continuous batching): the batch union of the passes that verified
+# this request's steps, averaged over its steps, per layer. double[L]; absent when the backend
+# reports no passes.
+MOE_BATCH_UNIQUE_EXPERTS_MEAN = "moespec.moe.batch_unique_experts_mean"
 
 # ------------------------------------------------------------- verify-step span
 MOE_UNIQUE_EXPERTS = "moespec.moe.unique_experts"  # int[L]
@@ -69,6 +74,15 @@ MOE_EP_RANKS_TOUCHED_MEAN = "moespec.moe.ep_ranks_touched_mean"  # double[L] (re
 MOE_EP_MAX_RANK_EXPERTS_MAX = "moespec.moe.ep_max_rank_experts_max"  # int[L] (request span)
 EP_VERIFY_SPAN_KEYS = (MOE_EP_RANKS_TOUCHED, MOE_EP_MAX_RANK_EXPERTS, MOE_EP_DISPATCH_BYTES)
 EP_REQUEST_SPAN_KEYS = (MOE_EP_RANKS_TOUCHED_MEAN, MOE_EP_MAX_RANK_EXPERTS_MAX, MOE_EP_DISPATCH_BYTES)
+
+# ---------------------------------------------------------- verify_batch span (one per sampled pass)
+MOE_BATCH_UNIQUE_EXPERTS = "moespec.moe.batch_unique_experts"  # int[L] over every position of the pass
+MOE_BATCH_UNIQUE_EXPERTS_BOUND = "moespec.moe.batch_unique_experts_bound"  # min(E, positions * m)
+BATCH_SIZE = "moespec.batch.size"  # requests the pass served
+BATCH_POSITIONS = "moespec.batch.positions"  # tokens in the pass (sum of the windows)
+BATCH_WINDOWS = "moespec.batch.windows"  # int[batch size] each request's window
+BATCH_PASS_ID = "moespec.batch.pass_id"
+# (it also carries COST_DRAFT_SECONDS and COST_VERIFY_SECONDS of the pass, and links to the request spans)
 # (the verify span also carries SPEC_DRAFTER, SPEC_DRAFT_LENGTH, SPEC_ACCEPTED_TOKENS,
 #  SPEC_COMMITTED_TOKENS and COST_VERIFY_SECONDS, with per-step values)
 
@@ -78,11 +92,16 @@ REQUEST_SPAN_KEYS = (
     GEN_AI_RESPONSE_FINISH_REASONS, SPEC_POLICY_ID, SPEC_DRAFTER, SPEC_DRAFT_LENGTH, SPEC_DRAFT_TEMPERATURE,
     SPEC_VERIFY_STEPS, SPEC_DRAFTED_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_COMMITTED_TOKENS, SPEC_EMPTY_DRAFTS,
     MOE_UNIQUE_EXPERTS_MEAN, MOE_UNIQUE_EXPERTS_MAX, COST_DRAFT_SECONDS, COST_VERIFY_SECONDS,
+    MOE_BATCH_UNIQUE_EXPERTS_MEAN,
 )
 VERIFY_SPAN_KEYS = (
     SPEC_DRAFTER, SPEC_DRAFT_LENGTH, SPEC_ACCEPTED_TOKENS, SPEC_COMMITTED_TOKENS, MOE_UNIQUE_EXPERTS,
     MOE_UNIQUE_EXPERTS_BOUND, MOE_SHARED_EXPERTS, MOE_WIDEST_LAYER, COST_VERIFY_SECONDS,
     COST_DECODE_STEP_EQUIVALENTS,
+)
+VERIFY_BATCH_SPAN_KEYS = (
+    BATCH_PASS_ID, BATCH_SIZE, BATCH_POSITIONS, BATCH_WINDOWS, MOE_BATCH_UNIQUE_EXPERTS,
+    MOE_BATCH_UNIQUE_EXPERTS_BOUND, COST_DRAFT_SECONDS, COST_VERIFY_SECONDS,
 )
 
 # ------------------------------------------------------------------ resource
@@ -91,6 +110,7 @@ RESOURCE_SERVICE_NAME = "service.name"
 RESOURCE_MODEL_NAME = "moespec.model.name"
 RESOURCE_DRAFT_MODEL_NAME = "moespec.model.draft"
 RESOURCE_BACKEND = "moespec.backend"
+RESOURCE_DEVICE = "moespec.device"  # where the backend computes ("cpu", "cuda"), when it says
 
 # ---------------------------------------------------------- metric attributes
 MOE_LAYER = "moespec.moe.layer"
@@ -163,6 +183,13 @@ EP_DISPATCH_BYTES = MetricSpec(
     "moespec.moe.ep_dispatch_bytes", Kind.COUNTER, "By",
     "Bytes of token-expert pairs dispatched off their home rank (estimate, --ep-size; / committed tokens "
     "= all-to-all bytes per token).", None, STEP_METRIC_KEYS)
+BATCH_UNIQUE_EXPERTS = MetricSpec(
+    "moespec.moe.batch.unique_experts", Kind.HISTOGRAM, "{expert}",
+    "Distinct routed experts one batched verify pass (every request in it) touched in one MoE layer.",
+    None, (MOE_LAYER,))
+BATCH_SIZE_METRIC = MetricSpec(
+    "moespec.batch.size", Kind.HISTOGRAM, "{request}", "Requests one batched verify pass served.",
+    (1, 2, 4, 8, 16, 32, 64, 128))
 DROPPED_SPANS = MetricSpec(
     "moespec.telemetry.dropped_spans", Kind.COUNTER, "{span}",
     "Spans lost because the export queue was full or the exporter failed.")
@@ -183,7 +210,8 @@ TUNER_DECISIONS = MetricSpec(
 TUNER_METRICS = (TUNER_INCUMBENT, TUNER_DECISIONS)
 
 METRICS = (REQUEST_DURATION, TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, STEP_ACCEPTED_TOKENS, STEP_UNIQUE_EXPERTS,
-           STEP_DECODE_STEP_EQUIVALENTS, STEP_SECONDS, DRAFTED_TOKENS, COMMITTED_TOKENS, DROPPED_SPANS)
+           STEP_DECODE_STEP_EQUIVALENTS, STEP_SECONDS, DRAFTED_TOKENS, COMMITTED_TOKENS, BATCH_UNIQUE_EXPERTS,
+           BATCH_SIZE_METRIC, DROPPED_SPANS)
 # Emitted only when the server estimates an expert-parallel view (`moespec serve --ep-size`).
 EP_METRICS = (STEP_EP_RANKS_TOUCHED, EP_DISPATCH_BYTES)
 ALL_METRICS = METRICS + EP_METRICS

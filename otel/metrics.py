@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from otel import attributes as a
-from service.types import DraftPolicy, GenerationResult, ModelInfo, StepRecord
+from service.types import BatchPassRecord, DraftPolicy, GenerationResult, ModelInfo, StepRecord
 
 
 def unique_expert_buckets(info: ModelInfo) -> tuple[float, ...]:
@@ -24,6 +24,13 @@ def unique_expert_buckets(info: ModelInfo) -> tuple[float, ...]:
 def ep_rank_buckets(info: ModelInfo) -> tuple[float, ...]:
     """One bucket per rank count up to 64 ranks (an EP size above the experts would be meaningless)."""
     return tuple(float(r) for r in range(1, min(64, max(1, info.num_experts)) + 1))
+
+
+def batch_unique_expert_buckets(info: ModelInfo) -> tuple[float, ...]:
+    """A batch pass can touch every expert: from m to E, at most ~32 buckets."""
+    m, top = max(1, info.top_k), max(1, info.num_experts)
+    step = max(1, m // 2, (top - m) // 32)
+    return tuple(float(b) for b in range(m, top + 1, step))
 
 
 def accepted_token_buckets(info: ModelInfo) -> tuple[float, ...]:
@@ -50,6 +57,9 @@ class Instruments:
         self.committed = counter(a.COMMITTED_TOKENS)
         self.step_ep_ranks = histogram(a.STEP_EP_RANKS_TOUCHED, ep_rank_buckets(info))
         self.ep_dispatch_bytes = counter(a.EP_DISPATCH_BYTES)
+        self.batch_unique = histogram(a.BATCH_UNIQUE_EXPERTS, batch_unique_expert_buckets(info))
+        self.batch_size = histogram(a.BATCH_SIZE_METRIC)
+        self._batch_layers = [{a.MOE_LAYER: i} for i in range(info.num_layers)]
         if dropped_spans is not None:
             def observe(_: CallbackOptions) -> Iterable[Observation]:
                 return [Observation(dropped_spans())]
@@ -70,6 +80,12 @@ class Instruments:
             tpot = (result.seconds - result.time_to_first_token) / (result.completion_tokens - 1)
             self.time_per_output_token.record(max(0.0, tpot), base)
         self.record_steps(result.steps, policy)
+
+    def record_batch_pass(self, record: BatchPassRecord) -> None:
+        """Once per pass (otel.batch calls it when the pass is complete), not once per request."""
+        self.batch_size.record(record.batch_size)
+        for layer_attrs, unique in zip(self._batch_layers, record.unique_experts, strict=False):
+            self.batch_unique.record(unique, layer_attrs)
 
     def record_failure(self, duration_s: float, error_type: str) -> None:
         self.request_duration.record(duration_s, {**self.gen_ai_attributes, a.ERROR_TYPE: error_type})

@@ -10,7 +10,8 @@ with its generic OTLP endpoint does not log export errors.
 
 A span dict: trace_id / span_id / parent_span_id (hex, "" for a root), name, kind ("SERVER",
 "INTERNAL", ...), start_ns, end_ns, status_code ("UNSET" | "OK" | "ERROR"), status_message,
-attributes {key: str | bool | int | float | tuple}, resource {key: value}, scope (name).
+attributes {key: str | bool | int | float | tuple}, resource {key: value}, scope (name), links
+(a list of {trace_id, span_id} in hex: the spans a `verify_batch` span served).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def span_to_dict(span: trace_pb2.Span, resource: dict | None = None, scope: str 
         "attributes": attributes_dict(span.attributes),
         "resource": resource or {},
         "scope": scope,
+        "links": [{"trace_id": link.trace_id.hex(), "span_id": link.span_id.hex()} for link in span.links],
     }
 
 

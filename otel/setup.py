@@ -47,6 +47,8 @@ def build_resource(config: TelemetryConfig, info: ModelInfo) -> Resource:
     })
     if info.draft_model_name:
         attrs[a.RESOURCE_DRAFT_MODEL_NAME] = info.draft_model_name
+    if info.device:
+        attrs[a.RESOURCE_DEVICE] = info.device
     return Resource(attrs)  # not Resource.create: that would read OTEL_* from os.environ
 
 

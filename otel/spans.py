@@ -37,6 +37,8 @@ def request_attributes(info: ModelInfo, request: GenerationRequest, policy: Draf
 def result_attributes(result: GenerationResult) -> dict:
     """The exact per-request aggregates: SpecStats as the engine computed it, unsampled."""
     spec: SpecStats = result.spec
+    batch = {a.MOE_BATCH_UNIQUE_EXPERTS_MEAN: tuple(float(x) for x in spec.batch_unique_experts_mean)
+             } if spec.batch_unique_experts_mean else {}
     return {
         a.GEN_AI_USAGE_INPUT_TOKENS: result.prompt_tokens,
         a.GEN_AI_USAGE_OUTPUT_TOKENS: result.completion_tokens,
@@ -51,6 +53,7 @@ def result_attributes(result: GenerationResult) -> dict:
         a.COST_DRAFT_SECONDS: float(spec.draft_seconds),
         a.COST_VERIFY_SECONDS: float(spec.verify_seconds),
         **ep_request_attributes(result.steps),
+        **batch,
     }
 
 

@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode, format_trace_id
 
 from otel import attributes as a
+from otel.batch import BatchPassReporter
 from otel.export import ExportStats
 from otel.metrics import Instruments
 from otel.spans import emit_verify_spans, request_attributes, result_attributes
@@ -96,6 +97,7 @@ class _Observation:
                 end_ns = time.time_ns()
                 emit_verify_spans(owner.tracer, span, result.steps, end_ns, owner.verify_span_ratio, owner.rng)
                 span.end(end_time=end_ns)
+            owner.batch_passes.report(span.get_span_context(), result.steps)
         except Exception:  # telemetry must never fail a request that generated fine
             logger.warning("telemetry: recording a finished request failed", exc_info=True)
             span.end()
@@ -135,6 +137,8 @@ class OtelTelemetry:
         self.instruments = (Instruments(meter_provider.get_meter(INSTRUMENTATION_SCOPE), info,
                                         dropped_spans=lambda: self.dropped_spans)
                             if meter_provider is not None else None)
+        # verify_batch spans follow the verify spans' ratio: both are per-pass detail, not aggregates.
+        self.batch_passes = BatchPassReporter(self.tracer, verify_span_ratio, self.rng, self.instruments)
         self._on_shutdown = tuple(on_shutdown)
         self._shutdown_lock = threading.Lock()
         self._closed = False
@@ -182,6 +186,10 @@ class OtelTelemetry:
             if self._closed:
                 return
             self._closed = True
+        try:
+            self.batch_passes.flush()  # passes whose requests did not all report (some failed)
+        except Exception:
+            logger.warning("telemetry: flushing batch passes failed", exc_info=True)
         if self.tracer_provider is not None:
             self.tracer_provider.shutdown()
         if self.meter_provider is not None:

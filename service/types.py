@@ -101,6 +101,29 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class BatchPassRecord:
+    """One target pass of continuous batching: the windows of every running request, verified at once.
+
+    The requests' own StepRecords carry their own windows' unions; this is the pass's view: the
+    distinct routed experts each layer had to run for all of them together (the batch union).
+    """
+
+    pass_id: int  # increasing per engine
+    batch_size: int  # requests the pass served
+    positions: int  # tokens in the pass: the sum of the windows
+    windows: tuple[int, ...]  # [batch_size] each request's window, in pass order
+    unique_experts: tuple[int, ...]  # [L] distinct routed experts per MoE layer over the whole pass
+    unique_experts_bound: int  # min(E, positions * m)
+    draft_seconds: float  # the pass's draft phase (n-gram lookups, batched draft-model passes)
+    verify_seconds: float  # the target pass plus every request's acceptance
+    start_time_ns: int  # wall clock (time.time_ns()) when the draft phase began
+
+    @property
+    def end_time_ns(self) -> int:
+        return self.start_time_ns + int((self.draft_seconds + self.verify_seconds) * 1e9)
+
+
+@dataclass(frozen=True)
 class StepRecord:
     """One draft/verify step (or one plain decode step: window 1, drafted = accepted = 0)."""
 
@@ -125,6 +148,7 @@ class StepRecord:
     ep_ranks_touched: tuple[int, ...] | None = None  # [L] ranks running at least one routed pair
     ep_max_rank_experts: tuple[int, ...] | None = None  # [L] most distinct experts on one rank
     ep_dispatch_bytes: int | None = None  # token-expert pairs sent off the home rank * hidden * dtype bytes
+    batch: BatchPassRecord | None = None  # the pass this step's window was verified in (batching engines)
 
     @property
     def seconds(self) -> float:
@@ -153,6 +177,9 @@ class SpecStats:
     drafter: Drafter
     draft_length: int
     draft_temperature: float
+    # [L] mean over the steps of the batch union of the pass each was verified in; () when no step
+    # came from a batched pass (a backend that does not report passes)
+    batch_unique_experts_mean: tuple[float, ...] = ()
 
     @property
     def seconds_per_committed_token(self) -> float:
@@ -166,6 +193,7 @@ class SpecStats:
                 per_position[i] += int(ok)
         n = len(steps)
         layers = range(num_layers)
+        batched = [s.batch for s in steps if s.batch is not None]
         return cls(
             verify_steps=n,
             drafted_tokens=sum(s.drafted for s in steps),
@@ -181,6 +209,8 @@ class SpecStats:
             drafter=policy.drafter,
             draft_length=policy.draft_length,
             draft_temperature=policy.draft_temperature,
+            batch_unique_experts_mean=tuple(sum(b.unique_experts[i] for b in batched) / len(batched)
+                                            for i in layers) if batched else (),
         )
 
 
@@ -235,3 +265,4 @@ class ModelInfo:
     # Whether requests under different policies can run at once (a traffic split of several arms).
     # False unless a backend says so: a backend that fixes its policy at start-up cannot.
     concurrent_policies: bool = False
+    device: str = ""  # where the backend computes ("cpu", "cuda"); "" = not reported

@@ -29,6 +29,7 @@ class RecordingBackend:
     def __init__(self, engine):
         self.engine = engine
         self.info: ModelInfo = engine.info
+        self.max_batch: int = engine.max_batch  # so the server runs as many callers as the engine batches
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
         self.calls: list[tuple[GenerationRequest, GenerationResult]] = []

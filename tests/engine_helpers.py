@@ -21,7 +21,7 @@ PROMPTS_FILE = MODELS_DIR.parent / "prompts" / "heldout.jsonl"
 # The module whose globals the decode loop calls the sampling functions through (accept,
 # draft_probs, sample, target_probs...). Negative controls patch them there, only through
 # `patch_engine_sampling`: if the loop moves to another module, change this one name.
-SAMPLING_LOOKUP = "service.engine.engine"
+SAMPLING_LOOKUP = "service.engine.scheduler"
 
 
 def heldout_prompts(count: int) -> list[str]:

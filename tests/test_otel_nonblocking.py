@@ -48,7 +48,9 @@ def timed_request(engine, telemetry, spans: list[int] | None = None) -> tuple[fl
         t3 = time.perf_counter()
     t4 = time.perf_counter()
     if spans is not None:
-        spans.append(1 + len(result.steps))  # the request span and one verify span per step (ratio 1)
+        # The request span, one verify span per step and one verify_batch span per pass (ratio 1).
+        passes = {step.batch.pass_id for step in result.steps if step.batch is not None}
+        spans.append(1 + len(result.steps) + len(passes))
     return t4 - t0, (t1 - t0) + (t3 - t2) + (t4 - t3)
 
 

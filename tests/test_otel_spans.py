@@ -73,6 +73,9 @@ def expected_request_attributes(engine, request, policy, result) -> dict:
         a.MOE_UNIQUE_EXPERTS_MAX: tuple(max(s.unique_experts[i] for s in steps) for i in range(L)),
         a.COST_DRAFT_SECONDS: sum(s.draft_seconds for s in steps),
         a.COST_VERIFY_SECONDS: sum(s.verify_seconds for s in steps),
+        # the embedded engine verifies every step in a batch pass, alone or not
+        a.MOE_BATCH_UNIQUE_EXPERTS_MEAN: tuple(sum(s.batch.unique_experts[i] for s in steps) / len(steps)
+                                               for i in range(L)),
     }
 
 

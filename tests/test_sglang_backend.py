@@ -38,6 +38,9 @@ class FakeEngine:
 
     def generate(self, input_ids, sampling_params, stream, rid):
         assert stream and not self.closed
+        # Finding 5 (sglang-cpu-notes): a forward pass with recorder mode on but recording not yet
+        # started kills SGLang's scheduler on a CPU, so nothing may run before the recorder starts.
+        assert self.recording or "expert_distribution_recorder_mode" not in self.kwargs
         self.last_prompt = tuple(input_ids)
         name = next((n for n, e in SCENARIO.expected.items() if tuple(e["prompt_ids"]) == self.last_prompt), None)
         if name is None:  # the warm-up request
@@ -181,3 +184,30 @@ def test_invalid_requests_name_the_field(tmp_path, journal):
         backend.generate(GenerationRequest(prompt_token_ids=(5000,)), DraftPolicy())
     assert e.value.field == "prompt_token_ids"
     backend.close()
+
+
+def test_get_model_info_follows_every_swap_over_grpc(tmp_path, journal):
+    # Finding 4 (sglang-cpu-notes): the servicer froze ModelInfo at start, so after switching back
+    # to k = 0 GetModelInfo still showed the start-up policy_switches / policy_switch_seconds.
+    from service.server.client import MoespecClient
+    from service.server.server import ServerConfig
+    from tests.conftest import ServerThread
+
+    backend = make_backend(tmp_path)
+    server = ServerThread(backend, ServerConfig(port=0, admin_token="t"))
+    try:
+        with MoespecClient(server.address, admin_token="t") as client:
+            client.wait_ready(timeout=30)
+            assert client.model_info().policy_switches == 0
+            seen = []
+            for policy in (K3, DraftPolicy(policy_id="plain-again")):
+                client.set_policy(policy)
+                client.generate(request("A"))
+                info = client.model_info()
+                assert (info.policy_switches, info.policy_switch_seconds) == (
+                    backend.info.policy_switches, backend.info.policy_switch_seconds)
+                seen.append(info.policy_switch_seconds)
+            assert client.model_info().policy_switches == 2 and seen[0] != seen[1] and min(seen) > 0
+    finally:
+        server.stop()
+        backend.close()

@@ -1,5 +1,6 @@
-"""A tied Qwen2-MoE checkpoint without lm_head.weight (the shipped target's layout) is served to
-SGLang through a view that adds the head, because SGLang's Qwen2MoeForCausalLM never ties it."""
+"""A tied Qwen2-MoE checkpoint without lm_head.weight (as transformers' save_pretrained writes it) is
+served to SGLang through a view that adds the head, because SGLang's Qwen2MoeForCausalLM never ties
+it. The shipped target has the head and is served as is."""
 
 from __future__ import annotations
 
@@ -47,3 +48,14 @@ def test_a_sharded_tied_checkpoint_is_refused_with_the_fix(tmp_path):
     (original / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(ModelDirError, match="Save lm_head.weight"):
         sglang_model_dir(original)
+
+
+def test_the_shipped_target_has_its_head_and_needs_no_view():
+    # Finding 6 (sglang-cpu-notes): the docs said the shipped target lacked lm_head.weight.
+    from service.engine.weights import MODELS_DIR
+
+    target = MODELS_DIR / "target"
+    with safe_open(str(target / "model.safetensors"), framework="pt") as st:
+        names = list(st.keys())  # a safetensors handle, not a dict
+    assert "lm_head.weight" in names
+    assert sglang_model_dir(target) == (target.resolve(), False)

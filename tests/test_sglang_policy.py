@@ -80,7 +80,9 @@ def test_only_start_up_arguments_force_an_engine_swap():
 
 def test_draft_temperature_is_reported_as_argmax_and_never_tunable():
     assert effective_policy(DraftPolicy(Drafter.MODEL, 3, 0.7)).draft_temperature == 0.0
-    assert effective_policy(DraftPolicy(Drafter.MODEL, 0, 0.7)).draft_temperature == 0.7
+    # Finding 3 (sglang-cpu-notes): k = 0 and NGRAM reported the policy's default 1.0.
+    assert effective_policy(DraftPolicy(Drafter.MODEL, 0)).draft_temperature == 0.0
+    assert effective_policy(DraftPolicy(Drafter.NGRAM, 4)).draft_temperature == 0.0
     assert tunable_knobs(STANDALONE) == ("drafter", "draft_length")
     assert tunable_knobs(SpecConfig(model_algorithm=None, draft_model_path=None)) == ("draft_length",)
     assert "draft_temperature" not in tunable_knobs(STANDALONE)

@@ -1,11 +1,13 @@
 """`moespec bench SUITE`: each suite measures side by side in one run and prints figures.
 
     moespec bench engine      policies vs plain decoding vs transformers, verify cost, capture overhead
-    moespec bench server      gRPC overhead vs in-process, throughput and latency at concurrency 1/4/16
+    moespec bench server      gRPC overhead vs in-process, throughput and latency at concurrency 1/4/16/32,
+                              policies x concurrency under continuous batching (cost per token, batch union)
     moespec bench telemetry   throughput with telemetry off / live receiver / unreachable endpoint
     moespec bench tuner       exhaustive policy grid vs the tuner's pick on the same workload
     moespec bench threads     `moespec serve` over gRPC at each --threads count and at the measured default
     moespec bench whatif      what-if predictions of shorter draft lengths vs running them for real
+    moespec bench sglang      the SGLang backend by policy beside the embedded engine (SGLang venv)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "tuner": ("tuner.bench", "exhaustive grid vs the tuner's pick"),
     "threads": ("service.bench.threads", "moespec serve at each --threads count vs its measured default"),
     "whatif": ("service.bench.whatif", "what-if predictions of shorter draft lengths vs measured runs"),
+    "sglang": ("service.bench.sglang", "the SGLang backend by policy, the embedded engine beside it"),
 }
 
 

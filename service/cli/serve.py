@@ -33,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one (printed)")
     parser.add_argument("--backend", choices=("torch", "sglang"), default="torch",
                         help="torch: the embedded engine on the shipped model (CPU or GPU); sglang: GPU")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="engine threads; the torch engine runs one request at a time, so 1 suffices")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="requests running at once (default: the backend's batch slots, "
+                             "the torch engine's --max-batch)")
     parser.add_argument("--max-queue", type=int, default=16,
                         help="generations that may wait for a worker; beyond that RESOURCE_EXHAUSTED")
     parser.add_argument("--admin-token", default=None,
@@ -49,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (torch backend); default: the fastest of 1, 2, 4, ... and all "
                              "cores, measured at start-up, and printed")
+    parser.add_argument("--max-batch", type=int, default=32,
+                        help="torch backend: requests verified together in one pass (KV-cache slots)")
     parser.add_argument("--drafter", choices=[d.value for d in Drafter], default=Drafter.MODEL.value,
                         help="initial draft policy: drafter")
     parser.add_argument("--draft-length", type=int, default=0,
@@ -91,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
 def server_config(args: argparse.Namespace, env_token: str | None) -> ServerConfig:
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
-    if args.workers < 1 or args.max_queue < 0:
+    if args.max_batch < 1:
+        raise UsageError("--max-batch must be >= 1")
+    if (args.workers is not None and args.workers < 1) or args.max_queue < 0:
         raise UsageError("--workers must be >= 1 and --max-queue >= 0")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
@@ -133,7 +138,8 @@ def create_backend(args: argparse.Namespace) -> Backend:
     if args.record_steps is not None and not args.record_steps.resolve().parent.is_dir():
         raise UsageError(f"--record-steps: no folder {args.record_steps.resolve().parent}")
     try:
-        return Engine(EngineConfig(threads=args.threads or default_threads(), ep=ep, record_steps=args.record_steps))
+        return Engine(EngineConfig(threads=args.threads or default_threads(), ep=ep, record_steps=args.record_steps,
+                                   max_batch=args.max_batch))
     except expert_parallel.PlacementError as e:  # a placement that does not fit the model
         raise UsageError(f"--ep-placement: {e}") from None
 

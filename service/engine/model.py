@@ -6,6 +6,8 @@ Contract:
   converts to and from the per-expert hub layout that transformers and SGLang load.
 - `forward(tokens, start)` runs a window of w consecutive positions starting at `start`, writes
   their keys/values into the static cache at those positions and attends to everything before.
+  `forward_ragged(tokens, batch)` does the same for the windows of several sequences in one pass
+  (continuous batching), each in its own cache slot (`RaggedBatch`, `KVCache`).
   Slots of rejected draft tokens are never rolled back: the next window simply overwrites them.
 - Each MoE layer reports the routed top-m expert ids of every position in the window, so the
   caller can count the distinct experts a verification pass touched (the union).
@@ -13,9 +15,9 @@ Contract:
   positions run experts, MLPs and the output layer in the fused kernels (kernels.py), where each
   position's result does not depend on the rest of its window; without kernels, the eager step.
 
-Shape legend: w window positions, T training tokens, H hidden, A attention heads, K kv heads,
-D head dim, E routed experts, m experts per token, I expert intermediate, U experts in a window's
-union, V vocabulary, S cache length.
+Shape legend: w window positions, N tokens of a ragged pass, B sequences in it, T training tokens,
+H hidden, A attention heads, K kv heads, D head dim, E routed experts, m experts per token,
+I expert intermediate, U experts in a window's union, V vocabulary, S cache length.
 """
 
 from __future__ import annotations
@@ -265,28 +267,41 @@ class Attention(nn.Module):
         self.qkv = (torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
                     torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
-                layer: int, start: int) -> torch.Tensor:
-        """x [B, w, H]; with a cache, B = 1 and positions are start..start+w-1."""
-        B, w, _ = x.shape
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
-            kv = self.n_kv * self.head_dim
-            q, k, v = F.linear(x, *self.qkv).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
-        q = q.reshape(B, w, self.n_heads, self.head_dim).transpose(1, 2)  # [B, A, w, D]
-        k = k.reshape(B, w, self.n_kv, self.head_dim).transpose(1, 2)  # [B, K, w, D]
-        v = v.reshape(B, w, self.n_kv, self.head_dim).transpose(1, 2)
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv = self.n_kv * self.head_dim
+        return F.linear(x, *self.qkv).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Training, no cache: x [B, T, H], causal over each row."""
+        B, T, _ = x.shape
+        q, k, v = self._project(x)
+        q = q.reshape(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, A, T, D]
+        k = k.reshape(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, K, T, D]
+        v = v.reshape(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+    def forward_ragged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+                       batch: RaggedBatch) -> torch.Tensor:
+        """x [N, H]: the windows of B sequences back to back; each attends to its own cache slot."""
+        N = x.shape[0]
+        q, k, v = self._project(x)
+        q = apply_rope(q.view(N, self.n_heads, self.head_dim), cos, sin)  # [N, A, D]
+        k = apply_rope(k.view(N, self.n_kv, self.head_dim), cos, sin)  # [N, K, D]
+        keys, values = cache.write_ragged(layer, batch, k, v.view(N, self.n_kv, self.head_dim))  # [B, K, S', D]
+        if batch.size == 1:  # one window: no padding to scatter into
+            padded = q.unsqueeze(0)  # [1, w, A, D]
         else:
-            k, v = cache.write(layer, start, k, v)  # [1, K, start+w, D]
-            mask = None
-            if w > 1:  # position start+i sees the prefix and window positions <= i
-                mask = torch.ones(w, start + w, dtype=torch.bool).tril(diagonal=start)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(B, w, -1))
+            padded = q.new_zeros(batch.size, batch.width, self.n_heads, self.head_dim)  # [B, w', A, D]
+            padded[batch.row, batch.col] = q
+        out = F.scaled_dot_product_attention(padded.transpose(1, 2), keys, values, attn_mask=batch.mask,
+                                             enable_gqa=True)  # [B, A, w', D]
+        out = out.transpose(1, 2)  # [B, w', A, D]
+        out = out[0] if batch.size == 1 else out[batch.row, batch.col]  # [N, A, D]
+        return self.o_proj(out.reshape(N, -1))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -304,20 +319,83 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class KVCache:
-    """Static per-model cache [L, K, S, D]; positions are written explicitly, never rolled back."""
+@dataclass(frozen=True)
+class RaggedBatch:
+    """Where the N tokens of one pass go: B sequences, sequence b a window of lengths[b] tokens at
+    positions starts[b].. in cache slot slots[b], concatenated in that order.
 
-    def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype = torch.float32):
-        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, max_len, cfg.head_dim)
+    Padded attention: queries are laid out [B, w'] (w' the longest window) and each sequence sees its
+    own slot's keys up to S' = max(starts + lengths); `mask` [B, 1, w', S'] keeps row i of sequence b
+    to keys <= starts[b] + i (its prefix and its window up to itself). Padding rows see key 0 only
+    through that rule, so they never produce NaN; their outputs are dropped.
+    """
+
+    slots: torch.Tensor  # [B] cache slot of each sequence
+    starts: tuple[int, ...]  # [B] position of each window's first token
+    positions: torch.Tensor  # [N] absolute position of each token
+    token_slot: torch.Tensor  # [N] cache slot of each token
+    row: torch.Tensor  # [N] sequence index b of each token
+    col: torch.Tensor  # [N] index of each token inside its window
+    width: int  # w': the longest window
+    span: int  # S': keys any sequence attends to
+    mask: torch.Tensor | None  # [B, 1, w', S'] (None: one single-token window, which sees everything)
+
+    @property
+    def size(self) -> int:
+        return len(self.starts)
+
+    @classmethod
+    def build(cls, slots: list[int], starts: list[int], lengths: list[int]) -> RaggedBatch:
+        if not slots or len(slots) != len(starts) or len(slots) != len(lengths) or min(lengths) < 1:
+            raise ValueError(f"need one or more windows of >= 1 token, got {lengths}")
+        if len(slots) == 1:  # one window (a request alone, a prefill): no gathers, as few ops as can be
+            return cls._single(slots[0], starts[0], lengths[0])
+        lens = torch.tensor(lengths)
+        start = torch.tensor(starts)
+        row = torch.repeat_interleave(torch.arange(len(slots)), lens)  # [N]
+        first = torch.cumsum(lens, 0) - lens  # [B] flat index of each window's first token
+        col = torch.arange(row.shape[0]) - first[row]  # [N]
+        width, span = int(lens.max()), int((start + lens).max())
+        visible = start[:, None] + torch.arange(width)[None, :]  # [B, w'] last key each row sees
+        mask = (torch.arange(span)[None, None, :] <= visible[:, :, None]).unsqueeze(1)  # [B, 1, w', S']
+        slot_t = torch.tensor(slots)
+        return cls(slots=slot_t, starts=tuple(starts), positions=start[row] + col, token_slot=slot_t[row], row=row,
+                   col=col, width=width, span=span, mask=mask)
+
+    @classmethod
+    def _single(cls, slot: int, start: int, w: int) -> RaggedBatch:
+        col = torch.arange(w)
+        # position start+i sees the prefix and window positions <= i
+        mask = torch.ones(w, start + w, dtype=torch.bool).tril(diagonal=start)[None, None] if w > 1 else None
+        return cls(slots=torch.tensor([slot]), starts=(start,), positions=col + start,
+                   token_slot=torch.full((w,), slot), row=torch.zeros(w, dtype=torch.long), col=col, width=w,
+                   span=start + w, mask=mask)
+
+
+class KVCache:
+    """Static cache [L, slots, K, S, D]: one slot per sequence in flight; positions are written
+    explicitly and never rolled back (a rejected draft's slot is overwritten by the next window)."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int, slots: int = 1, dtype: torch.dtype = torch.float32):
+        shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
         self.max_len = max_len
+        self.slots = slots
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = start + k.shape[2]
-        self.k[layer, :, start:end] = k[0]
-        self.v[layer, :, start:end] = v[0]
-        return self.k[layer, :, :end].unsqueeze(0), self.v[layer, :, :end].unsqueeze(0)
+    def write_ragged(self, layer: int, batch: RaggedBatch, k: torch.Tensor,
+                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [N, K, D] at each token's (slot, position) -> the batch's keys, values [B, K, S', D]."""
+        ck, cv = self.k[layer], self.v[layer]  # [slots, K, S, D]
+        if batch.size == 1:  # one window: contiguous positions, written and read through views
+            slot, start = int(batch.slots[0]), batch.starts[0]
+            ck[slot, :, start:batch.span] = k.transpose(0, 1)  # [K, w, D]
+            cv[slot, :, start:batch.span] = v.transpose(0, 1)
+            return ck[slot:slot + 1, :, :batch.span], cv[slot:slot + 1, :, :batch.span]
+        ck[batch.token_slot, :, batch.positions] = k
+        cv[batch.token_slot, :, batch.positions] = v
+        # index_select on the first dim is a plain row copy (advanced indexing here is several times slower)
+        return ck[:, :, :batch.span].index_select(0, batch.slots), cv[:, :, :batch.span].index_select(0, batch.slots)
 
 
 @dataclass
@@ -370,22 +448,33 @@ class Transformer(nn.Module):
             return self.kernels.linear(h.contiguous(), self.lm_head.weight)
         return self.lm_head(h)
 
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache) -> ForwardOutput:
-        """tokens [w] at positions start..start+w-1 -> logits [w, V] and the routed ids."""
-        w = tokens.shape[0]
-        cos, sin = self.rope_cos[start:start + w], self.rope_sin[start:start + w]  # [w, D]
-        x = self.embed_tokens(tokens).unsqueeze(0)  # [1, w, H]
+    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, slot: int = 0) -> ForwardOutput:
+        """tokens [w] at positions start..start+w-1 of cache slot `slot` -> logits [w, V] and the routed ids."""
+        return self.forward_ragged(tokens, RaggedBatch.build([slot], [start], [tokens.shape[0]]), cache)
+
+    def forward_ragged(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache) -> ForwardOutput:
+        """tokens [N]: the windows of `batch` back to back -> logits [N, V], routed ids [L, N, m].
+
+        Everything but attention is per token, so it runs on all N at once (the MoE layer sees the
+        whole pass: its union is the batch union); attention is one padded call per layer.
+        """
+        if batch.size == 1:  # contiguous positions: slices, not gathers
+            first, last = batch.starts[0], batch.span
+            cos, sin = self.rope_cos[first:last, None], self.rope_sin[first:last, None]  # [N, 1, D]
+        else:
+            cos, sin = self.rope_cos[batch.positions, None], self.rope_sin[batch.positions, None]  # [N, 1, D]
+        x = self.embed_tokens(tokens)  # [N, H]
         ids = []
         for i, layer in enumerate(self.layers):
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, cache, i, start)
-            h = layer.post_attention_layernorm(x)[0]  # [w, H]
+            x = x + layer.self_attn.forward_ragged(layer.input_layernorm(x), cos, sin, cache, i, batch)
+            h = layer.post_attention_layernorm(x)  # [N, H]
             if self.cfg.is_moe:
                 h, _, routed = layer.mlp(h)
                 ids.append(routed)
             else:
                 h = layer.mlp(h)
-            x = x + h.unsqueeze(0)
-        return ForwardOutput(logits=self.output_logits(self.norm(x[0])), routed_ids=torch.stack(ids) if ids else None)
+            x = x + h
+        return ForwardOutput(logits=self.output_logits(self.norm(x)), routed_ids=torch.stack(ids) if ids else None)
 
     def forward_train(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] -> (logits [B, T, V], load-balancing loss); no cache."""
@@ -394,7 +483,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)  # [B, T, H]
         balance = x.new_zeros(())
         for layer in self.layers:
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, None, 0, 0)
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin)
             h = layer.post_attention_layernorm(x).reshape(B * T, -1)
             if self.cfg.is_moe:
                 h, logits, ids = layer.mlp(h)

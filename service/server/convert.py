@@ -221,6 +221,7 @@ def info_to_pb(info: ModelInfo) -> pb.ModelInfo:
         policy_switch_seconds=info.policy_switch_seconds,
         policy_switches=info.policy_switches,
         concurrent_policies=info.concurrent_policies,
+        device=info.device,
     )
 
 
@@ -243,4 +244,5 @@ def info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
         policy_switch_seconds=msg.policy_switch_seconds,
         policy_switches=msg.policy_switches,
         concurrent_policies=msg.concurrent_policies,
+        device=msg.device,
     )

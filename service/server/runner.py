@@ -11,8 +11,9 @@ Contract:
 - A deadline (time.monotonic() seconds) makes `should_stop()` true once it passes, so the engine
   stops even if the caller's cancellation arrives late.
 
-The torch engine serves one request at a time behind its own lock, so with it extra workers only
-wait on that lock: concurrency is a queue. Backends that batch (sglang) gain from `workers > 1`.
+Backends batch concurrent calls (the torch engine verifies every request in flight in one pass,
+up to its `max_batch`), so the server runs as many workers as the backend has batch
+slots: each worker is one caller blocked in `generate` while the backend's scheduler runs them all.
 """
 
 from __future__ import annotations

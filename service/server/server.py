@@ -37,7 +37,7 @@ SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = pick a free port
-    workers: int = 1  # engine threads
+    workers: int | None = None  # concurrent generate() callers; None: the backend's batch slots (`max_batch`)
     max_queue: int = 16  # generations waiting for a worker before RESOURCE_EXHAUSTED
     admin_token: str | None = None  # None: SetPolicy refused
     tls_cert: bytes | None = None  # PEM; with tls_key, serve TLS only
@@ -56,8 +56,10 @@ class MoespecServer:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ):
         self.config = config
+        self._backend = backend
         self.info = backend.info
-        self.runner = EngineRunner(backend, workers=config.workers, max_queue=config.max_queue)
+        workers = config.workers or max(1, getattr(backend, "max_batch", 1))
+        self.runner = EngineRunner(backend, workers=workers, max_queue=config.max_queue)
         self.policies = PolicyStore(self.info, config.initial_policy)
         self._telemetry = telemetry
         self._interceptors = tuple(interceptors)
@@ -78,7 +80,8 @@ class MoespecServer:
         ]
         server = grpc.aio.server(options=options, interceptors=self._interceptors)
         pb_grpc.add_InferenceServicer_to_server(
-            InferenceServicer(self.runner, self.info, self.policies, self._telemetry), server
+            InferenceServicer(self.runner, self.info, self.policies, self._telemetry,
+                              live_info=lambda: self._backend.info), server
         )
         pb_grpc.add_PolicyAdminServicer_to_server(PolicyAdminServicer(self.policies, cfg.admin_token), server)
         self._health = health.aio.HealthServicer()

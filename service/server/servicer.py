@@ -108,10 +108,13 @@ class _Failure(Exception):
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, runner: EngineRunner, info: ModelInfo, policies: PolicyStore, telemetry: Telemetry | None):
+    def __init__(self, runner: EngineRunner, info: ModelInfo, policies: PolicyStore, telemetry: Telemetry | None,
+                 live_info: Callable[[], ModelInfo] | None = None):
         self._runner = runner
         self._info = info
-        self._info_pb = convert.info_to_pb(info)
+        # Some fields change while serving (SGLang's policy_switches / policy_switch_seconds,
+        # decode_step_seconds), so GetModelInfo reads the backend's current info when given it.
+        self._live_info = live_info or (lambda: info)
         self._policies = policies
         self._telemetry = telemetry or NoTelemetry()
 
@@ -160,7 +163,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         yield convert.final_chunk_to_pb(result, trace_id, tail_text, tail_ids)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        return self._info_pb
+        return convert.info_to_pb(self._live_info())
 
     async def _generate(
         self,

@@ -13,6 +13,14 @@ and a step that accepted a drafts moves the start by a + 1. Accepted drafts are 
 that equal the committed tokens at their positions (a rejected draft never equals the token the
 target put there: greedy picks another argmax, rejection sampling resamples without it).
 
+NGRAM padding: SGLang's NGRAM always verifies k + 1 tokens. When its trie matches j < k tokens
+it fills the window with filler drafts (token 0) hung off the root as siblings, e.g. no match:
+input_ids [t, 0, 0, 0] at positions [s, s+1, s+1, s+1]; j = 2: [t, a, b, 0, 0] at
+[s, s+1, s+2, s+1, s+1]. The filler runs through every layer (real cost: it stays in the window's
+unions) but was not drafted: a draft is padding when it is the filler token, shares its position
+with another node of the window, and was not accepted. (A real draft of token 0 next to padding
+would be counted as padding too; the target accepting a filler makes it a real, accepted draft.)
+
 Passes of the draft model (dense: no routed ids in the MoE layers) and DECODE passes while
 speculating (those are draft steps) are skipped. One request appears at most once per pass;
 identical concurrent requests are told apart by that rule and batch order, which is harmless:
@@ -26,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from service.sglang_backend.records import ForwardMode, ForwardPass
+
+NGRAM_FILLER = 0  # the token SGLang's NGRAM pads short matches with (0.5.23, observed on the real thing)
 
 
 @dataclass(frozen=True)
@@ -50,10 +60,15 @@ class Window:
     topk_ids: torch.Tensor  # [L, w, 8] logical ids, -1 = none
     accepted: int  # drafts the target accepted
     committed: int  # tokens this step added to the output (accepted + 1, less what the end cut)
+    padding: int = 0  # NGRAM filler drafts in the window (verified, never drafted)
 
     @property
     def width(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def drafted(self) -> int:
+        return self.width - 1 - self.padding
 
 
 def segments(p: ForwardPass, verify_width: int) -> list[tuple[int, int]]:
@@ -115,6 +130,7 @@ def attribute(
                 topk_ids=p.topk_ids[:, offset:offset + length],
                 accepted=accepted,
                 committed=committed,
+                padding=padding(p.input_ids[offset:offset + length], p.positions[offset:offset + length], accepted),
             ))
             taken.add(best)
             next_start[best] = start + accepted + 1
@@ -137,6 +153,13 @@ def _leading_matches(p: ForwardPass, offset: int, length: int, seq: tuple[int, .
             break
         accepted += 1
     return accepted
+
+
+def padding(input_ids: tuple[int, ...], positions: tuple[int, ...], accepted: int) -> int:
+    """NGRAM filler drafts of one window: filler token, a shared position, not accepted."""
+    shared = {p for p in positions if positions.count(p) > 1}
+    return sum(1 for j in range(accepted + 1, len(input_ids))
+               if input_ids[j] == NGRAM_FILLER and positions[j] in shared)
 
 
 def unique_experts(topk_ids: torch.Tensor, moe_layers: tuple[int, ...], num_experts: int) -> tuple[int, ...]:

@@ -56,7 +56,8 @@ class BackendConfig:
     spec: SpecConfig
     base_kwargs: dict  # sglang.Engine arguments shared by every policy
     record_dir: Path | None  # None: expert recording off (counts only, no unions)
-    tokenizer_path: Path | None  # tokenizer.json for text prompts
+    keep_records: bool = False  # archive every read dump with its request's tokens and meta_info
+    tokenizer_path: Path | None = None  # tokenizer.json for text prompts
     capture_topk: bool = False
     calibrate: bool = True  # measure a plain decode step (and a first swap) at start-up
     cleanup: tuple[Path, ...] = ()  # temp dirs this backend made (recorder dumps, checkpoint view)
@@ -67,7 +68,7 @@ class SGLangBackend:
         self.config = config
         self.info: ModelInfo = config.info
         self._lock = threading.Lock()
-        self._slot = EngineSlot(sglang, config.base_kwargs, config.record_dir)
+        self._slot = EngineSlot(sglang, config.base_kwargs, config.record_dir, config.keep_records)
         self._tokenizer = _load_tokenizer(config.tokenizer_path)
         self._decode_samples: deque[float] = deque(maxlen=CALIBRATION_WINDOW)
         self._starts = 0  # engines started so far; every start after the first is a policy switch
@@ -93,7 +94,8 @@ class SGLangBackend:
         with self._lock:
             self._ensure(policy)
             run = self._run(prompt, request, should_stop, on_delta)
-            passes = self._slot.take_passes()
+            passes = self._slot.take_passes(evidence={"policy": dataclasses.asdict(policy), "prompt_ids": prompt,
+                                                      "output_ids": list(run.output_ids), "meta_info": run.meta})
             done = FinishedRequest(RequestTokens(tuple(prompt), run.output_ids), run.meta, run.seconds - run.ttft)
             decode_step = self.info.decode_step_seconds
             if policy.draft_length == 0 and not run.cancelled:
@@ -146,7 +148,7 @@ class SGLangBackend:
         prompt = list(range(1, 9))
         request = GenerationRequest(prompt_token_ids=tuple(prompt), max_new_tokens=WARMUP_TOKENS)
         run = self._run(prompt, request, None, None, greedy=True)
-        self._slot.take_passes()  # the warm-up's passes belong to no request
+        self._slot.take_passes(evidence={"warm_up": True})  # its passes belong to no request
         if not plain:
             return None
         return FinishedRequest(RequestTokens(tuple(prompt), run.output_ids), run.meta, run.seconds - run.ttft)

@@ -2,11 +2,13 @@
 
 SGLang 0.5.23's Qwen2MoeForCausalLM (python/sglang/srt/models/qwen2_moe.py) always builds its own
 ParallelLMHead and never reads `tie_word_embeddings` (its dense Qwen2 does). A tied Qwen2-MoE
-checkpoint without lm_head.weight (transformers' save_pretrained drops a tied head; moespec's own
-service/engine/weights.py keeps it) would then serve with an uninitialised head. For such a
-directory this module builds a view
-next to it in a temp dir: symlinks to every original file plus `lm_head.safetensors` holding a copy
-of model.embed_tokens.weight. Other checkpoints are served from where they are.
+checkpoint without lm_head.weight (transformers' save_pretrained drops a tied head) would then serve
+with an uninitialised head. For such a directory this module builds a view next to it in a temp dir:
+symlinks to every original file plus `lm_head.safetensors` holding a copy of
+model.embed_tokens.weight. Other checkpoints are served from where they are, and that includes
+moespec's own shipped target: service/engine/weights.py writes lm_head.weight even when tied, so it
+needs no view (checked against the real SGLang on CPU: its greedy output equals the embedded
+engine's).
 """
 
 from __future__ import annotations

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
 from service.cli import UsageError
+from service.sglang_backend import device as devices
 from service.sglang_backend.checkpoint import sglang_model_dir
 from service.sglang_backend.info import build_info
 from service.sglang_backend.model_config import ModelDirError
@@ -20,11 +22,13 @@ from service.sglang_backend.preflight import check_draft, check_target, import_s
 from service.types import Drafter, DraftPolicy, InvalidRequest
 
 ALGORITHMS = (*MODEL_ALGORITHMS, "NGRAM")
-DEFAULT_CHUNKED_PREFILL = 4096  # set explicitly: the per_token recorder sizes its buffer from it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sglang backend (--backend sglang)")
+    group.add_argument("--device", choices=devices.DEVICES, default=devices.CUDA,
+                       help="where SGLang computes: cuda (default) or cpu (SGLang's CPU mode; needs "
+                            "sgl-kernel's CPU ops, see service/sglang_backend/README.md)")
     group.add_argument("--model-path", type=Path, help="target MoE model directory (Hugging Face layout)")
     group.add_argument("--draft-model-path", type=Path,
                        help="draft model directory (STANDALONE: a small model with the target's tokenizer)")
@@ -36,12 +40,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sglang-tp", type=int, default=1, help="tensor-parallel GPUs")
     group.add_argument("--sglang-mem-fraction", type=float, help="mem_fraction_static (SGLang picks by default)")
     group.add_argument("--sglang-context-length", type=int, help="context length (default: the model's)")
-    group.add_argument("--sglang-chunked-prefill", type=int, default=DEFAULT_CHUNKED_PREFILL,
-                       help="chunked_prefill_size")
+    group.add_argument("--sglang-chunked-prefill", type=int,
+                       help="chunked_prefill_size (default 4096 on cuda, 256 on cpu; the per_token recorder "
+                            "sizes its buffer from it)")
     group.add_argument("--sglang-ngram-max-trie-depth", type=int, help="speculative_ngram_max_trie_depth")
     group.add_argument("--sglang-no-expert-record", action="store_true",
                        help="run without the per_token expert recorder (counts only, no expert unions)")
     group.add_argument("--sglang-record-dir", type=Path, help="where the recorder dumps (default: a temp dir)")
+    group.add_argument("--sglang-keep-records", action="store_true",
+                       help="keep every dump read, in --sglang-record-dir/read/NNNNN/ with request.json (the "
+                            "request's policy, prompt and output ids and SGLang's meta_info): raw evidence for "
+                            "offline checks; grows without bound")
     group.add_argument("--sglang-capture-topk", action="store_true", help="keep [L, w, m] routed ids per step")
     group.add_argument("--sglang-no-calibrate", action="store_true",
                        help="skip the plain-decoding start-up run that calibrates the decode step")
@@ -50,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def create_backend(args: argparse.Namespace):
-    """Checks (model directories, then sglang, then CUDA) and the started backend."""
+    """Checks (model directories, then sglang, then CUDA unless --device cpu) and the started backend."""
     from service.sglang_backend.backend import BackendConfig, SGLangBackend
 
     target = check_target(args.model_path)
@@ -65,8 +74,14 @@ def create_backend(args: argparse.Namespace):
     )
     base = base_kwargs(args, record=not args.sglang_no_expert_record)
     policy = initial_policy(args, spec)
+    if args.sglang_keep_records and (args.sglang_record_dir is None or args.sglang_no_expert_record):
+        raise UsageError("--sglang-keep-records needs --sglang-record-dir (the default temp dir is removed at exit) "
+                         "and the recorder on")
+    # SGLang reads its CPU switch when its modules are imported: set before the import.
+    os.environ.update(devices.environment(args.device, dict(os.environ)))
     sglang = import_sglang()
-    require_cuda()
+    if args.device == devices.CUDA:
+        require_cuda()
     cleanup = []
     try:
         served, is_view = sglang_model_dir(args.model_path)
@@ -84,10 +99,11 @@ def create_backend(args: argparse.Namespace):
     max_context = args.sglang_context_length or target.max_context
     config = BackendConfig(
         target=target,
-        info=build_info(target, draft_name, spec, max_context),
+        info=build_info(target, draft_name, spec, max_context, device=args.device),
         spec=spec,
         base_kwargs=base,
         record_dir=record_dir,
+        keep_records=args.sglang_keep_records,
         tokenizer_path=args.model_path / "tokenizer.json",
         capture_topk=args.sglang_capture_topk,
         calibrate=not args.sglang_no_calibrate,
@@ -98,12 +114,14 @@ def create_backend(args: argparse.Namespace):
 
 def base_kwargs(args: argparse.Namespace, record: bool) -> dict:
     """sglang.Engine arguments every policy shares."""
-    if args.sglang_tp < 1 or args.sglang_chunked_prefill < 1:
+    chunked = args.sglang_chunked_prefill or devices.chunked_prefill(args.device)
+    if args.sglang_tp < 1 or chunked < 1:
         raise UsageError("--sglang-tp and --sglang-chunked-prefill must be >= 1")
     out: dict = {
+        **devices.engine_kwargs(args.device),
         "model_path": str(args.model_path),
         "tp_size": args.sglang_tp,
-        "chunked_prefill_size": args.sglang_chunked_prefill,
+        "chunked_prefill_size": chunked,
         # A fused shared expert would occupy a routed-id slot and break the per-layer unions.
         "disable_shared_experts_fusion": True,
     }

@@ -7,6 +7,7 @@ which two threads cannot share, so the backend calls this under its lock.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -25,10 +26,12 @@ RECORDER_DIR_ENV = "SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR"
 
 
 class EngineSlot:
-    def __init__(self, sglang: ModuleType, base_kwargs: dict, record_dir: Path | None):
+    def __init__(self, sglang: ModuleType, base_kwargs: dict, record_dir: Path | None, keep_records: bool = False):
         self._sglang = sglang
         self._base = dict(base_kwargs)
         self._record_dir = record_dir  # None: the recorder is off
+        self._keep = keep_records  # archive what was read instead of deleting it
+        self._archived = 0
         self._engine = None
         self._key: tuple | None = None
         self._passes_read = 0  # numbering continues across dumps so pass indices stay unique
@@ -69,16 +72,26 @@ class EngineSlot:
         # Engine has no abort method; its tokenizer manager's is what /abort_request calls.
         self._engine.tokenizer_manager.abort_request(rid=rid)
 
-    def take_passes(self) -> list[ForwardPass]:
-        """Every pass recorded since the last call, in run order (files read and deleted)."""
+    def take_passes(self, evidence: dict | None = None) -> list[ForwardPass]:
+        """Every pass recorded since the last call, in run order (files read, then deleted or, with
+        keep_records, moved to `read/NNNNN/` beside `evidence` as request.json)."""
         if self._record_dir is None or self._engine is None:
             return []
         self._engine.dump_expert_distribution_record()  # blocks until the scheduler has written
         passes: list[ForwardPass] = []
         for path in dump_files(self._record_dir, rank=0):
             passes.extend(load_dump(path, start_index=self._passes_read + len(passes)))
+        archive = None
+        if self._keep:
+            archive = self._record_dir / "read" / f"{self._archived:05d}"
+            archive.mkdir(parents=True)
+            (archive / "request.json").write_text(json.dumps(evidence or {}))
+            self._archived += 1
         for path in self._record_dir.glob("expert_distribution_recorder_*.pt"):
-            path.unlink(missing_ok=True)
+            if archive is not None:
+                path.rename(archive / path.name)
+            else:
+                path.unlink(missing_ok=True)
         # The rank in the name is the MoE EP rank, so under TP without EP every TP rank writes a
         # `_0` copy of the same passes. Reading them all is harmless: attribution follows each
         # request's chain of positions, and a repeated pass no longer matches where it continues.

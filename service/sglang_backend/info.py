@@ -9,7 +9,7 @@ from service.types import MAX_DRAFT_LENGTH, ModelInfo
 
 
 def build_info(target: MoeGeometry, draft_name: str, spec: SpecConfig, max_context: int,
-               decode_step_seconds: float = 0.0) -> ModelInfo:
+               decode_step_seconds: float = 0.0, device: str = "cuda") -> ModelInfo:
     return ModelInfo(
         backend="sglang",
         model_name=target.name,
@@ -26,4 +26,5 @@ def build_info(target: MoeGeometry, draft_name: str, spec: SpecConfig, max_conte
         expert_bytes=target.expert_bytes,
         decode_step_seconds=decode_step_seconds,
         concurrent_policies=False,  # speculation is fixed at engine start-up: one policy at a time
+        device=device,
     )

@@ -82,9 +82,9 @@ def verify_width(policy: DraftPolicy) -> int:
 
 
 def effective_policy(policy: DraftPolicy) -> DraftPolicy:
-    """The policy as SGLang runs it: the draft temperature is not SGLang's to set (argmax drafts)."""
-    if policy.draft_length == 0 or policy.drafter is Drafter.NGRAM:
-        return policy
+    """The policy as SGLang runs it: the draft temperature is not SGLang's to set. Model drafts are
+    the draft's argmax, NGRAM proposes deterministically and k = 0 drafts nothing, so every step
+    reports 0.0, whatever the policy carried (its default is 1.0)."""
     return dataclasses.replace(policy, draft_temperature=EFFECTIVE_DRAFT_TEMPERATURE)
 
 

@@ -35,7 +35,7 @@ def steps_from_windows(
     share = decode_seconds / len(windows) if windows else 0.0
     out = []
     for w in windows:
-        drafted = w.width - 1
+        drafted = w.drafted  # NGRAM filler excluded; the window (and its unions) keeps it
         topk = None
         if capture_topk:
             # [L, w, m] over the MoE layers, the recorder's -1 padding columns dropped.
