@@ -2,9 +2,12 @@
 tuner replays the file the server wrote for its measured trial, stores the prediction beside the
 measurement and measures the predicted best shorter length next.
 
-The study is created before the tuner starts with one enqueued trial, the model drafter at k=8
-(greedy draft), so the tuner's baselines are not added and the first measured trial is one whose
-shorter lengths the replay can judge: at this model's acceptance (~0.5) k=8 is never the cheapest."""
+The study is created before the tuner starts with one enqueued trial, the model drafter at k=8 and
+draft temperature 1.5, so the tuner's baselines are not added and the first measured trial is one
+whose shorter lengths the replay judges clearly: a draft that hot is almost never accepted (~0.05
+per position), so eight drafts and a nine-position verify buy nothing and a shorter length (as a
+rule plain decoding, which this study has not measured yet) is predicted cheaper. (At temperature
+0 the shipped pair agrees often enough that k=8 is sometimes predicted best: not a fixed premise.)"""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from tuner.server_proc import start_server, telemetry_env
 from tuner.space import SearchSpace, policy_key
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-MEASURED = DraftPolicy(Drafter.MODEL, 8, 0.0)
+MEASURED = DraftPolicy(Drafter.MODEL, 8, 1.5)
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +69,13 @@ def test_tuner_enqueues_the_replay_s_best_shorter_length_and_stores_the_predicti
     # k' = k replays the trial itself: its prediction is close to what the spans measured.
     assert 0.75 < attrs["whatif_predicted_at_measured_length"] / first.value < 1.33, attrs
     best = attrs["whatif_best_length"]
-    assert best < MEASURED.draft_length and attrs["whatif_predicted_best"] == attrs["whatif_predicted"][str(best)]
+    assert best < MEASURED.draft_length, (attrs, result.stderr)
+    assert attrs["whatif_predicted_best"] == attrs["whatif_predicted"][str(best)]
     # The next trial is the hint, measured for real on the server (its own policy id in the spans).
     hinted = trials[1]
     assert hinted.user_attrs["whatif_of"] == 0 and hinted.state is TrialState.COMPLETE, result.stderr
     policy = space.policy_from_params(hinted.params, "")
-    expected = DraftPolicy(Drafter.MODEL, best, 0.0) if best else DraftPolicy(draft_length=0)
+    expected = DraftPolicy(Drafter.MODEL, best, MEASURED.draft_temperature) if best else DraftPolicy(draft_length=0)
     assert policy_key(policy) == policy_key(expected)
     assert hinted.user_attrs["committed_tokens"] >= 48
     assert f"trial 0 what-if: {policy_key(expected).label()} predicted" in result.stderr
