@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tuner.server_proc import stop_process
+
 REQUIRE_ENV = "MOESPEC_REQUIRE_BACKENDS"
 PHOENIX_VENV_ENV = "MOESPEC_PHOENIX_VENV"
 
@@ -77,13 +79,7 @@ class Backend:
     log: Path
 
     def stop(self, timeout: float = 15.0) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout)
+        stop_process(self.process, timeout)
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""

@@ -38,6 +38,17 @@ def telemetry_env(otlp_endpoint: str, schedule_delay_ms: int = 200, service_name
     }
 
 
+def stop_process(process: subprocess.Popen, timeout: float = 15.0) -> None:
+    """SIGTERM (a graceful drain), then SIGKILL if it has not exited within `timeout`."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout)
+
+
 @dataclass
 class ServerProcess:
     """A started server; `address` is HOST:PORT. Use as a context manager or call `stop()`."""
@@ -47,13 +58,7 @@ class ServerProcess:
     output: deque = field(default_factory=lambda: deque(maxlen=200))
 
     def stop(self, timeout: float = 15.0) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout)
+        stop_process(self.process, timeout)
 
     def __enter__(self) -> ServerProcess:
         return self
