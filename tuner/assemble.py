@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import optuna
 
@@ -45,6 +46,7 @@ class TuneSettings:
     candidate_share: float = 0.5
     switch_window_factor: float = 10.0
     max_consecutive_duplicates: int = 20
+    whatif_recording: Path | None = None  # the server's --record-steps file (same machine): the what-if hint
 
 
 def trial_mode(settings: TuneSettings, info: ModelInfo) -> TrialMode:
@@ -133,6 +135,7 @@ def assemble(
             candidate_share=settings.candidate_share,
             switch_window_factor=settings.switch_window_factor,
             max_consecutive_duplicates=settings.max_consecutive_duplicates,
+            whatif_recording=settings.whatif_recording,
         ),
         user_attrs=lambda stats: stats.user_attrs(cost, info.decode_step_seconds),
         traffic=collector.traffic,

@@ -3,6 +3,7 @@
     python -m tuner.bench [--out DIR] [--trials 27] [--remeasure 3] ...   (or `moespec bench tuner`)
     moespec bench tuner --scenario noise [--seeds 5] [--trials 10] ...  (tuner/bench_noise.py)
     moespec bench tuner --scenario shift [--steady-seconds 30] ...      (tuner/bench_shift.py)
+    moespec bench tuner --scenario whatif [--seeds 1] [--trials 8] ...  (tuner/bench_whatif.py)
 
 The default scenario (`grid`):
 
@@ -54,17 +55,20 @@ from tuner.window import Objective, WindowSpec
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Exhaustive grid vs the online tuner on one workload; writes bench.json / bench.md."
     parser.add_argument("--out", type=Path, default=None, help="output folder (default ./reports/bench-<timestamp>)")
-    parser.add_argument("--scenario", choices=("grid", "noise", "shift"), default="grid",
+    parser.add_argument("--scenario", choices=("grid", "noise", "shift", "whatif"), default="grid",
                         help="grid: exhaustive grid vs the tuner (default); noise: sequential vs paired trials under "
                              "a background CPU load switching every 10-30 s, several seeds (tuner/bench_noise.py); "
                              "shift: the continuous tuner under a workload shift, a no-shift control and the cost "
-                             "of exploration (tuner/bench_shift.py)")
+                             "of exploration (tuner/bench_shift.py); whatif: the same study with and without the "
+                             "what-if hint, trials / policy switches until each pick is first measured "
+                             "(tuner/bench_whatif.py)")
     parser.add_argument("--trials", type=int, default=None,
                         help="tuner search trials (default 27; 10 per study for --scenario noise)")
     parser.add_argument("--remeasure", type=int, default=None,
                         help="tuner re-measurements (default 3, so 27+3 = 30; 1 for --scenario noise)")
     parser.add_argument("--seeds", type=int, default=5, help="--scenario noise: seeds, each a sequential and a "
-                                                              "paired study (default 5)")
+                                                              "paired study (default 5); --scenario whatif: seeds, "
+                                                              "each a study without and with the hint")
     parser.add_argument("--load-workers", type=int, default=1,
                         help="--scenario noise: processes spinning a core each while the background load is on")
     parser.add_argument("--steady-seconds", type=float, default=30.0,
@@ -109,6 +113,13 @@ def run(args: argparse.Namespace) -> int:
         if args.min_tokens is None:
             args.min_tokens = len(code) * args.max_new_tokens
         return run_shift(args, code, first_prompts(load_prompts(args.shift_prompts), args.prompt_count), out)
+    if args.scenario == "whatif":
+        from tuner.bench_whatif import run_whatif
+
+        prompts = first_prompts(load_prompts(args.prompts), args.prompt_count)
+        if args.min_tokens is None:
+            args.min_tokens = len(prompts) * args.max_new_tokens
+        return run_whatif(args, prompts, out)
     if noise:
         from tuner.bench_noise import run_noise
 

@@ -20,6 +20,7 @@ import socket
 import sys
 import threading
 from contextlib import suppress
+from pathlib import Path
 
 from service.cli import UsageError
 from service.server.client import MoespecClient
@@ -107,6 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pairing.add_argument("--metrics-endpoint", default=None,
                          help="OTLP/gRPC endpoint for the tuner's metrics (moespec.tuner.incumbent); default "
                               "$OTEL_EXPORTER_OTLP_METRICS_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT; none = off")
+    parser.add_argument("--whatif-recording", type=Path, default=None, metavar="FILE",
+                        help="the server's --record-steps FILE (same machine): after each measured trial at draft "
+                             "length k, replay its recorded steps, store the predicted cost of every k' <= k in the "
+                             "trial's user attributes and queue the predicted best shorter length next "
+                             "(a missing or unreadable file is logged, never fatal)")
     parser.add_argument("--fixed-bytes-per-pass", type=int, default=None,
                         help="modelled cost: bytes every verify pass reads besides routed experts "
                              "(default: shared experts at routed-expert size, a lower bound)")
@@ -160,6 +166,7 @@ def settings_from_args(args: argparse.Namespace) -> TuneSettings:
         candidate_share=args.candidate_share,
         switch_window_factor=args.switch_window_factor,
         ep_size=args.ep_size,
+        whatif_recording=args.whatif_recording,
     )
 
 
@@ -206,6 +213,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"tuner: receiving spans on {receiver.endpoint}; study {settings.study_name!r} in {args.storage}",
               file=err, flush=True)
         print(f"tuner: sampler {rationale(settings.sampler)}", file=err, flush=True)
+        if settings.whatif_recording is not None:
+            there = "" if settings.whatif_recording.is_file() else " (not there yet: no hint until it is)"
+            print(f"tuner: what-if hints from {settings.whatif_recording}{there}", file=err, flush=True)
         built = assemble(settings, storage, admin, collector, printer)
         print(f"tuner: trials {built.mode.value} (backend {built.info.backend}, concurrent policies "
               f"{built.info.concurrent_policies}, policy switch {built.info.policy_switch_seconds:.2f} s)",

@@ -56,6 +56,8 @@ class ProgressPrinter:
             if e.paired is not None and e.paired.ratio == e.paired.ratio:  # not NaN
                 paired = f" = {e.paired.ratio:.3f}x control [{e.paired.low:.3f}, {e.paired.high:.3f}]"
             return f"trial {e.trial} {e.state} {fmt_cost(e.value, self._objective)}{paired}{stats}{reason}"
+        if e.kind is EventKind.WHATIF:
+            return f"trial {e.trial} what-if: {e.message}"
         if e.kind is EventKind.CONVERGED:
             return f"search converged after {e.done} measured trials: {e.message}"
         if e.kind is EventKind.INCUMBENT:

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from service.server.client import MoespecClient
 from tuner.admin import PolicyAdmin
@@ -31,6 +32,7 @@ class RigSpec:
     temperature: float = 0.0
     seed: int = 0
     threads: int | None = None
+    record_steps: Path | None = None  # the server's --record-steps file
 
 
 class Rig:
@@ -72,6 +74,8 @@ def open_rig(spec: RigSpec) -> Iterator[Rig]:
         receiver.start()
         stack.callback(receiver.stop, 0.5)
         server_args = ("--threads", str(spec.threads)) if spec.threads else ()
+        if spec.record_steps is not None:
+            server_args += ("--record-steps", str(spec.record_steps))
         server = stack.enter_context(start_server(telemetry_env(receiver.endpoint), token, server_args))
         client = stack.enter_context(MoespecClient(server.address, admin_token=token))
         client.wait_ready(timeout=60)

@@ -17,6 +17,12 @@ Contract (what survives what):
   still learn from it) when far worse than the incumbent, or FAIL when the window starved. The
   incumbent is applied after every trial. `max_consecutive_failures` starved windows in a row stop
   the tuner with `NoTraffic` (a diagnosis, not an endless loop of FAILs).
+- What-if hint (`whatif_recording`, the server's --record-steps file): after a COMPLETE search trial
+  at draft length k > 0, that trial's recorded steps (its policy id is unique) are replayed
+  (tuner/whatif_hint.py); the prediction for every k' <= k is stored in the trial's user
+  attributes and the predicted best shorter length for the same drafter is enqueued as a search
+  trial, unless that policy is already measured or queued. A missing or unreadable recording is
+  logged (event WHATIF, attribute `whatif_error`) and the search goes on without the hint.
 - End: the best `remeasure_top` policies are measured once more (new trials, role "remeasure",
   never pruned);
   the winner is the lowest mean over all measurements of those, applied and stored as the study's
@@ -29,6 +35,7 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -40,6 +47,7 @@ from tuner.collector import Traffic
 from tuner.measure import Measurement, Measurer, Outcome, PairedMeasurement, TrialMode
 from tuner.paired import PairedRatio
 from tuner.space import PolicyKey, SearchSpace, policy_key
+from tuner.whatif_hint import LengthHint, hint_from_prediction, prediction_attributes, replay_trial, user_attributes
 from tuner.window import WindowSpec, WindowStats
 
 
@@ -60,6 +68,8 @@ class TunerConfig:
     candidate_share: float = 0.5  # of the requests, for the candidate arm of a paired trial
     switch_window_factor: float = 10.0  # a window lasts >= this x ModelInfo.policy_switch_seconds
     max_consecutive_duplicates: int = 20  # re-proposals in a row that end the search as converged
+    whatif_recording: Path | None = None  # the server's --record-steps file: enables the what-if hint
+    whatif_margin: float = 0.05  # a shorter length is suggested when predicted cheaper by more than this
 
 
 class EventKind(enum.StrEnum):
@@ -70,6 +80,7 @@ class EventKind(enum.StrEnum):
     TRIAL_FINISHED = "trial_finished"
     CONVERGED = "converged"
     WINNER = "winner"
+    WHATIF = "whatif"  # a what-if hint was enqueued, skipped, or could not be computed (message says which)
 
 
 @dataclass(frozen=True)
@@ -245,13 +256,56 @@ class Tuner:
         paired = self.measure_against(policy, best, progress, lambda: st.beat(trial, self._wall_clock), prune,
                                       cfg.candidate_share)
         m = paired.candidate if isinstance(paired, PairedMeasurement) else paired
+        hint = self._whatif_hint(trial, m) if role == st.ROLE_SEARCH else None
         state = self._tell(trial, m, best, paired if isinstance(paired, PairedMeasurement) else None)
+        if hint is not None and state is TrialState.COMPLETE:
+            self._enqueue_hint(trial.number, hint)
         self._emit(TunerEvent(EventKind.TRIAL_FINISHED, trial.number, role, policy, state.name,
                               m.value if state is not TrialState.FAIL else None, m.stats,
                               st.incumbent(study, self._space), st.search_trials_done(study), cfg.trials,
                               str(trial.user_attrs.get("fail_reason") or trial.user_attrs.get("prune_reason") or ""),
                               paired.ratio if isinstance(paired, PairedMeasurement) else None))
         return state
+
+    def _whatif_hint(self, trial: optuna.Trial, m: Measurement) -> LengthHint | None:
+        """Replay the trial's recorded steps (before it is told: user attributes need a running trial).
+        The hint is advisory: a recording that is missing, unreadable or malformed is logged and
+        stored as `whatif_error`, never raised."""
+        path, policy = self._config.whatif_recording, m.policy
+        if path is None or m.outcome is not Outcome.COMPLETE or policy.draft_length == 0:
+            return None
+        try:
+            # The window's minimum of steps is what the trial itself was measured on.
+            result = replay_trial(path, policy, min_steps=self._measurer.window.min_steps)
+        except (OSError, ValueError, KeyError, ArithmeticError) as e:  # RecordingError is a ValueError
+            reason = f"{type(e).__name__}: {e}"
+            trial.set_user_attr("whatif_error", reason)
+            self._emit(TunerEvent(EventKind.WHATIF, trial.number, policy=policy, message=f"no hint: {reason}"))
+            return None
+        if result is None:
+            trial.set_user_attr("whatif_error", f"fewer than {self._measurer.window.min_steps} recorded steps "
+                                                f"under {policy.policy_id} in {path}")
+            return None
+        hint = hint_from_prediction(result, policy, self._config.whatif_margin)
+        for key, value in (user_attributes(hint) if hint else prediction_attributes(result, policy)).items():
+            trial.set_user_attr(key, value)
+        return hint
+
+    def _enqueue_hint(self, number: int, hint: LengthHint) -> None:
+        """Queue the predicted best shorter length as a search trial, unless already measured or queued."""
+        study, key = self._study, policy_key(hint.suggested)
+        previous = st.previous_result(study, self._space, key)
+        pending = next((t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING))
+                        if policy_key(self._space.policy_from_params(
+                            t.system_attrs.get("fixed_params", t.params), "")) == key), None)
+        predicted = f"{key.label()} predicted {hint.predicted_best * 1e3:.3f} ms/tok"
+        if previous is not None or pending is not None:
+            why = f"measured in trial {previous.number}" if previous is not None else "already queued"
+            self._emit(TunerEvent(EventKind.WHATIF, number, policy=hint.suggested, message=f"{predicted}: {why}"))
+            return
+        study.enqueue_trial(self._space.params_of(hint.suggested),
+                            user_attrs={"role": st.ROLE_SEARCH, "whatif_of": number})
+        self._emit(TunerEvent(EventKind.WHATIF, number, policy=hint.suggested, message=f"{predicted}: enqueued"))
 
     def measure_against(
         self,
@@ -372,7 +426,7 @@ class Tuner:
         traffic on it (noise is handled by pairing and the re-measure phase, not by random repeats).
         It does not count towards --trials; `max_consecutive_duplicates` in a row end the search."""
         for key, value in previous.user_attrs.items():
-            if key not in ("role", "tuner_id", "heartbeat"):
+            if key not in ("role", "tuner_id", "heartbeat", "whatif_of"):  # a copy was not queued by a hint
                 trial.set_user_attr(key, value)
         trial.set_user_attr("duplicate_of", previous.number)
         if previous.state is TrialState.COMPLETE:

@@ -52,15 +52,34 @@ def hint_from_prediction(result: whatif.WhatIf, measured: DraftPolicy, margin: f
     return LengthHint(measured, suggested, predicted, result.steps)
 
 
-def hint_for_trial(recording_path: Path, measured: DraftPolicy, margin: float = 0.05,
-                   min_steps: int = 20) -> LengthHint | None:
+def replay_trial(recording_path: Path, measured: DraftPolicy, min_steps: int = 20) -> whatif.WhatIf | None:
+    """The what-if replay of the steps recorded under `measured.policy_id`; None for plain decoding
+    (nothing shorter) or fewer than `min_steps` recorded steps. Raises RecordingError (a ValueError)
+    for a missing, unreadable or malformed file."""
     if measured.draft_length == 0:
         return None
     recording = read_recording(recording_path)
     requests = trial_requests(recording, measured.policy_id)
     if sum(len(r) for r in requests) < min_steps:
         return None
-    return hint_from_prediction(whatif.predict(requests, recording.header["top_k"]), measured, margin)
+    return whatif.predict(requests, recording.header["top_k"])
+
+
+def hint_for_trial(recording_path: Path, measured: DraftPolicy, margin: float = 0.05,
+                   min_steps: int = 20) -> LengthHint | None:
+    result = replay_trial(recording_path, measured, min_steps)
+    return hint_from_prediction(result, measured, margin) if result is not None else None
+
+
+def prediction_attributes(result: whatif.WhatIf, measured: DraftPolicy) -> dict[str, object]:
+    """The replay's prediction for every k' <= k, whether or not it suggests a shorter length."""
+    predicted = {p.draft_length: p.seconds_per_committed_token for p in result.predictions}
+    return {
+        "whatif_best_length": measured.draft_length,  # overwritten by user_attributes() when a shorter one wins
+        "whatif_predicted_at_measured_length": predicted[measured.draft_length],
+        "whatif_predicted": {str(k): v for k, v in sorted(predicted.items())},
+        "whatif_recorded_steps": result.steps,
+    }
 
 
 def user_attributes(hint: LengthHint) -> dict[str, object]:
