@@ -97,6 +97,16 @@ def test_prefill_longer_than_the_union_window_matches_transformers(target_oracle
     torch.testing.assert_close(got, oracle_logits(target_oracle, ids), atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("length", [17, 64, 128, 129])
+def test_fast_step_passes_past_the_union_window_match_transformers(target_oracle, long_ids, length):
+    """Batched passes of many clients run the fused MoE kernel up to KERNEL_WINDOW_MAX positions."""
+    fast = load_fast(DEFAULT_TARGET_DIR)
+    ids = long_ids[:length]
+    with torch.no_grad():
+        got = fast.forward(ids, 0, KVCache(fast.cfg, length)).logits
+    torch.testing.assert_close(got, oracle_logits(target_oracle, ids), atol=2e-4, rtol=1e-4)
+
+
 def test_windows_up_to_the_last_position_of_the_context_match_transformers(target_oracle, target, long_ids):
     limit = long_ids.shape[0]
     cache = KVCache(target.cfg, limit)

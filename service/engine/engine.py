@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 
 from service import expert_parallel
 from service.engine.kernels import build as build_kernels
-from service.engine.model import KVCache
+from service.engine.model import KERNEL_WINDOW_MAX, KVCache
 from service.engine.scheduler import Scheduler, unique_experts_per_layer
 from service.engine.sequence import Sequence
 from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_for_inference
@@ -61,6 +61,7 @@ class EngineConfig:
     capture_topk: bool = False  # keep [L, w, m] routed ids in every StepRecord
     capture_routing: bool = True  # count unique experts (off only to measure its overhead)
     fast_step: bool = True  # fused expert kernel (kernels.py); False: the previous eager step, to compare
+    kernel_window_max: int = KERNEL_WINDOW_MAX  # largest pass whose MoE blocks take the fused kernel
     ep: expert_parallel.EPSpec | None = None  # estimate each pass's expert-parallel cost for this EP size
     record_steps: Path | None = None  # append every request's steps (top-k ids included) to this file
     max_batch: int = 32  # requests verified together in one pass (KV-cache slots); more wait
@@ -75,7 +76,7 @@ class Engine:
         self.config = config
         kernels = build_kernels() if config.fast_step else None  # None also when no C compiler is found
         self.step_kind = "fast" if kernels else "reference"
-        self.target = load_for_inference(config.target_dir, kernels=kernels)
+        self.target = load_for_inference(config.target_dir, kernels=kernels, kernel_window_max=config.kernel_window_max)
         self.draft = load_for_inference(config.draft_dir, kernels=kernels) if config.draft_dir else None
         self.tokenizer = Tokenizer.from_file(str(Path(config.target_dir) / "tokenizer.json"))
         cfg = self.target.cfg

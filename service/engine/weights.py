@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from service.engine.kernels import Kernels
-from service.engine.model import ModelConfig, Transformer
+from service.engine.model import KERNEL_WINDOW_MAX, ModelConfig, Transformer
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_TARGET_DIR = MODELS_DIR / "target"
@@ -97,9 +97,9 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32) -> Transform
 
 
 def load_for_inference(directory: Path, dtype: torch.dtype = torch.float32,
-                       kernels: Kernels | None = None) -> Transformer:
+                       kernels: Kernels | None = None, kernel_window_max: int = KERNEL_WINDOW_MAX) -> Transformer:
     """load_model with the projections fused for decoding (not for training: the copies would drift);
     with kernels (float32 only), the fast step (see Transformer.fuse_for_inference)."""
     model = load_model(directory, dtype)
-    model.fuse_for_inference(kernels if dtype == torch.float32 else None)
+    model.fuse_for_inference(kernels if dtype == torch.float32 else None, kernel_window_max)
     return model
