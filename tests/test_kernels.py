@@ -186,3 +186,20 @@ def test_a_built_library_is_reused_from_the_cache(tmp_path):
     stamp = first.path.stat().st_mtime_ns
     second = kernels.build(cache_dir=tmp_path)
     assert second.path == first.path and second.path.stat().st_mtime_ns == stamp
+
+
+def test_the_kernel_window_limit_decides_which_path_a_pass_takes(k):
+    """A 32-position pass: past a limit of 16 it is bitwise the eager grouped path (the same module
+    fused without kernels), within a limit of 128 bitwise the fused block."""
+    from service.engine.model import UNION_WINDOW_MAX
+    from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
+
+    eager_model = load_for_inference(DEFAULT_TARGET_DIR)
+    eager = eager_model.layers[0].mlp
+    x = torch.randn(2 * UNION_WINDOW_MAX, eager_model.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    narrow = load_for_inference(DEFAULT_TARGET_DIR, kernels=k, kernel_window_max=UNION_WINDOW_MAX).layers[0].mlp
+    wide = load_for_inference(DEFAULT_TARGET_DIR, kernels=k, kernel_window_max=128).layers[0].mlp
+    with torch.inference_mode():
+        assert torch.equal(narrow(x)[0], eager(x)[0])
+        assert torch.equal(wide(x)[0], wide.forward_kernel(x)[0])
+        assert torch.equal(wide(x)[2], narrow(x)[2])  # the same routing either way

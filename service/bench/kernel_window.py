@@ -1,11 +1,11 @@
 """`moespec bench kernel-window`: batched passes with the fused MoE kernel up to 16 positions vs up to
 KERNEL_WINDOW_MAX (the default), side by side.
 
-Two in-process engines (`EngineConfig.kernel_window_max` 16 and the default), one thread each as the
-server's default picks here; per round and policy, `--clients` concurrent greedy requests on each
-engine, the order reversed every other round so machine drift hits both alike. Prints tokens/s per
-side, the per-round ratio (median and range) and whether the outputs agree; writes
-kernel-window.json to --out.
+Two in-process engines (`EngineConfig.kernel_window_max` 16 and the default) at the thread count
+`moespec serve` picks on this machine (measured once, printed); per round and policy, `--clients`
+concurrent greedy requests on each engine, the order reversed every other round so machine drift
+hits both alike. Prints tokens/s per side, the per-round ratio (median and range) and whether the
+outputs agree; writes kernel-window.json to --out.
 """
 
 from __future__ import annotations
@@ -49,11 +49,13 @@ def concurrent_tokens_per_second(engine, requests: list[GenerationRequest], poli
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.engine import Engine, EngineConfig  # torch only when the benchmark really runs
+    from service.cli.serve import default_threads  # torch only when the benchmark really runs
+    from service.engine import Engine, EngineConfig
     from service.engine.model import KERNEL_WINDOW_MAX, UNION_WINDOW_MAX
 
     requests = load_workload(args.clients, args.max_new_tokens)  # greedy shipped prompts
-    sides = {limit: Engine(EngineConfig(threads=1, kernel_window_max=limit))
+    threads = default_threads()  # what a server started without --threads would use
+    sides = {limit: Engine(EngineConfig(threads=threads, kernel_window_max=limit))
              for limit in (UNION_WINDOW_MAX, KERNEL_WINDOW_MAX)}
     report = []
     try:
