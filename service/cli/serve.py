@@ -59,14 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-temperature", type=float, default=1.0,
                         help="initial draft policy: draft sampling temperature (model drafter)")
     parser.add_argument("--ep-size", type=int, default=0,
-                        help="estimate each verify pass's expert-parallel cost over P ranks (torch backend; "
-                             "spans gain moespec.moe.ep_*); 0 = off")
+                        help="expert-parallel view of each verify pass over P ranks (spans gain moespec.moe.ep_*; "
+                             "torch: estimated from its routing, sglang: from the recorder's physical "
+                             "expert slots); 0 = off")
     parser.add_argument("--ep-placement", type=Path, default=None,
                         help="expert-to-rank placement: a physical-to-logical map [layers, slots] in SGLang's "
                              "shape (.pt or .json); default: contiguous blocks of experts per rank")
     parser.add_argument("--record-steps", type=Path, default=None,
                         help="append every request's steps (routed top-k ids, acceptance, times) to FILE "
-                             "for `moespec whatif` (torch backend)")
+                             "for `moespec whatif`")
     parser.add_argument("--log-level", default="WARNING", help="python logging level")
     otel_cli.add_arguments(parser)
     sglang = _sglang_module()
@@ -125,8 +126,6 @@ def server_config(args: argparse.Namespace, env_token: str | None) -> ServerConf
 
 def create_backend(args: argparse.Namespace) -> Backend:
     if args.backend == "sglang":
-        if args.ep_size or args.record_steps:
-            raise UsageError("--ep-size and --record-steps are implemented for the torch backend only")
         sglang = _sglang_module()
         if sglang is None:
             raise UsageError("the sglang backend is not part of this installation")

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 
 from service.sglang_backend.attribution import RequestTokens, attribute
+from service.sglang_backend.ep import EPConfig
 from service.sglang_backend.meta_info import SpecMeta
 from service.sglang_backend.model_config import MoeGeometry
 from service.sglang_backend.policy import verify_width
@@ -45,6 +46,7 @@ def adapt(
     *,
     decode_step_seconds: float,
     capture_topk: bool = False,
+    ep: EPConfig | None = None,
 ) -> list[AdaptedRequest]:
     """`policy` is the effective one the passes ran under (see policy.effective_policy)."""
     speculative = policy.draft_length > 0
@@ -63,7 +65,7 @@ def adapt(
         complete = len(found) == expected
         if complete:
             steps = steps_from_windows(found, policy, target, decode_seconds=request.decode_seconds,
-                                       decode_step_seconds=decode_step_seconds, capture_topk=capture_topk)
+                                       decode_step_seconds=decode_step_seconds, capture_topk=capture_topk, ep=ep)
         else:
             if passes:
                 log.warning("found %d of %d recorded steps of a request; reporting meta_info counts only",

@@ -58,6 +58,8 @@ class Window:
     input_ids: tuple[int, ...]  # [w]
     positions: tuple[int, ...]  # [w]
     topk_ids: torch.Tensor  # [L, w, 8] logical ids, -1 = none
+    physical_ids: torch.Tensor  # [L, w, 8] physical slot ids as recorded, -1 = none
+    physical_to_logical: torch.Tensor | None  # [L, S] the map SGLang ran the pass with (None: identity)
     accepted: int  # drafts the target accepted
     committed: int  # tokens this step added to the output (accepted + 1, less what the end cut)
     padding: int = 0  # NGRAM filler drafts in the window (verified, never drafted)
@@ -128,6 +130,8 @@ def attribute(
                 input_ids=p.input_ids[offset:offset + length],
                 positions=p.positions[offset:offset + length],
                 topk_ids=p.topk_ids[:, offset:offset + length],
+                physical_ids=p.physical_ids[:, offset:offset + length],
+                physical_to_logical=p.physical_to_logical,
                 accepted=accepted,
                 committed=committed,
                 padding=padding(p.input_ids[offset:offset + length], p.positions[offset:offset + length], accepted),

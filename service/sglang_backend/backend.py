@@ -10,6 +10,10 @@ Contract:
 - Plain-decoding requests keep `info.decode_step_seconds` calibrated (median per-token decode time).
 - Stream deltas carry tokens as SGLang emits them; their `step` is None because steps are only
   known once the recorder is read after the request.
+- With an EP size (ep.py) steps carry the ep_* fields; with `record_steps` every request whose
+  steps all came from the recorder is appended to that file (service/recording.py, the embedded
+  engine's format, for `moespec whatif`). A request rebuilt from meta_info counts alone (recorder
+  off, or passes not found) has no routed ids to record and is left out, with a warning.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from service.recording import StepRecorder
 from service.sglang_backend.adapter import FinishedRequest, adapt
 from service.sglang_backend.attribution import RequestTokens
 from service.sglang_backend.engine_slot import EngineSlot
+from service.sglang_backend.ep import EPConfig
 from service.sglang_backend.meta_info import finish_reason
 from service.sglang_backend.model_config import MoeGeometry
 from service.sglang_backend.policy import SpecConfig, effective_policy, speculative_kwargs
@@ -61,6 +67,8 @@ class BackendConfig:
     capture_topk: bool = False
     calibrate: bool = True  # measure a plain decode step (and a first swap) at start-up
     cleanup: tuple[Path, ...] = ()  # temp dirs this backend made (recorder dumps, checkpoint view)
+    ep: EPConfig | None = None  # fill the steps' ep_* fields (--ep-size)
+    record_steps: Path | None = None  # append every request's steps to this file (--record-steps)
 
 
 class SGLangBackend:
@@ -77,6 +85,9 @@ class SGLangBackend:
                 # Start plain first: calibrates the decode step and measures one real swap.
                 self._ensure(dataclasses.replace(initial_policy, draft_length=0))
             self._ensure(initial_policy)
+        # Opened after the calibration, so the header carries the measured plain decode step.
+        self._recorder = (StepRecorder(config.record_steps, self.info, config.target.hidden_size)
+                          if config.record_steps else None)
 
     # ------------------------------------------------------------------ Backend
     def generate(
@@ -101,7 +112,14 @@ class SGLangBackend:
             if policy.draft_length == 0 and not run.cancelled:
                 self._calibrate(done)
         adapted = adapt(passes, [done], effective_policy(policy), self.config.target,
-                        decode_step_seconds=decode_step, capture_topk=self.config.capture_topk)[0]
+                        decode_step_seconds=decode_step, ep=self.config.ep,
+                        capture_topk=self.config.capture_topk or self._recorder is not None)[0]
+        if self._recorder is not None:
+            if adapted.from_records:
+                self._recorder.write(adapted.steps)  # never raises: a full disk loses the recording only
+            else:
+                log.warning("request not written to %s: its steps were rebuilt from meta_info counts, "
+                            "without routed ids", self.config.record_steps)
         return GenerationResult(
             text=run.text,
             token_ids=run.output_ids,
@@ -122,6 +140,8 @@ class SGLangBackend:
     def close(self) -> None:
         with self._lock:
             self._slot.stop()
+        if self._recorder is not None:
+            self._recorder.close()
         for path in self.config.cleanup:
             shutil.rmtree(path, ignore_errors=True)
 

@@ -12,9 +12,11 @@ import os
 import tempfile
 from pathlib import Path
 
+from service import expert_parallel
 from service.cli import UsageError
 from service.sglang_backend import device as devices
 from service.sglang_backend.checkpoint import sglang_model_dir
+from service.sglang_backend.ep import EPConfig, ep_config
 from service.sglang_backend.info import build_info
 from service.sglang_backend.model_config import ModelDirError
 from service.sglang_backend.policy import MODEL_ALGORITHMS, NEEDS_DRAFT_PATH, SpecConfig
@@ -59,10 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def create_backend(args: argparse.Namespace):
-    """Checks (model directories, then sglang, then CUDA unless --device cpu) and the started backend."""
+    """Checks (model directories, EP and recording flags, then sglang, then CUDA unless --device cpu)
+    and the started backend."""
     from service.sglang_backend.backend import BackendConfig, SGLangBackend
 
     target = check_target(args.model_path)
+    ep = ep_from_args(args, target)
+    record_steps = record_steps_path(args)
     algorithm = args.speculative_algorithm or ("STANDALONE" if args.draft_model_path else "NGRAM")
     model_algorithm = None if algorithm == "NGRAM" else algorithm
     draft_name = check_draft(args.draft_model_path, model_algorithm, NEEDS_DRAFT_PATH)
@@ -108,8 +113,42 @@ def create_backend(args: argparse.Namespace):
         capture_topk=args.sglang_capture_topk,
         calibrate=not args.sglang_no_calibrate,
         cleanup=tuple(cleanup),
+        ep=ep,
+        record_steps=record_steps,
     )
     return SGLangBackend(config, sglang, policy)
+
+
+def ep_from_args(args: argparse.Namespace, target) -> EPConfig | None:
+    """serve's --ep-size / --ep-placement (service.cli.serve.ep_spec reads them) against this model."""
+    from service.cli.serve import ep_spec  # serve imports this package lazily: no cycle at import time
+
+    if not getattr(args, "ep_size", 0) and getattr(args, "ep_placement", None) is None:
+        return None  # off (or a parser without serve's flags)
+    spec = ep_spec(args)
+    if spec is None:
+        return None
+    if args.sglang_no_expert_record:
+        raise UsageError("--ep-size needs the expert recorder (drop --sglang-no-expert-record)")
+    try:
+        return ep_config(spec, target)
+    except expert_parallel.PlacementError as e:
+        raise UsageError(f"--ep-placement: {e}" if args.ep_placement else f"--ep-size: {e}") from None
+
+
+def record_steps_path(args: argparse.Namespace) -> Path | None:
+    """--record-steps FILE, checked writable now rather than after minutes of engine start-up."""
+    path = getattr(args, "record_steps", None)
+    if path is None:
+        return None
+    if args.sglang_no_expert_record:
+        raise UsageError("--record-steps needs the expert recorder (drop --sglang-no-expert-record)")
+    try:
+        with Path(path).open("a"):  # creates it if missing; appends nothing
+            pass
+    except OSError as e:
+        raise UsageError(f"--record-steps: cannot write {path}: {e.strerror}") from None
+    return Path(path)
 
 
 def base_kwargs(args: argparse.Namespace, record: bool) -> dict:

@@ -31,6 +31,7 @@ class MoeGeometry:
     vocab_size: int
     max_context: int
     expert_bytes: int  # one routed expert's gate, up and down projections
+    hidden_size: int = 0  # width of a token's hidden state (what EP dispatch moves per pair)
 
 
 def read_config(model_dir: Path) -> dict:
@@ -71,6 +72,7 @@ def moe_geometry(model_dir: Path) -> MoeGeometry:
         vocab_size=int(cfg.get("vocab_size", 0)),
         max_context=int(cfg.get("max_position_embeddings", 0)),
         expert_bytes=3 * hidden * intermediate * _DTYPE_BYTES.get(dtype, 2),
+        hidden_size=hidden,
     )
 
 

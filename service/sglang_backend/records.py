@@ -52,7 +52,8 @@ class RecorderFormatError(ValueError):
 
 @dataclass(frozen=True)
 class ForwardPass:
-    """One recorded forward pass, expert ids already mapped to logical ids."""
+    """One recorded forward pass: expert ids mapped to logical ids, and the physical ones as recorded
+    (the slot each pair really went to; the EP view needs them, see ep.py)."""
 
     index: int  # position in the dump order (the run order)
     mode: int  # a ForwardMode value; unknown values are kept and ignored downstream
@@ -60,6 +61,8 @@ class ForwardPass:
     positions: tuple[int, ...]  # [n]
     extend_seq_lens: tuple[int, ...] | None
     topk_ids: torch.Tensor  # [L, n, 8] int32 logical expert ids, -1 = none
+    physical_ids: torch.Tensor  # [L, n, 8] int32 physical slot ids as recorded, -1 = none
+    physical_to_logical: torch.Tensor | None  # [L, S] int64, the dump's map (None: the dump had none)
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +91,8 @@ def load_dump(path: Path, start_index: int = 0) -> list[ForwardPass]:
             f"{path}: no 'records' list; was the engine started with expert_distribution_recorder_mode='per_token'?"
         )
     mapping = data.get("last_physical_to_logical_map")
+    if mapping is not None:
+        mapping = mapping.to(torch.int64)  # one map per dump, shared by its passes
     return [_parse(record, start_index + i, mapping, path) for i, record in enumerate(data["records"])]
 
 
@@ -102,13 +107,16 @@ def _parse(record: dict, index: int, mapping: torch.Tensor | None, path: Path) -
             f"{path}: record {index}: topk_ids_of_layer {tuple(ids.shape)} does not fit {n} tokens"
         )
     lens = record["extend_seq_lens"]
+    physical = ids.to(torch.int32)
     return ForwardPass(
         index=index,
         mode=int(record["forward_mode"]),
         input_ids=tuple(int(t) for t in record["input_ids"]),
         positions=tuple(int(p) for p in record["positions"]),
         extend_seq_lens=None if lens is None else tuple(int(x) for x in lens),
-        topk_ids=to_logical(ids.to(torch.int32), mapping),
+        topk_ids=to_logical(physical, mapping),
+        physical_ids=physical,
+        physical_to_logical=mapping,
     )
 
 

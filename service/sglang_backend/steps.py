@@ -8,14 +8,18 @@ Pure Python on plain data: no SGLang, no GPU. What SGLang does not tell, and how
 - The first output token comes from the prefill (an EXTEND pass), not from a step, so
   committed_tokens = completion_tokens - 1 (the embedded engine counts it in its first step).
 - When the recorder is off or a request's windows cannot all be found, the steps are rebuilt from
-  meta_info's histogram (counts exact, order and experts unknown: unique_experts all 0).
+  meta_info's histogram (counts exact, order and experts unknown: unique_experts all 0, no EP view).
+- With an EP size (ep.py) every window's step carries the ep_* fields; should SGLang's map not
+  split into P ranks (redundant experts), the request's steps go without them and a warning says why.
 """
 
 from __future__ import annotations
 
 import logging
 
+from service import expert_parallel
 from service.sglang_backend.attribution import Window, unique_experts
+from service.sglang_backend.ep import EPConfig, window_view
 from service.sglang_backend.meta_info import SpecMeta
 from service.sglang_backend.model_config import MoeGeometry
 from service.types import DraftPolicy, SpecStats, StepRecord
@@ -31,10 +35,12 @@ def steps_from_windows(
     decode_seconds: float,
     decode_step_seconds: float,
     capture_topk: bool = False,
+    ep: EPConfig | None = None,
 ) -> list[StepRecord]:
     share = decode_seconds / len(windows) if windows else 0.0
+    views = _ep_views(windows, ep)
     out = []
-    for w in windows:
+    for w, view in zip(windows, views, strict=True):
         drafted = w.drafted  # NGRAM filler excluded; the window (and its unions) keeps it
         topk = None
         if capture_topk:
@@ -43,8 +49,19 @@ def steps_from_windows(
                          for layer in target.moe_layers)
         out.append(_record(policy, target, drafted, w.accepted, w.committed, w.width,
                            unique_experts(w.topk_ids, target.moe_layers, target.num_experts),
-                           share, decode_step_seconds, topk, w.input_ids if capture_topk else None))
+                           share, decode_step_seconds, topk, w.input_ids if capture_topk else None,
+                           {} if view is None else expert_parallel.step_fields(view)))
     return out
+
+
+def _ep_views(windows: list[Window], ep: EPConfig | None) -> list[expert_parallel.PassView | None]:
+    if ep is None:
+        return [None] * len(windows)
+    try:
+        return [window_view(w, ep) for w in windows]
+    except expert_parallel.PlacementError as e:  # telemetry only: the request itself is fine
+        log.warning("no EP view for this request: %s", e)
+        return [None] * len(windows)
 
 
 def steps_from_meta(
@@ -64,7 +81,7 @@ def steps_from_meta(
         accepted = [a for a, count in enumerate(meta.histogram) for _ in range(count)]
     share = decode_seconds / len(accepted) if accepted else 0.0
     k = policy.draft_length if meta is not None else 0
-    return [_record(policy, target, k, a, a + 1, k + 1, zeros, share, decode_step_seconds, None, None)
+    return [_record(policy, target, k, a, a + 1, k + 1, zeros, share, decode_step_seconds, None, None, {})
             for a in accepted]
 
 
@@ -79,7 +96,7 @@ def spec_stats(steps: list[StepRecord], policy: DraftPolicy, target: MoeGeometry
 
 def _record(policy: DraftPolicy, target: MoeGeometry, drafted: int, accepted: int, committed: int, window: int,
             unique: tuple[int, ...], seconds: float, decode_step_seconds: float,
-            topk: tuple | None, window_ids: tuple[int, ...] | None) -> StepRecord:
+            topk: tuple | None, window_ids: tuple[int, ...] | None, ep_fields: dict) -> StepRecord:
     return StepRecord(
         drafter=policy.drafter,
         draft_length=policy.draft_length,
@@ -98,4 +115,5 @@ def _record(policy: DraftPolicy, target: MoeGeometry, drafted: int, accepted: in
         decode_step_equivalents=seconds / decode_step_seconds if decode_step_seconds > 0 else 0.0,
         topk_ids=topk,
         window_ids=window_ids,
+        **ep_fields,
     )
