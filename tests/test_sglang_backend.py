@@ -211,3 +211,60 @@ def test_get_model_info_follows_every_swap_over_grpc(tmp_path, journal):
     finally:
         server.stop()
         backend.close()
+
+
+# -- `moespec serve --backend sglang --ep-size P --record-steps FILE` ------------------------------
+
+
+def serve_backend(tmp_path, *extra):
+    """Through `moespec serve`'s own parser and create_backend: --ep-size, --ep-placement and
+    --record-steps are serve's flags, shared with the torch backend."""
+    from service.cli import serve
+
+    target, draft = model_dirs(tmp_path)
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--backend", "sglang", "--model-path", str(target), "--draft-model-path", str(draft),
+                              *map(str, extra)])
+    return serve.create_backend(args)
+
+
+def test_ep_fields_and_the_step_recording_agree_with_a_recount(tmp_path, journal, capsys):
+    from service.cli import main
+    from service.recording import read_recording
+    from tests.test_sglang_ep import recount_physical
+
+    path = tmp_path / "steps.jsonl"
+    backend = serve_backend(tmp_path, "--ep-size", "4", "--record-steps", path)
+    results = [backend.generate(request(name), K3) for name in ("A", "B")]
+    backend.close()
+    recording = read_recording(path)
+    assert recording.header["hidden_size"] == 256 and recording.header["decode_step_seconds"] > 0
+    # Only the two requests: the start-up calibration and each swap's warm-up are not traffic.
+    assert [len(r) for r in recording.requests] == [len(r.steps) for r in results] == [3, 4]
+    identity = [list(range(64))] * 4  # the fixture dump's map
+    for result, recorded in zip(results, recording.requests, strict=True):
+        for step, row in zip(result.steps, recorded, strict=True):
+            assert (row.accepted, row.committed, row.window, row.window_ids, row.unique_experts) == (
+                step.accepted, step.committed, step.window, step.window_ids, step.unique_experts)
+            # From the ids the file holds, by plain sets: the fields the spans export.
+            assert (list(step.ep_ranks_touched), list(step.ep_max_rank_experts), step.ep_dispatch_bytes) == \
+                recount_physical(row.topk_ids, identity, 4)
+    assert main(["whatif", str(path), "--ep-size", "4"]) == 0
+    predictions = json.loads((tmp_path / "steps.jsonl.whatif.json").read_text())["predictions"]
+    assert [p["draft_length"] for p in predictions] == [0, 1, 2, 3]
+    assert "EP ranks / layer" in capsys.readouterr().out  # the table has the EP columns
+
+
+@pytest.mark.parametrize(("extra", "reason"), [
+    (("--ep-size", "3"), "--ep-size: 64 experts per layer do not split into 3 equal ranks"),
+    (("--ep-size", "2", "--sglang-no-expert-record"), "--ep-size needs the expert recorder"),
+    (("--record-steps", "steps.jsonl", "--sglang-no-expert-record"), "--record-steps needs the expert recorder"),
+    (("--record-steps", "/nonexistent/folder/steps.jsonl"), "--record-steps: cannot write"),
+], ids=["size-does-not-split", "ep-without-recorder", "record-without-recorder", "unwritable"])
+def test_bad_ep_and_recording_flags_fail_before_any_engine_starts(tmp_path, journal, extra, reason):
+    from service.cli import UsageError
+
+    with pytest.raises(UsageError, match=reason):
+        serve_backend(tmp_path, *extra)
+    assert not journal
