@@ -7,7 +7,8 @@ recorder dumps (--sglang-keep-records), each beside SGLang's own meta_info for t
 tests compare three independent things: what moespec reports over gRPC / OTLP, what SGLang recorded
 and said, and what an oracle (the embedded engine for outputs, transformers' router for experts)
 recomputes. Tests run in file order and walk the policy switches plain -> model k=3 -> ngram k=4 ->
-plain.
+plain. The server runs with --ep-size 4 and --record-steps: verify spans' EP attributes are checked
+against a recount from the recorded physical slots, and `moespec whatif` replays the step recording.
 
 Runs only in the SGLang venv (`bash scripts/setup_sglang_cpu.sh`; `scripts/test.sh` runs this after
 the main suite with that venv's python). Elsewhere every test skips with that reason, unless
@@ -35,6 +36,7 @@ from service.engine.weights import MODELS_DIR
 from service.server.client import MoespecClient
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 from tests.engine_helpers import heldout_prompts, make_engine
+from tests.test_sglang_ep import recount_physical
 from tuner.loadgen import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, load_prompts
 from tuner.server_proc import MOESPEC, REPO_ROOT, start_server, telemetry_env
 
@@ -48,6 +50,7 @@ TARGET_VERIFY = 5  # sglang ForwardMode.TARGET_VERIFY
 K3 = DraftPolicy(Drafter.MODEL, draft_length=3, policy_id="model-k3")
 NGRAM4 = DraftPolicy(Drafter.NGRAM, draft_length=4, policy_id="ngram-k4")
 PLAIN = DraftPolicy(draft_length=0, policy_id="plain-again")
+EP_SIZE = 4
 
 
 def free_port() -> int:
@@ -78,7 +81,17 @@ def record_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(receiver, otlp_port, record_dir):
+def steps_file(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("sglang-steps") / "steps.jsonl"
+
+
+@pytest.fixture(scope="module")
+def span_means() -> dict[str, dict[str, list]]:
+    return {}  # policy id -> per-layer EP and union values of its verify spans, for the what-if check
+
+
+@pytest.fixture(scope="module")
+def server(receiver, otlp_port, record_dir, steps_file):
     if importlib.util.find_spec("sglang") is None:
         reason = ("sglang is not installed in this interpreter: build its venv with "
                   "`bash scripts/setup_sglang_cpu.sh` and run these tests with its python (scripts/test.sh does)")
@@ -90,7 +103,7 @@ def server(receiver, otlp_port, record_dir):
     args = ("--backend", "sglang", "--device", "cpu", "--model-path", str(MODELS_DIR / "target"),
             "--draft-model-path", str(MODELS_DIR / "draft"), "--sglang-arg", "dtype=float32",
             "--sglang-record-dir", str(record_dir), "--sglang-keep-records", "--verify-span-ratio", "1",
-            "--log-level", "INFO")
+            "--ep-size", str(EP_SIZE), "--record-steps", str(steps_file), "--log-level", "INFO")
     proc = start_server(env, TOKEN, args, ready_timeout=900)
     yield proc
     proc.stop(timeout=60)
@@ -130,10 +143,12 @@ def archived_requests(record_dir: Path) -> list[dict]:
         meta = json.loads((folder / "request.json").read_text())
         if meta.get("warm_up"):
             continue
-        passes = []
+        passes, maps = [], []
         for dump in sorted(folder.glob("expert_distribution_recorder_*_0.pt")):
-            passes.extend(torch.load(dump, map_location="cpu", weights_only=True)["records"])
-        out.append({**meta, "passes": passes, "folder": folder.name})
+            data = torch.load(dump, map_location="cpu", weights_only=True)
+            passes.extend(data["records"])
+            maps.append(data["last_physical_to_logical_map"].tolist())
+        out.append({**meta, "passes": passes, "folder": folder.name, "maps": maps})
     return out
 
 
@@ -180,9 +195,9 @@ def oracle_topk(oracle, committed: list[int], record: dict, top_k: int) -> torch
     return torch.stack(per_node, dim=1)  # [L, w, m]
 
 
-def check_requests_against_oracle(record_dir, receiver, oracle, replies, policy, info):
+def check_requests_against_oracle(record_dir, receiver, oracle, replies, policy, info, span_means):
     """For each reply of this policy: SGLang's meta_info, the recorded passes, the oracle and the
-    verify spans all tell the same story."""
+    verify spans all tell the same story; the spans' EP view is a recount of the recorded slots."""
     archived = [r for r in archived_requests(record_dir) if r["policy"]["policy_id"] == policy.policy_id]
     assert len(archived) == len(replies)
     E, m = info.num_experts, info.top_k
@@ -199,6 +214,7 @@ def check_requests_against_oracle(record_dir, receiver, oracle, replies, policy,
         assert reply.spec.committed_tokens == len(reply.token_ids) - 1  # the prefill made the first token
         assert reply.spec.drafted_tokens <= meta["spec_num_proposed_drafts"]
         histogram = Counter()
+        assert len(request["maps"]) == 1  # one dump per request: every pass ran with this map
         spans = verify_spans(receiver, reply.trace_id, len(verify))
         assert len(spans) == len(verify)
         for record, span in zip(verify, spans, strict=True):
@@ -212,6 +228,13 @@ def check_requests_against_oracle(record_dir, receiver, oracle, replies, policy,
             assert all(m <= u <= min(E, w * m) for u in unique)
             assert span["attributes"][a.MOE_UNIQUE_EXPERTS_BOUND] == min(E, w * m)
             histogram[span["attributes"][a.SPEC_ACCEPTED_TOKENS]] += 1
+            ep = (list(span["attributes"][a.MOE_EP_RANKS_TOUCHED]), list(span["attributes"][a.MOE_EP_MAX_RANK_EXPERTS]),
+                  span["attributes"][a.MOE_EP_DISPATCH_BYTES])
+            assert ep == recount_physical(record["topk_ids_of_layer"].tolist(), request["maps"][0], EP_SIZE)
+            means = span_means.setdefault(policy.policy_id, {"ranks": [], "most": [], "unique": []})
+            means["ranks"].append(ep[0])
+            means["most"].append(ep[1])
+            means["unique"].append(unique)
         assert [histogram[i] for i in range(len(meta["spec_correct_drafts_histogram"]))] == \
             meta["spec_correct_drafts_histogram"]
 
@@ -240,7 +263,7 @@ def test_plain_greedy_equals_the_embedded_engine(client, embedded_greedy, plain_
 
 @pytest.mark.parametrize(("policy", "switches"), [(K3, 1), (NGRAM4, 2)], ids=["model-k3", "ngram-k4"])
 def test_speculation_is_lossless_and_its_experts_match_the_oracle(client, plain_outputs, record_dir, receiver,
-                                                                   oracle, policy, switches):
+                                                                   oracle, span_means, policy, switches):
     before = client.model_info()
     replies = run_policy(client, policy)
     assert [r.token_ids for r in replies] == [plain_outputs[p] for p in PROMPTS]
@@ -250,7 +273,7 @@ def test_speculation_is_lossless_and_its_experts_match_the_oracle(client, plain_
     for reply in replies:
         assert (reply.spec.policy_id, reply.spec.drafter, reply.spec.draft_length) == (
             policy.policy_id, policy.drafter, policy.draft_length)
-    check_requests_against_oracle(record_dir, receiver, oracle, replies, policy, info)
+    check_requests_against_oracle(record_dir, receiver, oracle, replies, policy, info, span_means)
 
 
 def test_back_to_plain_is_a_switch_too(client, plain_outputs):
@@ -263,6 +286,38 @@ def test_back_to_plain_is_a_switch_too(client, plain_outputs):
     assert all(r.spec.draft_length == 0 and r.spec.verify_steps == len(r.token_ids) - 1 for r in replies)
 
 
+@pytest.mark.parametrize("policy", [K3, NGRAM4], ids=["model-k3", "ngram-k4"])
+def test_whatif_replays_the_step_recording(steps_file, span_means, tmp_path, policy):
+    from service.recording import read_recording
+
+    recording = read_recording(steps_file)
+    # Every request so far (plain, k=3, ngram k=4, plain again), none rebuilt from counts alone.
+    assert Counter(s.policy_id for r in recording.requests for s in r[:1]) == {
+        "plain": len(PROMPTS), K3.policy_id: len(PROMPTS), NGRAM4.policy_id: len(PROMPTS),
+        PLAIN.policy_id: len(PROMPTS)}
+    done = subprocess.run([*MOESPEC, "whatif", str(steps_file), "--policy", policy.policy_id, "--ep-size",
+                           str(EP_SIZE), "--out", str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "whatif.json").read_text())
+    predictions = result["predictions"]
+    assert [p["draft_length"] for p in predictions] == list(range(policy.draft_length + 1))
+    assert result["steps"] == len(span_means[policy.policy_id]["ranks"])
+    # At k' = k the replay's windows are the recorded ones, so its means are the verify spans' means;
+    # except NGRAM's filler positions, which whatif leaves out of a window (it keeps the drafted ones
+    # only) although SGLang verifies them: there it can only count less (README, Limits).
+    full = predictions[-1]
+    for key, field in (("ranks", "ep_ranks_touched_mean"), ("most", "ep_max_rank_experts_mean"),
+                       ("unique", "unique_experts_mean")):
+        per_layer = span_means[policy.policy_id][key]
+        expected = [sum(column) / len(column) for column in zip(*per_layer, strict=True)]
+        if policy.drafter is Drafter.MODEL:
+            assert full[field] == pytest.approx(expected), key
+        else:
+            assert all(got <= want + 1e-9 for got, want in zip(full[field], expected, strict=True)), key
+    assert all(1 <= r <= EP_SIZE for p in predictions for r in p["ep_ranks_touched_mean"])
+
+
 def test_spans_carry_the_embedded_backends_attribute_keys(client, receiver, otlp_port):
     reply = client.generate(greedy(PROMPTS[0]), timeout=600)
     sglang_spans = [s for s in receiver.wait_for(
@@ -273,7 +328,7 @@ def test_spans_carry_the_embedded_backends_attribute_keys(client, receiver, otlp
     assert request_span["resource"][a.RESOURCE_BACKEND] == "sglang"
     assert request_span["resource"][a.RESOURCE_DEVICE] == "cpu"
     embedded = start_server(telemetry_env(f"http://127.0.0.1:{otlp_port}", service_name="embedded"), TOKEN,
-                            ("--threads", "1", "--verify-span-ratio", "1"))
+                            ("--threads", "1", "--verify-span-ratio", "1", "--ep-size", str(EP_SIZE)))
     try:
         with MoespecClient(embedded.address, admin_token=TOKEN) as c:
             c.wait_ready(timeout=60)
@@ -292,6 +347,10 @@ def test_spans_carry_the_embedded_backends_attribute_keys(client, receiver, otlp
     assert set(request_span["attributes"]) == set(their_request["attributes"]) - batching_only
     assert set(request_span["attributes"]) >= set(a.REQUEST_SPAN_KEYS) - batching_only
     assert set(verify_span["attributes"]) == set(their_verify["attributes"]) >= set(a.VERIFY_SPAN_KEYS)
+    ep_keys = {a.MOE_EP_RANKS_TOUCHED, a.MOE_EP_MAX_RANK_EXPERTS, a.MOE_EP_DISPATCH_BYTES}
+    assert ep_keys <= set(verify_span["attributes"])  # both servers run with --ep-size
+    assert {a.MOE_EP_RANKS_TOUCHED_MEAN, a.MOE_EP_MAX_RANK_EXPERTS_MAX, a.MOE_EP_DISPATCH_BYTES} <= set(
+        request_span["attributes"])
 
 
 def test_a_short_tuner_run_completes(client, server, receiver, otlp_port, tmp_path):
