@@ -37,6 +37,9 @@ from pathlib import Path
 
 import torch
 
+from service.engine import attention_kernel
+from service.engine.attention_kernel import AttentionPass, AttentionWeights
+
 log = logging.getLogger(__name__)
 
 _SOURCE = r"""
@@ -160,6 +163,8 @@ void linear(const float *x, int64_t w, int64_t H, const float *W, int64_t V, flo
 }
 """
 
+_SOURCE += attention_kernel.SOURCE  # uses dot and rms_norm above
+
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
 
 
@@ -183,6 +188,10 @@ class Kernels:
         self._rms_norm = lib.rms_norm
         self._rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
         self._rms_norm.restype = None
+        self._attention = lib.attention_block
+        self._attention.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr, i64, i64, i64,
+                                    ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+        self._attention.restype = None
 
     def swiglu_experts(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                        ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
@@ -219,6 +228,22 @@ class Kernels:
         self._moe(x.data_ptr(), w, block.H, *a, logits.data_ptr(), ids.data_ptr(), weights.data_ptr(),
                   out.data_ptr())
         return out, logits[:, :-1], ids
+
+    def attention_block(self, weights: AttentionWeights, where: AttentionPass, layer: int,
+                        x: torch.Tensor) -> torch.Tensor:
+        """x [N, H] (the residual stream) -> x + attention(rms_norm(x)) of one layer, writing the pass's
+        keys and values into that layer's cache (see attention_kernel.py)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape != (where.n, weights.H) or not x.is_contiguous() \
+                or not x.is_cpu:
+            raise ValueError(f"attention_block: x must be a contiguous float32 CPU tensor [{where.n}, {weights.H}]")
+        if (weights.K, weights.D) != (where.K, where.D):
+            raise ValueError(f"attention_block: the cache holds {where.K} kv heads of {where.D}, the layer "
+                             f"{weights.K} of {weights.D}")
+        scratch = x.new_empty(weights.scratch_floats(where.n, where.S))
+        out = torch.empty_like(x)
+        self._attention(x.data_ptr(), where.n, weights.H, *weights.args, *where.args(layer), weights.o_ptr,
+                        scratch.data_ptr(), out.data_ptr())
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """weight * x / sqrt(mean(x^2, -1) + eps) over the last dim of a contiguous float32 CPU x."""
