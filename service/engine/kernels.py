@@ -40,6 +40,8 @@ import torch
 from service.engine import attention_kernel
 from service.engine.attention_kernel import AttentionPass, AttentionWeights
 
+__all__ = ["AttentionPass", "AttentionWeights", "Kernels", "MoeBlock", "build"]
+
 log = logging.getLogger(__name__)
 
 _SOURCE = r"""
