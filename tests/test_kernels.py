@@ -214,8 +214,9 @@ AH, AK, AD, AHID, SLOTS, S = 4, 2, 10, 40, 3, 24
 def attention_weights():
     g = torch.Generator().manual_seed(9)
     R = (AH + 2 * AK) * AD
-    return dict(norm_weight=1 + 0.1 * torch.randn(AHID, generator=g), qkv_weight=torch.randn(R, AHID, generator=g) * 0.3,
-                qkv_bias=torch.randn(R, generator=g) * 0.1, o_weight=torch.randn(AHID, AH * AD, generator=g) * 0.3)
+    return dict(norm_weight=1 + 0.1 * torch.randn(AHID, generator=g),
+                qkv_weight=torch.randn(R, AHID, generator=g) * 0.3, qkv_bias=torch.randn(R, generator=g) * 0.1,
+                o_weight=torch.randn(AHID, AH * AD, generator=g) * 0.3)
 
 
 def rope_tables(positions: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,7 +269,8 @@ def ragged_pass(windows: list[tuple[int, int, int]], seed: int):
 
 def run_attention(k, w, x, positions, slots, k_cache, v_cache):
     """The kernel on the given caches (written in place) -> out [N, AHID]."""
-    weights = kernels.AttentionWeights(w["norm_weight"], 1e-6, w["qkv_weight"], w["qkv_bias"], w["o_weight"], AH, AK, AD)
+    weights = kernels.AttentionWeights(w["norm_weight"], 1e-6, w["qkv_weight"], w["qkv_bias"], w["o_weight"],
+                                       AH, AK, AD)
     where = kernels.AttentionPass(positions, slots, k_cache, v_cache, *rope_tables(S, AD))
     return k.attention_block(weights, where, 0, x)
 
