@@ -30,6 +30,64 @@ from __future__ import annotations
 import torch
 
 SOURCE = r"""
+/* out[t, c] = sum over k ascending of x[t, k] * wt[k, c] (one fused multiply-add per term, from 0),
+   then + bias[c]: x [N, Kd], wt [Kd, C] (a weight stored transposed), out [N, C]. Every element takes
+   the same arithmetic whatever N is and wherever it falls in a tile, so a row's result never depends
+   on the other rows; tiles of 4 rows x 64 columns reuse each loaded weight vector for 4 rows. */
+#if defined(__AVX512F__)
+/* A ROWS x (16 VECS) tile of out, its accumulators in registers (constant sizes, so loops unroll). */
+#define MATMUL_TILE(NAME, ROWS, VECS)                                                                   \
+static void NAME(const float *x, int64_t Kd, const float *wt, int64_t C, int64_t c0, const float *bias, \
+                 float *out) {                                                                          \
+    __m512 acc[ROWS][VECS];                                                                             \
+    for (int i = 0; i < ROWS; i++)                                                                      \
+        for (int v = 0; v < VECS; v++) acc[i][v] = _mm512_setzero_ps();                                \
+    for (int64_t k = 0; k < Kd; k++) {                                                                  \
+        __m512 wv[VECS];                                                                                \
+        for (int v = 0; v < VECS; v++) wv[v] = _mm512_loadu_ps(wt + k * C + c0 + 16 * v);              \
+        for (int i = 0; i < ROWS; i++) {                                                                \
+            const __m512 xb = _mm512_set1_ps(x[i * Kd + k]);                                            \
+            for (int v = 0; v < VECS; v++) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);           \
+        }                                                                                               \
+    }                                                                                                   \
+    for (int i = 0; i < ROWS; i++)                                                                      \
+        for (int v = 0; v < VECS; v++) {                                                                \
+            __m512 b = bias ? _mm512_loadu_ps(bias + c0 + 16 * v) : _mm512_setzero_ps();                \
+            _mm512_storeu_ps(out + i * C + c0 + 16 * v, _mm512_add_ps(acc[i][v], b));                   \
+        }                                                                                               \
+}
+MATMUL_TILE(tile_4x4, 4, 4)
+MATMUL_TILE(tile_1x4, 1, 4)
+MATMUL_TILE(tile_4x1, 4, 1)
+MATMUL_TILE(tile_1x1, 1, 1)
+#endif
+
+static void matmul_t(const float *x, int64_t N, int64_t Kd, const float *wt, int64_t C, const float *bias,
+                     float *out) {
+    int64_t c0 = 0;
+#if defined(__AVX512F__)
+    for (; c0 + 64 <= C; c0 += 64) {
+        int64_t t = 0;
+        for (; t + 4 <= N; t += 4) tile_4x4(x + t * Kd, Kd, wt, C, c0, bias, out + t * C);
+        for (; t < N; t++) tile_1x4(x + t * Kd, Kd, wt, C, c0, bias, out + t * C);
+    }
+    for (; c0 + 16 <= C; c0 += 16) {
+        int64_t t = 0;
+        for (; t + 4 <= N; t += 4) tile_4x1(x + t * Kd, Kd, wt, C, c0, bias, out + t * C);
+        for (; t < N; t++) tile_1x1(x + t * Kd, Kd, wt, C, c0, bias, out + t * C);
+    }
+#endif
+    for (int64_t t = 0; t < N; t++) {  /* columns left over (all of them without AVX-512) */
+        float *o = out + t * C;
+        for (int64_t c = c0; c < C; c++) o[c] = 0.0f;
+        for (int64_t k = 0; k < Kd; k++) {
+            const float xk = x[t * Kd + k], *w = wt + k * C;
+            for (int64_t c = c0; c < C; c++) o[c] = fmaf(xk, w[c], o[c]);
+        }
+        for (int64_t c = c0; c < C; c++) o[c] = o[c] + (bias ? bias[c] : 0.0f);
+    }
+}
+
 /* Rotate one head in place: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. */
 static void rope(float *x, const float *c, const float *s, int64_t half) {
     for (int64_t d = 0; d < half; d++) {
@@ -63,18 +121,17 @@ static void attend(const float *q, const float *keys, const float *values, int64
     for (int64_t d = 0; d < D; d++) o[d] *= inv;
 }
 
-/* See attention_kernel.py. k_cache / v_cache: this layer's [slots, K, S, D]; scratch: N * (H + R + A D) + S
-   floats; out [N, H] must not alias x. */
+/* See attention_kernel.py. qkv_wt [H, R] and o_wt [A D, H]: the projections stored transposed (matmul_t);
+   k_cache / v_cache: this layer's [slots, K, S, D]; scratch: N * (H + R + A D) + S floats; out [N, H]
+   must not alias x. */
 void attention_block(const float *x, int64_t N, int64_t H, const float *norm_w, float eps,
-                     const float *qkv_w, const float *qkv_b, int64_t A, int64_t K, int64_t D,
+                     const float *qkv_wt, const float *qkv_b, int64_t A, int64_t K, int64_t D,
                      const float *rope_cos, const float *rope_sin, const int64_t *positions, const int64_t *slots,
-                     float *k_cache, float *v_cache, int64_t S, const float *o_w, float *scratch, float *out) {
+                     float *k_cache, float *v_cache, int64_t S, const float *o_wt, float *scratch, float *out) {
     const int64_t Q = A * D, R = (A + 2 * K) * D, group = A / K;
     float *hn = scratch, *qkv = hn + N * H, *att = qkv + N * R, *scores = att + N * Q;  /* [N,H] [N,R] [N,Q] [S] */
     rms_norm(x, N, H, norm_w, eps, hn);
-    /* Weight row outer, token inner: each row is read from memory once for the whole pass. */
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t t = 0; t < N; t++) qkv[t * R + r] = dot(qkv_w + r * H, hn + t * H, H) + qkv_b[r];
+    matmul_t(hn, N, H, qkv_wt, R, qkv_b, qkv);
     for (int64_t t = 0; t < N; t++) {
         const int64_t pos = positions[t];
         float *row = qkv + t * R;
@@ -93,8 +150,8 @@ void attention_block(const float *x, int64_t N, int64_t H, const float *norm_w, 
             attend(qkv + t * R + a * D, k_cache + head, v_cache + head, positions[t], D, scale, scores,
                    att + t * Q + a * D);
         }
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t t = 0; t < N; t++) out[t * H + h] = x[t * H + h] + dot(o_w + h * Q, att + t * Q, Q);
+    matmul_t(att, N, Q, o_wt, H, NULL, out);
+    for (int64_t j = 0; j < N * H; j++) out[j] = x[j] + out[j];
 }
 """
 
@@ -118,10 +175,13 @@ class AttentionWeights:
             if tuple(t.shape) != expected[name] or t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
                 raise ValueError(f"attention_block: {name} must be a contiguous float32 CPU tensor {expected[name]}")
         self.H, self.A, self.K, self.D, self.R = H, n_heads, n_kv, head_dim, R
-        self.tensors = given  # keeps the storage alive while the pointers below are in use
-        self.args = (norm_weight.data_ptr(), float(eps), qkv_weight.data_ptr(), qkv_bias.data_ptr(), n_heads, n_kv,
+        # Transposed copies for matmul_t (which streams weight rows k across output columns); they and
+        # the tensors given stay referenced while the pointers below are in use.
+        qkv_t, o_t = qkv_weight.t().contiguous(), o_weight.t().contiguous()  # [H, R], [A D, H]
+        self.tensors = dict(given, qkv_t=qkv_t, o_t=o_t)
+        self.args = (norm_weight.data_ptr(), float(eps), qkv_t.data_ptr(), qkv_bias.data_ptr(), n_heads, n_kv,
                      head_dim)
-        self.o_ptr = o_weight.data_ptr()
+        self.o_ptr = o_t.data_ptr()
 
     def scratch_floats(self, n: int, cache_len: int) -> int:
         return n * (self.H + self.R + self.A * self.D) + cache_len
