@@ -206,6 +206,16 @@ def test_the_kernel_window_limit_decides_which_path_a_pass_takes(k):
 
 
 # ------------------------------------------------------------------------------- attention sub-block
+@pytest.fixture(scope="module", params=["native", "portable"])
+def ka(request, k, tmp_path_factory) -> kernels.Kernels:
+    """The library as built for this CPU, and its portable C (no AVX-512) as a CPU without it runs."""
+    if request.param == "native":
+        return k
+    built = kernels.build(cache_dir=tmp_path_factory.mktemp("portable"), extra_flags=("-mno-avx512f",))
+    assert built is not None
+    return built
+
+
 # GQA with two query heads per kv head; a head dim and hidden size off the SIMD width (remainder loops).
 AH, AK, AD, AHID, SLOTS, S = 4, 2, 10, 40, 3, 24
 
@@ -267,12 +277,12 @@ def ragged_pass(windows: list[tuple[int, int, int]], seed: int):
     return torch.randn(positions.shape[0], AHID, generator=g), positions, slots, *caches
 
 
-def run_attention(k, w, x, positions, slots, k_cache, v_cache):
+def run_attention(ka, w, x, positions, slots, k_cache, v_cache):
     """The kernel on the given caches (written in place) -> out [N, AHID]."""
     weights = kernels.AttentionWeights(w["norm_weight"], 1e-6, w["qkv_weight"], w["qkv_bias"], w["o_weight"],
                                        AH, AK, AD)
     where = kernels.AttentionPass(positions, slots, k_cache, v_cache, *rope_tables(S, AD))
-    return k.attention_block(weights, where, 0, x)
+    return ka.attention_block(weights, where, 0, x)
 
 
 # A window at position 0, one at position 1, a verify window after a long prefix, and a ragged pass of
@@ -282,39 +292,39 @@ PASSES = {"first-position": [(0, 0, 1)], "second-position": [(1, 1, 1)], "long-p
 
 
 @pytest.mark.parametrize("name", list(PASSES))
-def test_attention_block_matches_the_textbook_sub_block(k, attention_weights, name):
+def test_attention_block_matches_the_textbook_sub_block(ka, attention_weights, name):
     x, positions, slots, k_cache, v_cache = ragged_pass(PASSES[name], seed=len(name))
     want, want_k, want_v = attention_reference(x, positions, slots, k_cache, v_cache, attention_weights)
-    got = run_attention(k, attention_weights, x, positions, slots, k_cache, v_cache)
+    got = run_attention(ka, attention_weights, x, positions, slots, k_cache, v_cache)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # The cache now holds the pass's keys and values at exactly (slot, position), nothing else moved.
     torch.testing.assert_close(k_cache, want_k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(v_cache, want_v, atol=1e-5, rtol=1e-5)
 
 
-def test_each_token_of_a_ragged_pass_is_bitwise_the_same_alone(k, attention_weights):
+def test_each_token_of_a_ragged_pass_is_bitwise_the_same_alone(ka, attention_weights):
     """Alone, a token sees the cache the pass left (its window's earlier keys included) and must give
     bitwise the pass's row: nothing in a token's result depends on the other tokens of the pass."""
     x, positions, slots, k_cache, v_cache = ragged_pass([(2, 7, 3), (0, 0, 6), (1, 15, 1)], seed=11)
-    together = run_attention(k, attention_weights, x, positions, slots, k_cache, v_cache)
+    together = run_attention(ka, attention_weights, x, positions, slots, k_cache, v_cache)
     after_k, after_v = k_cache.clone(), v_cache.clone()
     for t in range(x.shape[0]):
-        alone = run_attention(k, attention_weights, x[t:t + 1], positions[t:t + 1], slots[t:t + 1], k_cache, v_cache)
+        alone = run_attention(ka, attention_weights, x[t:t + 1], positions[t:t + 1], slots[t:t + 1], k_cache, v_cache)
         assert torch.equal(alone[0], together[t]), f"token {t} depends on the rest of the pass"
         assert torch.equal(k_cache, after_k) and torch.equal(v_cache, after_v)  # rewrote the same key/value
 
 
-def test_a_rejected_draft_is_overwritten_and_never_read_past_its_position(k, attention_weights):
+def test_a_rejected_draft_is_overwritten_and_never_read_past_its_position(ka, attention_weights):
     """A 4-token verify window at 10..13 leaves keys at 11..13 (rejected drafts); the next window
     starts at 11 and writes over 11..12: it must give what a cache that never saw the drafts gives."""
     x, positions, slots, k_cache, v_cache = ragged_pass([(1, 10, 4)], seed=12)
     clean_k, clean_v = k_cache.clone(), v_cache.clone()
-    run_attention(k, attention_weights, x[:1], positions[:1], slots[:1], clean_k, clean_v)  # only 10 accepted
-    run_attention(k, attention_weights, x, positions, slots, k_cache, v_cache)  # the whole verify window
+    run_attention(ka, attention_weights, x[:1], positions[:1], slots[:1], clean_k, clean_v)  # only 10 accepted
+    run_attention(ka, attention_weights, x, positions, slots, k_cache, v_cache)  # the whole verify window
     nxt = torch.randn(2, AHID, generator=torch.Generator().manual_seed(13))
     pos, slot = torch.tensor([11, 12]), torch.tensor([1, 1])
-    after_drafts = run_attention(k, attention_weights, nxt, pos, slot, k_cache, v_cache)
-    clean = run_attention(k, attention_weights, nxt, pos, slot, clean_k, clean_v)
+    after_drafts = run_attention(ka, attention_weights, nxt, pos, slot, k_cache, v_cache)
+    clean = run_attention(ka, attention_weights, nxt, pos, slot, clean_k, clean_v)
     assert torch.equal(after_drafts, clean)
     assert torch.equal(k_cache[:, 1, :, :13], clean_k[:, 1, :, :13])  # 13 still holds a stale draft: unread
 
@@ -326,7 +336,7 @@ def test_a_rejected_draft_is_overwritten_and_never_read_past_its_position(k, att
     ("int32_positions", "contiguous int64"),
     ("half_cache", "k_cache must be a contiguous float32"),
 ])
-def test_a_pass_the_kernel_cannot_run_safely_is_refused_with_the_reason(k, attention_weights, bad, message):
+def test_a_pass_the_kernel_cannot_run_safely_is_refused_with_the_reason(ka, attention_weights, bad, message):
     x, positions, slots, k_cache, v_cache = ragged_pass([(0, 3, 2)], seed=14)
     if bad == "position_past_the_cache":
         positions = positions + S - 4
@@ -339,7 +349,7 @@ def test_a_pass_the_kernel_cannot_run_safely_is_refused_with_the_reason(k, atten
     elif bad == "half_cache":
         k_cache = k_cache.half()
     with pytest.raises(ValueError, match=message):
-        run_attention(k, attention_weights, x, positions, slots, k_cache, v_cache)
+        run_attention(ka, attention_weights, x, positions, slots, k_cache, v_cache)
 
 
 def test_attention_weights_that_do_not_fit_are_refused_naming_the_tensor(attention_weights):

@@ -299,34 +299,37 @@ class MoeBlock:
                      shared_gate.data_ptr(), shared_up.data_ptr(), shared_down.data_ptr(), Is)
 
 
-def build(cache_dir: Path | None = None, compiler: str | None = None) -> Kernels | None:
+def build(cache_dir: Path | None = None, compiler: str | None = None,
+          extra_flags: tuple[str, ...] = ()) -> Kernels | None:
     """Compile (or reuse) the library and load it; None, with one warning, when it cannot be built.
 
-    cache_dir defaults to ~/.cache/moespec/kernels, compiler to `cc` on the PATH.
+    cache_dir defaults to ~/.cache/moespec/kernels, compiler to `cc` on the PATH; extra_flags go after
+    the default flags (tests build the portable code with `-mno-avx512f`).
     """
+    flags = (*_FLAGS, *extra_flags)
     compiler = compiler or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler on the PATH: the fused expert kernel is off, the eager path runs")
         return None
     folder = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "moespec" / "kernels"
-    key = hashlib.sha256("\n".join([_SOURCE, *_FLAGS, compiler, platform.machine(), _cpu_flags()]).encode())
+    key = hashlib.sha256("\n".join([_SOURCE, *flags, compiler, platform.machine(), _cpu_flags()]).encode())
     library = folder / f"swiglu-{key.hexdigest()[:16]}.so"
     try:
         if not library.is_file():
-            _compile(compiler, library)
+            _compile(compiler, flags, library)
         return Kernels(library)
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("could not build the fused expert kernel (%s): the eager path runs", e)
         return None
 
 
-def _compile(compiler: str, library: Path) -> None:
+def _compile(compiler: str, flags: tuple[str, ...], library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         source = Path(tmp) / "swiglu.c"
         source.write_text(_SOURCE)
         built = Path(tmp) / library.name
-        subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), "-lm"], check=True,
+        subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"], check=True,
                        capture_output=True, timeout=120)
         os.replace(built, library)  # atomic: a concurrent builder never loads half a file
 
