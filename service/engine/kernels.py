@@ -18,6 +18,10 @@ Contract of `swiglu_experts(x, gate, up, down, ids, weights, out, accumulate)`:
 
 `linear(x, weight)`: x [w, H] @ weight [V, H]^T with the same row independence (the output layer).
 
+`attention_block(weights, pass, layer, x)`: a layer's whole attention sub-block for the tokens of a
+ragged pass; its C source, contract and argument checks are in attention_kernel.py, compiled into the
+same library (it uses `dot` and `rms_norm` from here).
+
 The library is compiled with the system C compiler into a cache folder keyed by the source, the
 flags and this CPU's feature flags (so a shared home folder never serves code for another CPU), and
 loaded with ctypes. Without a compiler `build` returns None and callers keep the eager path.

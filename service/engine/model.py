@@ -11,9 +11,11 @@ Contract:
   Slots of rejected draft tokens are never rolled back: the next window simply overwrites them.
 - Each MoE layer reports the routed top-m expert ids of every position in the window, so the
   caller can count the distinct experts a verification pass touched (the union).
-- `fuse_for_inference(kernels)` selects the fast step: on CPU, windows of up to UNION_WINDOW_MAX
-  positions run experts, MLPs and the output layer in the fused kernels (kernels.py), where each
-  position's result does not depend on the rest of its window; without kernels, the eager step.
+- `fuse_for_inference(kernels)` selects the fast step: on CPU, passes of up to kernel_window_max
+  positions run each layer's attention sub-block (attention_kernel.py: no padding, no mask, every
+  token at its own slot and position) and MoE block in one kernel call each, windows of up to
+  UNION_WINDOW_MAX the MLPs and the output layer too (kernels.py); in all of them each position's
+  result does not depend on the rest of its pass. Without kernels, the eager step.
 
 Shape legend: w window positions, N tokens of a ragged pass, B sequences in it, T training tokens,
 H hidden, A attention heads, K kv heads, D head dim, E routed experts, m experts per token,
@@ -338,7 +340,8 @@ class RaggedBatch:
     """Where the N tokens of one pass go: B sequences, sequence b a window of lengths[b] tokens at
     positions starts[b].. in cache slot slots[b], concatenated in that order.
 
-    Padded attention: queries are laid out [B, w'] (w' the longest window) and each sequence sees its
+    The fused attention kernel needs only `positions` and `token_slot`. Eager (padded) attention:
+    queries are laid out [B, w'] (w' the longest window) and each sequence sees its
     own slot's keys up to S' = max(starts + lengths); `mask` [B, 1, w', S'] keeps row i of sequence b
     to keys <= starts[b] + i (its prefix and its window up to itself). Padding rows see key 0 only
     through that rule, so they never produce NaN; their outputs are dropped.
