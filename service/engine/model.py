@@ -485,7 +485,8 @@ class Transformer(nn.Module):
         """
         x = self.embed_tokens(tokens)  # [N, H]
         where = cos = sin = None
-        if self.fused_attention and tokens.shape[0] <= self.kernel_window_max and not torch.is_grad_enabled():
+        if self.fused_attention and tokens.shape[0] <= self.kernel_window_max and x.is_cpu \
+                and not torch.is_grad_enabled():
             where = AttentionPass(batch.positions, batch.token_slot, cache.k, cache.v, self.rope_cos, self.rope_sin)
         else:
             cos, sin = self._rope(batch)
