@@ -203,3 +203,183 @@ def test_the_kernel_window_limit_decides_which_path_a_pass_takes(k):
         assert torch.equal(narrow(x)[0], eager(x)[0])
         assert torch.equal(wide(x)[0], wide.forward_kernel(x)[0])
         assert torch.equal(wide(x)[2], narrow(x)[2])  # the same routing either way
+
+
+# ------------------------------------------------------------------------------- attention sub-block
+@pytest.fixture(scope="module", params=["native", "portable"])
+def ka(request, k, tmp_path_factory) -> kernels.Kernels:
+    """The library as built for this CPU, and its portable C (no AVX-512) as a CPU without it runs."""
+    if request.param == "native":
+        return k
+    built = kernels.build(cache_dir=tmp_path_factory.mktemp("portable"), extra_flags=("-mno-avx512f",))
+    assert built is not None
+    return built
+
+
+# GQA with two query heads per kv head; a head dim and hidden size off the SIMD width (remainder loops).
+AH, AK, AD, AHID, SLOTS, S = 4, 2, 10, 40, 3, 24
+
+
+@pytest.fixture(scope="module")
+def attention_weights():
+    g = torch.Generator().manual_seed(9)
+    R = (AH + 2 * AK) * AD
+    return dict(norm_weight=1 + 0.1 * torch.randn(AHID, generator=g),
+                qkv_weight=torch.randn(R, AHID, generator=g) * 0.3, qkv_bias=torch.randn(R, generator=g) * 0.1,
+                o_weight=torch.randn(AHID, AH * AD, generator=g) * 0.3)
+
+
+def rope_tables(positions: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    angles = torch.outer(torch.arange(positions).float(), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)  # [P, D]
+    return angles.cos(), angles.sin()
+
+
+def attention_reference(x, positions, slots, k_cache, v_cache, w, eps=1e-6):
+    """The textbook sub-block, token by token, on copies of the caches (returned updated): RMSNorm,
+    q/k/v with F.linear, rope as x cos + rotate_half(x) sin, the cache write, then softmax attention
+    of each query head over its kv head's keys 0..position of the token's slot, o_proj, residual."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    cos, sin = rope_tables(S, AD)
+
+    def rope(h, p):  # h [heads, D]
+        rotated = torch.cat((-h[:, AD // 2:], h[:, :AD // 2]), dim=-1)
+        return h * cos[p] + rotated * sin[p]
+
+    qs = []
+    for t in range(x.shape[0]):
+        p, s = int(positions[t]), int(slots[t])
+        h = w["norm_weight"] * (x[t] * torch.rsqrt(x[t].pow(2).mean() + eps))
+        q, k, v = F.linear(h, w["qkv_weight"], w["qkv_bias"]).split([AH * AD, AK * AD, AK * AD])
+        qs.append(rope(q.view(AH, AD), p))
+        k_cache[0, s, :, p] = rope(k.view(AK, AD), p)
+        v_cache[0, s, :, p] = v.view(AK, AD)
+    out = torch.empty_like(x)
+    for t in range(x.shape[0]):
+        p, s = int(positions[t]), int(slots[t])
+        heads = []
+        for a in range(AH):
+            kv = a // (AH // AK)
+            keys, values = k_cache[0, s, kv, :p + 1], v_cache[0, s, kv, :p + 1]  # [p+1, D]
+            heads.append(torch.softmax(keys @ qs[t][a] / AD ** 0.5, dim=0) @ values)
+        out[t] = x[t] + F.linear(torch.cat(heads), w["o_weight"])
+    return out, k_cache, v_cache
+
+
+def ragged_pass(windows: list[tuple[int, int, int]], seed: int):
+    """windows (slot, start, length) -> x [N, AHID], positions [N], slots [N] and caches [1, SLOTS, K, S, D]
+    full of random keys/values (the prefixes every window attends to, and stale entries past them)."""
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.cat([torch.arange(start, start + n) for _, start, n in windows])
+    slots = torch.cat([torch.full((n,), slot) for slot, _, n in windows])
+    caches = [torch.randn(1, SLOTS, AK, S, AD, generator=g) for _ in range(2)]
+    return torch.randn(positions.shape[0], AHID, generator=g), positions, slots, *caches
+
+
+def run_attention(ka, w, x, positions, slots, k_cache, v_cache):
+    """The kernel on the given caches (written in place) -> out [N, AHID]."""
+    weights = kernels.AttentionWeights(w["norm_weight"], 1e-6, w["qkv_weight"], w["qkv_bias"], w["o_weight"],
+                                       AH, AK, AD)
+    where = kernels.AttentionPass(positions, slots, k_cache, v_cache, *rope_tables(S, AD))
+    return ka.attention_block(weights, where, 0, x)
+
+
+# A window at position 0, one at position 1, a verify window after a long prefix, and a ragged pass of
+# three slots with different starts and lengths (one of them a prefill from position 0).
+PASSES = {"first-position": [(0, 0, 1)], "second-position": [(1, 1, 1)], "long-prefix": [(2, 19, 5)],
+          "ragged": [(2, 7, 3), (0, 0, 6), (1, 15, 1)]}
+
+
+@pytest.mark.parametrize("name", list(PASSES))
+def test_attention_block_matches_the_textbook_sub_block(ka, attention_weights, name):
+    x, positions, slots, k_cache, v_cache = ragged_pass(PASSES[name], seed=len(name))
+    want, want_k, want_v = attention_reference(x, positions, slots, k_cache, v_cache, attention_weights)
+    got = run_attention(ka, attention_weights, x, positions, slots, k_cache, v_cache)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # The cache now holds the pass's keys and values at exactly (slot, position), nothing else moved.
+    torch.testing.assert_close(k_cache, want_k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v_cache, want_v, atol=1e-5, rtol=1e-5)
+
+
+def test_each_token_of_a_ragged_pass_is_bitwise_the_same_alone(ka, attention_weights):
+    """Alone, a token sees the cache the pass left (its window's earlier keys included) and must give
+    bitwise the pass's row: nothing in a token's result depends on the other tokens of the pass."""
+    x, positions, slots, k_cache, v_cache = ragged_pass([(2, 7, 3), (0, 0, 6), (1, 15, 1)], seed=11)
+    together = run_attention(ka, attention_weights, x, positions, slots, k_cache, v_cache)
+    after_k, after_v = k_cache.clone(), v_cache.clone()
+    for t in range(x.shape[0]):
+        alone = run_attention(ka, attention_weights, x[t:t + 1], positions[t:t + 1], slots[t:t + 1], k_cache, v_cache)
+        assert torch.equal(alone[0], together[t]), f"token {t} depends on the rest of the pass"
+        assert torch.equal(k_cache, after_k) and torch.equal(v_cache, after_v)  # rewrote the same key/value
+
+
+def test_a_rejected_draft_is_overwritten_and_never_read_past_its_position(ka, attention_weights):
+    """A 4-token verify window at 10..13 leaves keys at 11..13 (rejected drafts); the next window
+    starts at 11 and writes over 11..12: it must give what a cache that never saw the drafts gives."""
+    x, positions, slots, k_cache, v_cache = ragged_pass([(1, 10, 4)], seed=12)
+    clean_k, clean_v = k_cache.clone(), v_cache.clone()
+    run_attention(ka, attention_weights, x[:1], positions[:1], slots[:1], clean_k, clean_v)  # only 10 accepted
+    run_attention(ka, attention_weights, x, positions, slots, k_cache, v_cache)  # the whole verify window
+    nxt = torch.randn(2, AHID, generator=torch.Generator().manual_seed(13))
+    pos, slot = torch.tensor([11, 12]), torch.tensor([1, 1])
+    after_drafts = run_attention(ka, attention_weights, nxt, pos, slot, k_cache, v_cache)
+    clean = run_attention(ka, attention_weights, nxt, pos, slot, clean_k, clean_v)
+    assert torch.equal(after_drafts, clean)
+    assert torch.equal(k_cache[:, 1, :, :13], clean_k[:, 1, :, :13])  # 13 still holds a stale draft: unread
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("position_past_the_cache", r"positions must lie in \[0, 24\)"),
+    ("negative_position", "positions must lie"),
+    ("slot_past_the_cache", r"cache slots must lie in \[0, 3\)"),
+    ("int32_positions", "contiguous int64"),
+    ("half_cache", "k_cache must be a contiguous float32"),
+])
+def test_a_pass_the_kernel_cannot_run_safely_is_refused_with_the_reason(ka, attention_weights, bad, message):
+    x, positions, slots, k_cache, v_cache = ragged_pass([(0, 3, 2)], seed=14)
+    if bad == "position_past_the_cache":
+        positions = positions + S - 4
+    elif bad == "negative_position":
+        positions = positions - 4
+    elif bad == "slot_past_the_cache":
+        slots = slots + SLOTS
+    elif bad == "int32_positions":
+        positions = positions.int()
+    elif bad == "half_cache":
+        k_cache = k_cache.half()
+    with pytest.raises(ValueError, match=message):
+        run_attention(ka, attention_weights, x, positions, slots, k_cache, v_cache)
+
+
+def test_attention_weights_that_do_not_fit_are_refused_naming_the_tensor(attention_weights):
+    w = dict(attention_weights, o_weight=attention_weights["o_weight"].t())
+    with pytest.raises(ValueError, match="o_weight must be"):
+        kernels.AttentionWeights(w["norm_weight"], 1e-6, w["qkv_weight"], w["qkv_bias"], w["o_weight"], AH, AK, AD)
+    with pytest.raises(ValueError, match="whole groups"):
+        kernels.AttentionWeights(w["norm_weight"], 1e-6, w["qkv_weight"], w["qkv_bias"], w["o_weight"], 3, AK, AD)
+
+
+def test_passes_up_to_the_kernel_window_take_the_attention_kernel_once_per_layer(k):
+    """Counted on the real kernel (wrapped, still run): a pass within the limit calls it once per layer,
+    a longer pass and a model fused with fused_attention=False never do (eager SDPA)."""
+    from service.engine.model import KVCache
+    from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
+
+    calls = []
+
+    class Counting(kernels.Kernels):
+        def attention_block(self, *args):
+            calls.append(args[2])  # the layer
+            return super().attention_block(*args)
+
+    counting = Counting(k.path)
+    ids = torch.randint(1, 4000, (32,), generator=torch.Generator().manual_seed(5))
+    cases = [(16, True, 16, 4), (16, True, 32, 0), (128, True, 32, 4), (128, False, 32, 0)]
+    for limit, fused, n, want in cases:
+        model = load_for_inference(DEFAULT_TARGET_DIR, kernels=counting, kernel_window_max=limit,
+                                   fused_attention=fused)
+        calls.clear()
+        with torch.inference_mode():
+            model.forward(ids[:n], 0, KVCache(model.cfg, 64))
+        assert calls == list(range(want)), (limit, fused, n)

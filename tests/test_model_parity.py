@@ -69,6 +69,17 @@ def target():
 
 
 @pytest.fixture(scope="module")
+def fast_target():
+    return load_fast(DEFAULT_TARGET_DIR)
+
+
+@pytest.fixture(scope="module", params=["eager", "fast"])
+def either_target(request, target, fast_target):
+    """The eager step and the fast one (fused attention and MoE kernels for passes up to 128)."""
+    return {"eager": target, "fast": fast_target}[request.param]
+
+
+@pytest.fixture(scope="module")
 def long_ids(target) -> torch.Tensor:
     """Real code filling the whole context: held-out prompts back to back, cut at max positions."""
     from tokenizers import Tokenizer
@@ -107,7 +118,8 @@ def test_fast_step_passes_past_the_union_window_match_transformers(target_oracle
     torch.testing.assert_close(got, oracle_logits(target_oracle, ids), atol=2e-4, rtol=1e-4)
 
 
-def test_windows_up_to_the_last_position_of_the_context_match_transformers(target_oracle, target, long_ids):
+def test_windows_up_to_the_last_position_of_the_context_match_transformers(target_oracle, either_target, long_ids):
+    target = either_target
     limit = long_ids.shape[0]
     cache = KVCache(target.cfg, limit)
     with torch.no_grad():
@@ -119,9 +131,11 @@ def test_windows_up_to_the_last_position_of_the_context_match_transformers(targe
     torch.testing.assert_close(got, oracle_logits(target_oracle, long_ids), atol=2e-4, rtol=1e-4)
 
 
-def test_cache_slots_overwritten_after_rejected_drafts_give_transformers_logits(target_oracle, target, long_ids):
+def test_cache_slots_overwritten_after_rejected_drafts_give_transformers_logits(target_oracle, either_target,
+                                                                               long_ids):
     """Rejected drafts leave their keys/values in the static cache; the next window overwrites
     some of them and must never see the rest (they lie beyond its last position)."""
+    target = either_target
     ids = long_ids[:120]
     gen = torch.Generator().manual_seed(0)
     cache = KVCache(target.cfg, ids.shape[0] + 16)
@@ -134,6 +148,28 @@ def test_cache_slots_overwritten_after_rejected_drafts_give_transformers_logits(
         pieces += [target.forward(ids[i:i + 1], i, cache).logits for i in range(43, 60)]
         pieces.append(target.forward(ids[60:], 60, cache).logits)  # a long window over stale slots
     torch.testing.assert_close(torch.cat(pieces), oracle_logits(target_oracle, ids), atol=2e-4, rtol=1e-4)
+
+
+def test_a_fast_ragged_pass_of_several_slots_matches_transformers(target_oracle, fast_target, long_ids):
+    """One pass over three sequences in their own slots, each at its own point: a 5-position verify
+    window after a 50-token prefix, a 30-token prefill from position 0 and a one-token step; every
+    window's logits are transformers' for its own sequence (no padding, no mask: each token carries
+    its slot and position into the fused attention kernel)."""
+    from service.engine.model import RaggedBatch
+
+    seqs = [long_ids[:55], long_ids[100:121], long_ids[200:230]]
+    slots, starts = [0, 2, 1], [50, 20, 0]  # sequence b's window: seqs[b][starts[b]:]
+    model = fast_target
+    cache = KVCache(model.cfg, 64, slots=3)
+    with torch.no_grad():
+        for seq, slot, start in zip(seqs, slots, starts, strict=True):
+            if start:
+                model.forward(seq[:start], 0, cache, slot=slot)
+        windows = [seq[start:] for seq, start in zip(seqs, starts, strict=True)]
+        batch = RaggedBatch.build(slots, starts, [w.shape[0] for w in windows])
+        got = model.forward_ragged(torch.cat(windows), batch, cache).logits.split([w.shape[0] for w in windows])
+    for seq, start, logits in zip(seqs, starts, got, strict=True):
+        torch.testing.assert_close(logits, oracle_logits(target_oracle, seq)[start:], atol=2e-4, rtol=1e-4)
 
 
 # ----------------------------------------------------------------- greedy generation vs generate()

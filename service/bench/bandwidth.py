@@ -11,9 +11,11 @@ Every figure comes twice: by wall time (what a client sees) and by this process'
 the kernel did not run us is left out; memory stalls still count). On a machine shared with other
 busy processes the wall figures swing with their load and the CPU figures much less.
 
-`bandwidth_share` runs the fast step and the previous eager step (`EngineConfig.fast_step=False`)
-round by round, alternating which goes first, on the same prompts with greedy sampling (both emit
-the same tokens), and reports every round, so the spread is visible next to the medians.
+`bandwidth_share` runs three steps round by round, rotating which goes first, on the same prompts
+with greedy sampling (all emit the same tokens), and reports every round, so the spread is visible
+next to the medians: the default fast step, the same with eager attention (`EngineConfig.
+fused_attention=False`: the fast step before attention moved into the kernel) and the previous
+eager step (`EngineConfig.fast_step=False`). Speed-ups pair the default with each, round by round.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import torch
 
 from service.types import DraftPolicy, GenerationRequest, SamplingParams
 
-MODES = ("reference", "fast")  # EngineConfig.fast_step False / True
+# Which EngineConfig each mode runs; "fast" is the default and the one the others are compared to.
+MODES = {"reference": dict(fast_step=False), "eager_attention": dict(fused_attention=False), "fast": {}}
+BASELINES = ("reference", "eager_attention")
 TARGET_SHARE = 0.25
 
 
@@ -99,7 +103,7 @@ class Round:
 def bandwidth_share(prompts: list[str], max_new: int, rounds: int, threads: int) -> dict:
     from service.engine import Engine, EngineConfig
 
-    engines = {mode: Engine(EngineConfig(threads=threads, fast_step=mode == "fast")) for mode in MODES}
+    engines = {mode: Engine(EngineConfig(threads=threads, **overrides)) for mode, overrides in MODES.items()}
     if engines["fast"].step_kind != "fast":
         raise RuntimeError("the fused kernel did not build here (no C compiler?): nothing to compare")
     active = active_weight_bytes(engines["fast"].target.cfg)
@@ -108,7 +112,8 @@ def bandwidth_share(prompts: list[str], max_new: int, rounds: int, threads: int)
         engine.generate(GenerationRequest(prompt=prompts[0], max_new_tokens=8, sampling=greedy), DraftPolicy())
     results: list[Round] = []
     for r in range(rounds):
-        for mode in MODES if r % 2 == 0 else reversed(MODES):
+        order = list(MODES)
+        for mode in order[r % len(order):] + order[:r % len(order)]:
             bandwidth, bandwidth_cpu = copy_bandwidth()
             tokens, seconds, cpu, steps = 0, 0.0, 0.0, []
             for prompt in prompts:
@@ -129,12 +134,16 @@ def summarize(results: list[Round], active: int, threads: int) -> dict:
         return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
                 "max": round(max(values), digits)}
 
-    by_mode = {m: [r for r in results if r.mode == m] for m in MODES}
-    paired = zip(by_mode["fast"], by_mode["reference"], strict=True)
-    speedups, speedups_cpu = [], []
-    for f, ref in paired:
-        speedups.append(f.tokens_per_second / ref.tokens_per_second)
-        speedups_cpu.append(f.tokens_per_cpu_second / ref.tokens_per_cpu_second)
+    by_mode = {m: sorted((r for r in results if r.mode == m), key=lambda r: r.round) for m in MODES}
+    by_mode = {m: rs for m, rs in by_mode.items() if rs}
+    speedups = {}  # the default step over each baseline, paired by round
+    for base in BASELINES:
+        if base in by_mode:
+            pairs = list(zip(by_mode["fast"], by_mode[base], strict=True))
+            speedups[f"speedup_fast_over_{base}"] = spread([f.tokens_per_second / b.tokens_per_second
+                                                            for f, b in pairs])
+            speedups[f"speedup_fast_over_{base}_cpu"] = spread([f.tokens_per_cpu_second / b.tokens_per_cpu_second
+                                                                for f, b in pairs])
     return {
         "active_weight_bytes_per_token": active,
         "threads": threads,
@@ -149,8 +158,7 @@ def summarize(results: list[Round], active: int, threads: int) -> dict:
                       "bandwidth_cpu_gbs": spread([r.bandwidth_cpu_gbs for r in rs], 2),
                       "limit_tokens_per_second": spread([r.limit_tokens_per_second for r in rs], 0)}
                   for m, rs in by_mode.items()},
-        "speedup_fast_over_reference": spread(speedups),
-        "speedup_fast_over_reference_cpu": spread(speedups_cpu),
+        **speedups,
         "per_round": [dict(asdict(r), tokens_per_second=round(r.tokens_per_second, 2), share=round(r.share, 4),
                            share_cpu=round(r.share_cpu, 4)) for r in results],
     }
@@ -164,14 +172,20 @@ def markdown(summary: dict, command: str) -> str:
                  "share of limit, CPU time |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     fmt = lambda s, d: f"{s['median']:.{d}f} [{s['min']:.{d}f}, {s['max']:.{d}f}]"  # noqa: E731
-    names = {"reference": "previous eager step (`fast_step=False`)", "fast": "fast step (fused kernel, default)"}
+    names = {"reference": "eager step (`fast_step=False`)",
+             "eager_attention": "fast step, eager attention (`fused_attention=False`)",
+             "fast": "fast step, fused attention (default)"}
     for mode, m in summary["modes"].items():
         lines.append(f"| {names[mode]} | {fmt(m['tokens_per_second'], 1)} | {fmt(m['step_ms'], 2)} | "
                      f"{fmt(m['bandwidth_gbs'], 1)} | {fmt(m['limit_tokens_per_second'], 0)} | "
                      f"{fmt(m['share_of_limit'], 3)} | {fmt(m['share_of_limit_cpu'], 3)} |")
-    lines += ["", f"- fast / previous tokens/s, paired by round: {fmt(summary['speedup_fast_over_reference'], 2)}x "
-                  f"(by CPU time {fmt(summary['speedup_fast_over_reference_cpu'], 2)}x); "
-                  f"target share >= {summary['target_share']}"]
+    lines.append("")
+    for base in BASELINES:
+        if f"speedup_fast_over_{base}" in summary:
+            lines.append(f"- default / {names[base]}, tokens/s paired by round: "
+                         f"{fmt(summary[f'speedup_fast_over_{base}'], 2)}x "
+                         f"(by CPU time {fmt(summary[f'speedup_fast_over_{base}_cpu'], 2)}x)")
+    lines.append(f"- target share >= {summary['target_share']}")
     return "\n".join(lines) + "\n"
 
 
@@ -182,7 +196,7 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for mode, marker, color in zip(MODES, ("s", "o"), ("C0", "C1"), strict=True):
+    for mode, marker, color in zip(MODES, ("s", "^", "o"), ("C0", "C2", "C1"), strict=True):
         rounds = [r for r in summary["per_round"] if r["mode"] == mode]
         ax.plot([r["round"] for r in rounds], [r["share"] for r in rounds], marker=marker, color=color,
                 label=f"{mode} step, wall")

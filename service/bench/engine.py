@@ -7,7 +7,8 @@
 - verify cost in plain-decode-step equivalents by window size and by unique experts;
 - the overhead of routing capture (on vs off, interleaved);
 - single-stream plain decoding as a share of the memory-bandwidth limit, the fast step against the
-  previous eager step (`EngineConfig.fast_step`), interleaved round by round (`bandwidth_share`).
+  same with eager attention (`EngineConfig.fused_attention`) and the previous eager step
+  (`EngineConfig.fast_step`), interleaved round by round (`bandwidth_share`).
 
 Greedy decoding throughout, so every mode produces the same tokens and only speed differs. Every
 engine runs with the thread count `moespec serve` would pick here (engine.threads).

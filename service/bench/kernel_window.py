@@ -1,11 +1,12 @@
-"""`moespec bench kernel-window`: batched passes with the fused MoE kernel up to 16 positions vs up to
-KERNEL_WINDOW_MAX (the default), side by side.
+"""`moespec bench kernel-window`: batched passes with the fused kernels up to 16 positions vs up to
+KERNEL_WINDOW_MAX (the default), and the default with attention left eager, side by side.
 
-Two in-process engines (`EngineConfig.kernel_window_max` 16 and the default) at the thread count
-`moespec serve` picks on this machine (measured once, printed); per round and policy, `--clients`
-concurrent greedy requests on each engine, the order reversed every other round so machine drift
-hits both alike. Prints tokens/s per side, the per-round ratio (median and range) and whether the
-outputs agree; writes kernel-window.json to --out.
+Three in-process engines at the thread count `moespec serve` picks on this machine (measured once,
+printed): `kernel_window_max` 16, the default (KERNEL_WINDOW_MAX, fused attention) and the default
+with `fused_attention=False`. Per round and policy, `--clients` concurrent greedy requests on each
+engine, the order rotated every round so machine drift hits all alike. Prints tokens/s per side, the
+default's per-round ratio over each other side (median and range) and whether the outputs agree;
+writes kernel-window.json to --out.
 """
 
 from __future__ import annotations
@@ -55,31 +56,35 @@ def run(args: argparse.Namespace) -> int:
 
     requests = load_workload(args.clients, args.max_new_tokens)  # greedy shipped prompts
     threads = default_threads()  # what a server started without --threads would use
-    sides = {limit: Engine(EngineConfig(threads=threads, kernel_window_max=limit))
-             for limit in (UNION_WINDOW_MAX, KERNEL_WINDOW_MAX)}
+    configs = {f"kernel<={UNION_WINDOW_MAX}": dict(kernel_window_max=UNION_WINDOW_MAX),
+               f"kernel<={KERNEL_WINDOW_MAX}, eager attention": dict(fused_attention=False),
+               "default": {}}  # KERNEL_WINDOW_MAX, fused attention
+    sides = {name: Engine(EngineConfig(threads=threads, **overrides)) for name, overrides in configs.items()}
     report = []
     try:
         for policy in POLICIES:
-            rates: dict[int, list[float]] = {limit: [] for limit in sides}
-            outputs: dict[int, list] = {}
+            rates: dict[str, list[float]] = {name: [] for name in sides}
+            outputs: dict[str, list] = {}
             for r in range(args.rounds):
-                order = list(sides) if r % 2 == 0 else list(sides)[::-1]
-                for limit in order:
-                    rate, ids = concurrent_tokens_per_second(sides[limit], requests, policy)
-                    rates[limit].append(rate)
-                    outputs.setdefault(limit, ids)
-            ratios = [b / a for a, b in zip(rates[UNION_WINDOW_MAX], rates[KERNEL_WINDOW_MAX], strict=True)]
-            same = sum(a == b for a, b in zip(outputs[UNION_WINDOW_MAX], outputs[KERNEL_WINDOW_MAX], strict=True))
-            row = {"policy": policy.policy_id, "clients": args.clients,
-                   "tokens_per_second": {str(k): v for k, v in rates.items()},
-                   "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                   "same_outputs": same}
+                order = list(sides)
+                for name in order[r % len(order):] + order[:r % len(order)]:
+                    rate, ids = concurrent_tokens_per_second(sides[name], requests, policy)
+                    rates[name].append(rate)
+                    outputs.setdefault(name, ids)
+            row = {"policy": policy.policy_id, "clients": args.clients, "tokens_per_second": rates, "vs": {}}
+            line = [f"{policy.policy_id:9s}"]
+            line += [f"{name}: {statistics.median(v):5.0f} tok/s" for name, v in rates.items()]
+            for name in sides:
+                if name == "default":
+                    continue
+                ratios = [b / a for a, b in zip(rates[name], rates["default"], strict=True)]
+                same = sum(a == b for a, b in zip(outputs[name], outputs["default"], strict=True))
+                row["vs"][name] = {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+                                   "ratio_max": max(ratios), "same_outputs": same}
+                line.append(f"default / {name} {statistics.median(ratios):.2f} [{min(ratios):.2f}, "
+                            f"{max(ratios):.2f}], same outputs {same}/{len(requests)}")
             report.append(row)
-            narrow, wide = (statistics.median(rates[k]) for k in (UNION_WINDOW_MAX, KERNEL_WINDOW_MAX))
-            print(f"{policy.policy_id:9s} kernel<={UNION_WINDOW_MAX}: {narrow:6.0f} tok/s  "
-                  f"kernel<={KERNEL_WINDOW_MAX}: {wide:6.0f} tok/s  "
-                  f"ratio {row['ratio_median']:.2f} [{row['ratio_min']:.2f}, {row['ratio_max']:.2f}]  "
-                  f"same outputs {same}/{len(requests)}", flush=True)
+            print("  ".join(line), flush=True)
     finally:
         for engine in sides.values():
             engine.close()

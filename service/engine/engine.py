@@ -60,7 +60,8 @@ class EngineConfig:
     ngram_max: int = 4
     capture_topk: bool = False  # keep [L, w, m] routed ids in every StepRecord
     capture_routing: bool = True  # count unique experts (off only to measure its overhead)
-    fast_step: bool = True  # fused expert kernel (kernels.py); False: the previous eager step, to compare
+    fast_step: bool = True  # fused kernels (kernels.py); False: the previous eager step, to compare
+    fused_attention: bool = True  # with fast_step: attention in one kernel call per layer; False: eager, to compare
     kernel_window_max: int = KERNEL_WINDOW_MAX  # largest pass whose MoE blocks take the fused kernel
     ep: expert_parallel.EPSpec | None = None  # estimate each pass's expert-parallel cost for this EP size
     record_steps: Path | None = None  # append every request's steps (top-k ids included) to this file
@@ -76,8 +77,10 @@ class Engine:
         self.config = config
         kernels = build_kernels() if config.fast_step else None  # None also when no C compiler is found
         self.step_kind = "fast" if kernels else "reference"
-        self.target = load_for_inference(config.target_dir, kernels=kernels, kernel_window_max=config.kernel_window_max)
-        self.draft = load_for_inference(config.draft_dir, kernels=kernels) if config.draft_dir else None
+        self.target = load_for_inference(config.target_dir, kernels=kernels, kernel_window_max=config.kernel_window_max,
+                                         fused_attention=config.fused_attention)
+        self.draft = load_for_inference(config.draft_dir, kernels=kernels, fused_attention=config.fused_attention) \
+            if config.draft_dir else None
         self.tokenizer = Tokenizer.from_file(str(Path(config.target_dir) / "tokenizer.json"))
         cfg = self.target.cfg
         if not cfg.is_moe:

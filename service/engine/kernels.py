@@ -18,6 +18,10 @@ Contract of `swiglu_experts(x, gate, up, down, ids, weights, out, accumulate)`:
 
 `linear(x, weight)`: x [w, H] @ weight [V, H]^T with the same row independence (the output layer).
 
+`attention_block(weights, pass, layer, x)`: a layer's whole attention sub-block for the tokens of a
+ragged pass; its C source, contract and argument checks are in attention_kernel.py, compiled into the
+same library (it uses `dot` and `rms_norm` from here).
+
 The library is compiled with the system C compiler into a cache folder keyed by the source, the
 flags and this CPU's feature flags (so a shared home folder never serves code for another CPU), and
 loaded with ctypes. Without a compiler `build` returns None and callers keep the eager path.
@@ -36,6 +40,11 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from service.engine import attention_kernel
+from service.engine.attention_kernel import AttentionPass, AttentionWeights
+
+__all__ = ["AttentionPass", "AttentionWeights", "Kernels", "MoeBlock", "build"]
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +169,8 @@ void linear(const float *x, int64_t w, int64_t H, const float *W, int64_t V, flo
 }
 """
 
+_SOURCE += attention_kernel.SOURCE  # uses dot and rms_norm above
+
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
 
 
@@ -183,6 +194,10 @@ class Kernels:
         self._rms_norm = lib.rms_norm
         self._rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
         self._rms_norm.restype = None
+        self._attention = lib.attention_block
+        self._attention.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr, i64, i64, i64,
+                                    ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+        self._attention.restype = None
 
     def swiglu_experts(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                        ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
@@ -219,6 +234,22 @@ class Kernels:
         self._moe(x.data_ptr(), w, block.H, *a, logits.data_ptr(), ids.data_ptr(), weights.data_ptr(),
                   out.data_ptr())
         return out, logits[:, :-1], ids
+
+    def attention_block(self, weights: AttentionWeights, where: AttentionPass, layer: int,
+                        x: torch.Tensor) -> torch.Tensor:
+        """x [N, H] (the residual stream) -> x + attention(rms_norm(x)) of one layer, writing the pass's
+        keys and values into that layer's cache (see attention_kernel.py)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape != (where.n, weights.H) or not x.is_contiguous() \
+                or not x.is_cpu:
+            raise ValueError(f"attention_block: x must be a contiguous float32 CPU tensor [{where.n}, {weights.H}]")
+        if (weights.K, weights.D) != (where.K, where.D):
+            raise ValueError(f"attention_block: the cache holds {where.K} kv heads of {where.D}, the layer "
+                             f"{weights.K} of {weights.D}")
+        scratch = x.new_empty(weights.scratch_floats(where.n, where.S))
+        out = torch.empty_like(x)
+        self._attention(x.data_ptr(), where.n, weights.H, *weights.args, *where.args(layer), weights.o_ptr,
+                        scratch.data_ptr(), out.data_ptr())
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """weight * x / sqrt(mean(x^2, -1) + eps) over the last dim of a contiguous float32 CPU x."""
@@ -272,34 +303,37 @@ class MoeBlock:
                      shared_gate.data_ptr(), shared_up.data_ptr(), shared_down.data_ptr(), Is)
 
 
-def build(cache_dir: Path | None = None, compiler: str | None = None) -> Kernels | None:
+def build(cache_dir: Path | None = None, compiler: str | None = None,
+          extra_flags: tuple[str, ...] = ()) -> Kernels | None:
     """Compile (or reuse) the library and load it; None, with one warning, when it cannot be built.
 
-    cache_dir defaults to ~/.cache/moespec/kernels, compiler to `cc` on the PATH.
+    cache_dir defaults to ~/.cache/moespec/kernels, compiler to `cc` on the PATH; extra_flags go after
+    the default flags (tests build the portable code with `-mno-avx512f`).
     """
+    flags = (*_FLAGS, *extra_flags)
     compiler = compiler or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler on the PATH: the fused expert kernel is off, the eager path runs")
         return None
     folder = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "moespec" / "kernels"
-    key = hashlib.sha256("\n".join([_SOURCE, *_FLAGS, compiler, platform.machine(), _cpu_flags()]).encode())
+    key = hashlib.sha256("\n".join([_SOURCE, *flags, compiler, platform.machine(), _cpu_flags()]).encode())
     library = folder / f"swiglu-{key.hexdigest()[:16]}.so"
     try:
         if not library.is_file():
-            _compile(compiler, library)
+            _compile(compiler, flags, library)
         return Kernels(library)
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("could not build the fused expert kernel (%s): the eager path runs", e)
         return None
 
 
-def _compile(compiler: str, library: Path) -> None:
+def _compile(compiler: str, flags: tuple[str, ...], library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         source = Path(tmp) / "swiglu.c"
         source.write_text(_SOURCE)
         built = Path(tmp) / library.name
-        subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), "-lm"], check=True,
+        subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"], check=True,
                        capture_output=True, timeout=120)
         os.replace(built, library)  # atomic: a concurrent builder never loads half a file
 

@@ -11,9 +11,11 @@ Contract:
   Slots of rejected draft tokens are never rolled back: the next window simply overwrites them.
 - Each MoE layer reports the routed top-m expert ids of every position in the window, so the
   caller can count the distinct experts a verification pass touched (the union).
-- `fuse_for_inference(kernels)` selects the fast step: on CPU, windows of up to UNION_WINDOW_MAX
-  positions run experts, MLPs and the output layer in the fused kernels (kernels.py), where each
-  position's result does not depend on the rest of its window; without kernels, the eager step.
+- `fuse_for_inference(kernels)` selects the fast step: on CPU, passes of up to kernel_window_max
+  positions run each layer's attention sub-block (attention_kernel.py: no padding, no mask, every
+  token at its own slot and position) and MoE block in one kernel call each, windows of up to
+  UNION_WINDOW_MAX the MLPs and the output layer too (kernels.py); in all of them each position's
+  result does not depend on the rest of its pass. Without kernels, the eager step.
 
 Shape legend: w window positions, N tokens of a ragged pass, B sequences in it, T training tokens,
 H hidden, A attention heads, K kv heads, D head dim, E routed experts, m experts per token,
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.engine.attention_kernel import AttentionPass, AttentionWeights
 from service.engine.kernels import Kernels, MoeBlock
 
 # Windows up to this many positions run every expert of the union on every position (a few
@@ -268,11 +271,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(H, K * D, bias=True)
         self.o_proj = nn.Linear(A * D, H, bias=False)
         self.qkv: tuple[torch.Tensor, torch.Tensor] | None = None  # see fuse()
+        self.block: AttentionWeights | None = None
 
-    def fuse(self) -> None:
-        """Inference only: q, k and v projections as one matmul."""
+    def fuse(self, norm: RMSNorm | None = None) -> None:
+        """Inference only: q, k and v projections as one matmul; with `norm` (the layer's input norm),
+        also the weights of the fused sub-block (Kernels.attention_block: norm, q/k/v, rope, cache
+        write, attention, o_proj and the residual in one call), which keeps pointers to them."""
         self.qkv = (torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
                     torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]))
+        self.block = None if norm is None else AttentionWeights(norm.weight.detach(), norm.eps, *self.qkv,
+                                                                self.o_proj.weight.detach(), self.n_heads, self.n_kv,
+                                                                self.head_dim)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv is None:
@@ -331,7 +340,8 @@ class RaggedBatch:
     """Where the N tokens of one pass go: B sequences, sequence b a window of lengths[b] tokens at
     positions starts[b].. in cache slot slots[b], concatenated in that order.
 
-    Padded attention: queries are laid out [B, w'] (w' the longest window) and each sequence sees its
+    The fused attention kernel needs only `positions` and `token_slot`. Eager (padded) attention:
+    queries are laid out [B, w'] (w' the longest window) and each sequence sees its
     own slot's keys up to S' = max(starts + lengths); `mask` [B, 1, w', S'] keeps row i of sequence b
     to keys <= starts[b] + i (its prefix and its window up to itself). Padding rows see key 0 only
     through that rule, so they never produce NaN; their outputs are dropped.
@@ -427,17 +437,21 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
         self.kernels: Kernels | None = None  # see fuse_for_inference
+        self.kernel_window_max = KERNEL_WINDOW_MAX
+        self.fused_attention = False
 
-    def fuse_for_inference(self, kernels: Kernels | None = None, kernel_window_max: int = KERNEL_WINDOW_MAX) -> None:
-        """Concatenate projections that read the same input, for fewer matmuls per step; with
-        kernels (kernels.build()), also the fast step: MoE blocks, MLPs and the output layer of short
-        windows and every norm in the fused kernels. Without, the previous eager step (kept to
-        measure against). MoE blocks of passes up to `kernel_window_max` positions take the kernel.
+    def fuse_for_inference(self, kernels: Kernels | None = None, kernel_window_max: int = KERNEL_WINDOW_MAX,
+                           fused_attention: bool = True) -> None:
+        """Concatenate projections that read the same input, for fewer matmuls per step; with kernels
+        (kernels.build()), also the fast step: passes up to `kernel_window_max` positions run each
+        layer's attention sub-block (unless `fused_attention` is False: the previous fast step, kept
+        to measure against) and MoE block in one kernel call each, short windows the MLPs and the
+        output layer, every norm its own call. Without kernels, the previous eager step.
 
         The fused tensors are copies: call after the weights are final (training never fuses).
         """
         for layer in self.layers:
-            layer.self_attn.fuse()
+            layer.self_attn.fuse(layer.input_layernorm if kernels is not None and fused_attention else None)
             if self.cfg.is_moe:
                 layer.mlp.fuse(kernels, kernel_window_max)
             else:
@@ -446,6 +460,8 @@ class Transformer(nn.Module):
             if isinstance(norm, RMSNorm):
                 norm.kernels = kernels
         self.kernels = kernels
+        self.kernel_window_max = kernel_window_max
+        self.fused_attention = kernels is not None and fused_attention
 
     def output_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [w, H] -> logits [w, V]; short windows in the kernel (the largest single
@@ -463,17 +479,23 @@ class Transformer(nn.Module):
         """tokens [N]: the windows of `batch` back to back -> logits [N, V], routed ids [L, N, m].
 
         Everything but attention is per token, so it runs on all N at once (the MoE layer sees the
-        whole pass: its union is the batch union); attention is one padded call per layer.
+        whole pass: its union is the batch union). Attention: with the fused kernel (passes up to
+        kernel_window_max positions) one call per layer, each token at its own slot and position;
+        otherwise one padded SDPA call per layer.
         """
-        if batch.size == 1:  # contiguous positions: slices, not gathers
-            first, last = batch.starts[0], batch.span
-            cos, sin = self.rope_cos[first:last, None], self.rope_sin[first:last, None]  # [N, 1, D]
-        else:
-            cos, sin = self.rope_cos[batch.positions, None], self.rope_sin[batch.positions, None]  # [N, 1, D]
         x = self.embed_tokens(tokens)  # [N, H]
+        where = cos = sin = None
+        if self.fused_attention and tokens.shape[0] <= self.kernel_window_max and x.is_cpu \
+                and not torch.is_grad_enabled():
+            where = AttentionPass(batch.positions, batch.token_slot, cache.k, cache.v, self.rope_cos, self.rope_sin)
+        else:
+            cos, sin = self._rope(batch)
         ids = []
         for i, layer in enumerate(self.layers):
-            x = x + layer.self_attn.forward_ragged(layer.input_layernorm(x), cos, sin, cache, i, batch)
+            if where is not None:  # norm, q/k/v, rope, cache write, attention, o_proj and the residual
+                x = self.kernels.attention_block(layer.self_attn.block, where, i, x)
+            else:
+                x = x + layer.self_attn.forward_ragged(layer.input_layernorm(x), cos, sin, cache, i, batch)
             h = layer.post_attention_layernorm(x)  # [N, H]
             if self.cfg.is_moe:
                 h, _, routed = layer.mlp(h)
@@ -482,6 +504,13 @@ class Transformer(nn.Module):
                 h = layer.mlp(h)
             x = x + h
         return ForwardOutput(logits=self.output_logits(self.norm(x)), routed_ids=torch.stack(ids) if ids else None)
+
+    def _rope(self, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, 1, D] at each token's position (eager attention)."""
+        if batch.size == 1:  # contiguous positions: slices, not gathers
+            first, last = batch.starts[0], batch.span
+            return self.rope_cos[first:last, None], self.rope_sin[first:last, None]
+        return self.rope_cos[batch.positions, None], self.rope_sin[batch.positions, None]
 
     def forward_train(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] -> (logits [B, T, V], load-balancing loss); no cache."""

@@ -1,0 +1,225 @@
+"""The attention sub-block of one decoder layer in one C call, for the tokens of a ragged pass.
+
+Why: after the MoE block moved into one kernel call, attention was half of a decode step (~1.3-1.5 ms
+of ~2.9 ms CPU on the shipped model): q/k/v, rope (cat, mul), the cache write, the mask, SDPA, the
+transposes and o_proj are ~20 small torch ops per layer, each a few microseconds of dispatch for a
+few microseconds of arithmetic. Here the whole sub-block is one call per layer and needs no padding,
+no mask tensor and no gathers: every token carries its own cache slot and absolute position.
+
+Contract of `attention_block` (C, compiled into the same library as kernels.py's source):
+- x [N, H]: the tokens of one pass (any mix of windows of any sequences); token t sits at position
+  positions[t] of cache slot slots[t]. For each token:
+  h = rms_norm(x[t]) * norm_w; [q | k | v] = W_qkv h + b_qkv (A query heads, K kv heads of D);
+  q and k rotated by rope at that position (tables [max positions, D], the model's own buffers);
+  k and v written to the cache at (slot, position); query head a attends with kv head a / (A / K)
+  to its slot's keys 0..position, softmax in fp32 with scale 1/sqrt(D);
+  out[t] = x[t] + W_o [heads concatenated].
+- Every token's keys and values are written before any token attends, so a window sees its own
+  earlier positions; entries past a token's position (a rejected draft's) are never read.
+- Each token's row is computed on its own in a fixed order of operations: bitwise the same alone or
+  inside any pass (what keeps greedy speculation == plain decoding exact).
+- The C code trusts its pointers: `AttentionWeights` checks a layer's weights once, `AttentionPass`
+  checks a pass's positions and slots against the cache and the rope tables once for all layers.
+
+Shape legend: N tokens of a pass, H hidden, A query heads, K kv heads, D head dim, R = (A + 2K) D,
+S cache length per slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SOURCE = r"""
+/* out[t, c] = sum over k ascending of x[t, k] * wt[k, c] (one fused multiply-add per term, from 0),
+   then + bias[c]: x [N, Kd], wt [Kd, C] (a weight stored transposed), out [N, C]. Every element takes
+   the same arithmetic whatever N is and wherever it falls in a tile, so a row's result never depends
+   on the other rows; tiles of 4 rows x 64 columns reuse each loaded weight vector for 4 rows. */
+#if defined(__AVX512F__)
+/* A ROWS x (16 VECS) tile of out, its accumulators in registers (constant sizes, so loops unroll). */
+#define MATMUL_TILE(NAME, ROWS, VECS)                                                                   \
+static void NAME(const float *x, int64_t Kd, const float *wt, int64_t C, int64_t c0, const float *bias, \
+                 float *out) {                                                                          \
+    __m512 acc[ROWS][VECS];                                                                             \
+    for (int i = 0; i < ROWS; i++)                                                                      \
+        for (int v = 0; v < VECS; v++) acc[i][v] = _mm512_setzero_ps();                                \
+    for (int64_t k = 0; k < Kd; k++) {                                                                  \
+        __m512 wv[VECS];                                                                                \
+        for (int v = 0; v < VECS; v++) wv[v] = _mm512_loadu_ps(wt + k * C + c0 + 16 * v);              \
+        for (int i = 0; i < ROWS; i++) {                                                                \
+            const __m512 xb = _mm512_set1_ps(x[i * Kd + k]);                                            \
+            for (int v = 0; v < VECS; v++) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);           \
+        }                                                                                               \
+    }                                                                                                   \
+    for (int i = 0; i < ROWS; i++)                                                                      \
+        for (int v = 0; v < VECS; v++) {                                                                \
+            __m512 b = bias ? _mm512_loadu_ps(bias + c0 + 16 * v) : _mm512_setzero_ps();                \
+            _mm512_storeu_ps(out + i * C + c0 + 16 * v, _mm512_add_ps(acc[i][v], b));                   \
+        }                                                                                               \
+}
+MATMUL_TILE(tile_4x4, 4, 4)
+MATMUL_TILE(tile_1x4, 1, 4)
+MATMUL_TILE(tile_4x1, 4, 1)
+MATMUL_TILE(tile_1x1, 1, 1)
+#endif
+
+static void matmul_t(const float *x, int64_t N, int64_t Kd, const float *wt, int64_t C, const float *bias,
+                     float *out) {
+    int64_t c0 = 0;
+#if defined(__AVX512F__)
+    for (; c0 + 64 <= C; c0 += 64) {
+        int64_t t = 0;
+        for (; t + 4 <= N; t += 4) tile_4x4(x + t * Kd, Kd, wt, C, c0, bias, out + t * C);
+        for (; t < N; t++) tile_1x4(x + t * Kd, Kd, wt, C, c0, bias, out + t * C);
+    }
+    for (; c0 + 16 <= C; c0 += 16) {
+        int64_t t = 0;
+        for (; t + 4 <= N; t += 4) tile_4x1(x + t * Kd, Kd, wt, C, c0, bias, out + t * C);
+        for (; t < N; t++) tile_1x1(x + t * Kd, Kd, wt, C, c0, bias, out + t * C);
+    }
+#endif
+    for (int64_t t = 0; t < N; t++) {  /* columns left over (all of them without AVX-512) */
+        float *o = out + t * C;
+        for (int64_t c = c0; c < C; c++) o[c] = 0.0f;
+        for (int64_t k = 0; k < Kd; k++) {
+            const float xk = x[t * Kd + k], *w = wt + k * C;
+            for (int64_t c = c0; c < C; c++) o[c] = fmaf(xk, w[c], o[c]);
+        }
+        for (int64_t c = c0; c < C; c++) o[c] = o[c] + (bias ? bias[c] : 0.0f);
+    }
+}
+
+/* Rotate one head in place: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. */
+static void rope(float *x, const float *c, const float *s, int64_t half) {
+    for (int64_t d = 0; d < half; d++) {
+        float a = x[d], b = x[d + half];
+        x[d] = a * c[d] - b * s[d];
+        x[d + half] = b * c[d + half] + a * s[d + half];
+    }
+}
+
+/* o[0:n] += w * v[0:n] */
+static void axpy(float *o, float w, const float *v, int64_t n) {
+    for (int64_t d = 0; d < n; d++) o[d] += w * v[d];
+}
+
+/* One query head of one token over its slot's keys and values 0..last: softmax(q k^T * scale) v. */
+static void attend(const float *q, const float *keys, const float *values, int64_t last, int64_t D, float scale,
+                   float *scores, float *o) {
+    float top = -INFINITY;
+    for (int64_t j = 0; j <= last; j++) {
+        scores[j] = dot(q, keys + j * D, D) * scale;
+        if (scores[j] > top) top = scores[j];
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j <= last; j++) {
+        scores[j] = expf(scores[j] - top);
+        total += scores[j];
+    }
+    memset(o, 0, (size_t)D * sizeof(float));
+    for (int64_t j = 0; j <= last; j++) axpy(o, scores[j], values + j * D, D);
+    const float inv = 1.0f / total;
+    for (int64_t d = 0; d < D; d++) o[d] *= inv;
+}
+
+/* See attention_kernel.py. qkv_wt [H, R] and o_wt [A D, H]: the projections stored transposed (matmul_t);
+   k_cache / v_cache: this layer's [slots, K, S, D]; scratch: N * (H + R + A D) + S floats; out [N, H]
+   must not alias x. */
+void attention_block(const float *x, int64_t N, int64_t H, const float *norm_w, float eps,
+                     const float *qkv_wt, const float *qkv_b, int64_t A, int64_t K, int64_t D,
+                     const float *rope_cos, const float *rope_sin, const int64_t *positions, const int64_t *slots,
+                     float *k_cache, float *v_cache, int64_t S, const float *o_wt, float *scratch, float *out) {
+    const int64_t Q = A * D, R = (A + 2 * K) * D, group = A / K;
+    float *hn = scratch, *qkv = hn + N * H, *att = qkv + N * R, *scores = att + N * Q;  /* [N,H] [N,R] [N,Q] [S] */
+    rms_norm(x, N, H, norm_w, eps, hn);
+    matmul_t(hn, N, H, qkv_wt, R, qkv_b, qkv);
+    for (int64_t t = 0; t < N; t++) {
+        const int64_t pos = positions[t];
+        float *row = qkv + t * R;
+        for (int64_t h = 0; h < A + K; h++)  /* the A query heads, then the K key heads */
+            rope(row + h * D, rope_cos + pos * D, rope_sin + pos * D, D / 2);
+        for (int64_t kh = 0; kh < K; kh++) {
+            const int64_t at = ((slots[t] * K + kh) * S + pos) * D;
+            memcpy(k_cache + at, row + Q + kh * D, (size_t)D * sizeof(float));
+            memcpy(v_cache + at, row + Q + (K + kh) * D, (size_t)D * sizeof(float));
+        }
+    }
+    const float scale = 1.0f / sqrtf((float)D);
+    for (int64_t t = 0; t < N; t++)
+        for (int64_t a = 0; a < A; a++) {
+            const int64_t head = (slots[t] * K + a / group) * S * D;
+            attend(qkv + t * R + a * D, k_cache + head, v_cache + head, positions[t], D, scale, scores,
+                   att + t * Q + a * D);
+        }
+    matmul_t(att, N, Q, o_wt, H, NULL, out);
+    for (int64_t j = 0; j < N * H; j++) out[j] = x[j] + out[j];
+}
+"""
+
+
+class AttentionWeights:
+    """One layer's attention weights for `Kernels.attention_block`, checked once (the kernel keeps
+    pointers to them: they must not move or be replaced afterwards)."""
+
+    def __init__(self, norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor,
+                 o_weight: torch.Tensor, n_heads: int, n_kv: int, head_dim: int):
+        """norm_weight [H]; qkv_weight [(A + 2K) D, H] (q rows, then k, then v), qkv_bias [(A + 2K) D];
+        o_weight [H, A D]. Contiguous float32 CPU."""
+        H = norm_weight.shape[0]
+        if n_kv < 1 or n_heads % n_kv or head_dim % 2:
+            raise ValueError(f"attention_block: {n_heads} heads over {n_kv} kv heads of dim {head_dim}: need "
+                             "whole groups and an even head dim")
+        R = (n_heads + 2 * n_kv) * head_dim
+        expected = {"norm_weight": (H,), "qkv_weight": (R, H), "qkv_bias": (R,), "o_weight": (H, n_heads * head_dim)}
+        given = dict(norm_weight=norm_weight, qkv_weight=qkv_weight, qkv_bias=qkv_bias, o_weight=o_weight)
+        for name, t in given.items():
+            if tuple(t.shape) != expected[name] or t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
+                raise ValueError(f"attention_block: {name} must be a contiguous float32 CPU tensor {expected[name]}")
+        self.H, self.A, self.K, self.D, self.R = H, n_heads, n_kv, head_dim, R
+        # Transposed copies for matmul_t (which streams weight rows k across output columns); they and
+        # the tensors given stay referenced while the pointers below are in use.
+        qkv_t, o_t = qkv_weight.t().contiguous(), o_weight.t().contiguous()  # [H, R], [A D, H]
+        self.tensors = dict(given, qkv_t=qkv_t, o_t=o_t)
+        self.args = (norm_weight.data_ptr(), float(eps), qkv_t.data_ptr(), qkv_bias.data_ptr(), n_heads, n_kv,
+                     head_dim)
+        self.o_ptr = o_t.data_ptr()
+
+    def scratch_floats(self, n: int, cache_len: int) -> int:
+        return n * (self.H + self.R + self.A * self.D) + cache_len
+
+
+class AttentionPass:
+    """Where the N tokens of one pass go (position and cache slot of each) and the tensors every
+    layer's call shares, checked once per pass: the kernel writes and reads there unchecked."""
+
+    def __init__(self, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+        """positions, slots [N] int64; k_cache, v_cache [L, slots, K, S, D] float32; rope_cos, rope_sin
+        [max positions, D] float32; all contiguous CPU tensors."""
+        if positions.dtype != torch.int64 or slots.dtype != torch.int64 or positions.dim() != 1 \
+                or positions.shape != slots.shape or not (positions.is_contiguous() and slots.is_contiguous()):
+            raise ValueError("attention_block: positions and slots must be contiguous int64 [N]")
+        for name, t in dict(k_cache=k_cache, v_cache=v_cache, rope_cos=rope_cos, rope_sin=rope_sin).items():
+            if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
+                raise ValueError(f"attention_block: {name} must be a contiguous float32 CPU tensor")
+        if k_cache.dim() != 5 or v_cache.shape != k_cache.shape:
+            raise ValueError("attention_block: k_cache and v_cache must both be [L, slots, K, S, D]")
+        L, num_slots, K, S, D = k_cache.shape
+        if rope_cos.dim() != 2 or rope_cos.shape[1] != D or rope_sin.shape != rope_cos.shape:
+            raise ValueError(f"attention_block: rope tables must be [positions, {D}]")
+        bound = min(S, rope_cos.shape[0])
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= bound):
+            raise ValueError(f"attention_block: positions must lie in [0, {bound})")
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
+            raise ValueError(f"attention_block: cache slots must lie in [0, {num_slots})")
+        self.n, self.layers, self.K, self.S, self.D = positions.numel(), L, K, S, D
+        self.tensors = (positions, slots, k_cache, v_cache, rope_cos, rope_sin)  # alive while in use
+        self._layer_bytes = k_cache.stride(0) * k_cache.element_size()
+        self._k, self._v = k_cache.data_ptr(), v_cache.data_ptr()
+        self._shared = (rope_cos.data_ptr(), rope_sin.data_ptr(), positions.data_ptr(), slots.data_ptr())
+
+    def args(self, layer: int) -> tuple:
+        """The kernel's rope, position, slot and cache arguments for one layer."""
+        if not 0 <= layer < self.layers:
+            raise ValueError(f"attention_block: layer {layer} outside the cache's {self.layers}")
+        offset = layer * self._layer_bytes
+        return (*self._shared, self._k + offset, self._v + offset, self.S)
