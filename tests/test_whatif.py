@@ -245,5 +245,35 @@ def test_a_window_size_the_run_has_often_enough_is_priced_at_its_own_mean() -> N
     result = whatif.predict([request], M)
     assert set(result.window_seconds) == {2}
     by_k = {p.draft_length: p for p in result.predictions}
-    assert by_k[1].verify_seconds_per_step == pytest.approx(5e-3)
+    assert by_k[1].verify_seconds_per_step_truncated == pytest.approx(5e-3)
     assert by_k[3].verify_seconds_per_step == pytest.approx((12 * 5e-3 + 3 * result.curve.seconds(4, 3.0)) / 15)
+    # The k'=1 replay walks 15 two-position steps (12 + 1 + 1 + 1: the last recorded step's accepted
+    # run of 2 splits after its first draft) and then the request's last token as a plain step (no
+    # budget left to draft), priced on the line through the plain step: 16 steps for 18 tokens.
+    assert by_k[1].replay_window_mean == pytest.approx(31 / 16)
+    assert by_k[1].verify_seconds_per_step == pytest.approx((15 * 5e-3 + result.curve.seconds(1, 2.0)) / 16)
+
+
+def test_the_replay_prices_the_shorter_run_s_own_steps_not_the_recorded_mix() -> None:
+    """An n-gram-like run at k=4: ten steps that accept 3 of 4 drafts, each followed by a step whose
+    lookup found nothing. A k'=1 run splits each accepted run into two full two-position windows,
+    so per 5 tokens it pays two w=2 passes and one w=1 pass; the recorded steps truncated to k'=1
+    have one w=2 pass per w=1 pass, which is too cheap a mix."""
+    accepted = dataclasses.replace(synthetic_step(4, 4, 3), drafter=Drafter.NGRAM, draft_seconds=0.0)
+    nothing = dataclasses.replace(synthetic_step(4, 0, 0), drafter=Drafter.NGRAM, draft_seconds=0.0)
+    result = whatif.predict([(accepted, nothing) * 10], M)
+    p = {x.draft_length: x for x in result.predictions}[1]
+    # Layer 0 of a window starting at offset 0 picks {0..3} (union 4), at offset 2 {0, 1} (union 2);
+    # layer 1 always 2 experts. Two-position passes were never recorded: priced on the fitted line;
+    # ten one-position passes were: priced at their mean.
+    c = result.curve
+    assert result.window_seconds[1] == pytest.approx(curve(1, 2.0))
+    per_five_tokens = c.seconds(2, (4 + 2) / 2) + c.seconds(2, (2 + 2) / 2) + curve(1, 2.0)
+    assert p.committed_per_step == pytest.approx(5 / 3)
+    assert p.replay_window_mean == pytest.approx(5 / 3)
+    assert p.verify_seconds_per_step == pytest.approx(per_five_tokens / 3, rel=1e-6)
+    assert p.seconds_per_committed_token == pytest.approx(per_five_tokens / 5, rel=1e-6)
+    # The recorded mix (one w=2 and one w=1 pass per 5 tokens' worth of steps) would be biased low.
+    recorded_mix = (c.seconds(2, 3.0) + curve(1, 2.0)) / 2
+    assert p.verify_seconds_per_step_truncated == pytest.approx(recorded_mix, rel=1e-6)
+    assert recorded_mix / p.committed_per_step < 0.98 * p.seconds_per_committed_token
