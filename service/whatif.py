@@ -9,7 +9,9 @@ Contract (`predict(steps, ...)`, pure; steps of one policy, grouped by request, 
   seconds ~ c0 + c1 * window + c2 * mean union per layer, with the run's plain decode step
   (window 1, union m) as a fixed point so short windows are interpolated, not extrapolated; window
   and union move together, so a fit with a negative slope gives way to the better one-feature fit.
-  Where the run itself has at least MIN_WINDOW_STEPS passes of a window size (the n-gram drafter
+  Windows of 2+ positions get their own free-intercept line when the run has enough of them off
+  the common size (`fit_speculative_curve`: a pass after a draft pays a fixed part a plain step
+  does not). Where the run itself has at least MIN_WINDOW_STEPS passes of a window size (the n-gram drafter
   proposes 0..k tokens, so its runs have every size), their mean verify seconds is used instead:
   the real cost is concave in the union, so a line through the plain step and the wide windows
   runs low in between.
@@ -58,6 +60,7 @@ from service.types import Drafter, StepRecord
 
 REPLAY_DRAWS = 32  # random draws of the untested positions; the spread is reported
 MIN_WINDOW_STEPS = 10  # recorded passes of one window size that make its own mean the prediction
+MIN_OFF_SIZE_STEPS = 5  # recorded multi-position passes off the common size that identify their own line
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,7 @@ class WhatIf:
     window_seconds: dict[int, float]  # window size -> mean verify seconds where the run has enough passes
     draft_curve: DraftCurve
     predictions: tuple[LengthPrediction, ...]  # k' = 0..k
+    speculative_curve: CostCurve | None = None  # windows >= 2, fitted on those passes alone (if identified)
 
     @property
     def best(self) -> LengthPrediction:
@@ -127,12 +131,14 @@ class WhatIf:
         return {**asdict(self), "best_draft_length": self.best.draft_length}
 
 
-def fit_cost_curve(steps: Sequence[StepRecord], top_k: int) -> CostCurve:
+def fit_cost_curve(steps: Sequence[StepRecord], top_k: int, anchored: bool = True) -> CostCurve:
     """Least squares of verify seconds on window size and mean union per layer, through the run's
     plain decode step (window 1, union m): the engine measures that step all the time (it is the
     unit of decode_step_equivalents), so short windows are interpolated between it and the recorded
-    ones rather than extrapolated from the recorded ones alone. Without it, a free intercept."""
-    plain_steps = [s.verify_seconds / s.decode_step_equivalents for s in steps if s.decode_step_equivalents > 0]
+    ones rather than extrapolated from the recorded ones alone. Without it (or `anchored=False`), a
+    free intercept."""
+    plain_steps = [s.verify_seconds / s.decode_step_equivalents for s in steps
+                   if anchored and s.decode_step_equivalents > 0]
     plain = statistics.median(plain_steps) if plain_steps else 0.0
     windows = np.array([s.window for s in steps], dtype=float)
     unions = np.array([float(np.mean(s.unique_experts)) for s in steps])
@@ -170,6 +176,27 @@ def fit_cost_curve(steps: Sequence[StepRecord], top_k: int) -> CostCurve:
     elif best is None:  # nothing fits with a positive slope: a flat cost
         c[0] = float(np.mean(seconds))
     return CostCurve(c[0], c[1], c[2], plain, len(steps))
+
+
+def fit_speculative_curve(steps: Sequence[StepRecord], top_k: int) -> CostCurve | None:
+    """A free-intercept line on the run's own multi-position passes (window >= 2), when at least
+    MIN_OFF_SIZE_STEPS of them have another size than the most common one (a model-drafter run has
+    them where requests end and the token budget cuts the draft short); else None.
+
+    Why not through the plain step: a pass after a draft is not a plain step plus its extra
+    positions. It pays a fixed part a plain step does not (the draft model's passes have evicted
+    the target's weights from the caches; the ragged multi-position path), so the line through the
+    plain step and the wide windows runs low at short windows (model drafter k'=2: verify -16%).
+    """
+    spec = [s for s in steps if s.window >= 2]
+    if not spec:
+        return None
+    sizes = [s.window for s in spec]
+    common = max(set(sizes), key=sizes.count)
+    if sum(w != common for w in sizes) < MIN_OFF_SIZE_STEPS:
+        return None
+    curve = fit_cost_curve(spec, top_k, anchored=False)
+    return curve if curve.per_position > 0 or curve.per_expert > 0 else None
 
 
 def fit_draft_curve(steps: Sequence[StepRecord]) -> DraftCurve:
@@ -261,6 +288,7 @@ class _Pricer:
     """Seconds of one replayed step, from what the recorded run measured (see the module docstring)."""
 
     curve: CostCurve
+    speculative_curve: CostCurve | None  # for windows >= 2 when the run identifies one
     window_seconds: dict[int, float]
     draft_curve: DraftCurve
     nothing_found_seconds: float  # mean draft seconds of recorded steps whose drafter offered nothing
@@ -282,7 +310,8 @@ class _Pricer:
     def verify(self, g: int, i: int, w: int) -> float:
         if w in self.window_seconds:
             return self.window_seconds[w]
-        return self.curve.seconds(w, self.union(g, i, w))
+        line = self.speculative_curve if w >= 2 and self.speculative_curve is not None else self.curve
+        return line.seconds(w, self.union(g, i, w))
 
     def draft(self, kp: int, drafts: int, budget: int) -> float:
         if kp == 0 or budget == 0:  # no speculation / the last token: nothing is drafted or looked up
@@ -304,6 +333,7 @@ def predict(requests: Sequence[Sequence[StepRecord]], top_k: int,
         raise ValueError(f"steps of {len(policies)} policies; replay one policy's steps at a time")
     k = first.draft_length
     curve = fit_cost_curve(steps, top_k)
+    speculative_curve = fit_speculative_curve(steps, top_k)
     draft_curve = fit_draft_curve(steps)
     by_window: dict[int, list[float]] = {}
     for s in steps:
@@ -314,8 +344,8 @@ def predict(requests: Sequence[Sequence[StepRecord]], top_k: int,
                                          if r.shape[1] >= w]))
                        for w in range(1, max(r.shape[1] for r in ids) + 1)}
     nothing = [s.draft_seconds for s in steps if s.drafted == 0 and s.draft_seconds > 0]
-    pricer = _Pricer(curve, window_seconds, draft_curve, statistics.fmean(nothing) if nothing else 0.0,
-                     union_by_window, ids)
+    pricer = _Pricer(curve, speculative_curve, window_seconds, draft_curve,
+                     statistics.fmean(nothing) if nothing else 0.0, union_by_window, ids)
     outcomes = [position_outcomes(r) for r in requests]
     offset = 0
     walks = []  # per request: outcomes, offers, (global recorded step, offset) per position
@@ -328,7 +358,7 @@ def predict(requests: Sequence[Sequence[StepRecord]], top_k: int,
     predictions = [_predict_length(kp, steps, ids, walks, p_continue, pricer, placement, ep_token_bytes, seed)
                    for kp in range(k + 1)]
     return WhatIf(first.drafter.value, first.draft_temperature, k, len(steps), len(requests), measured, curve,
-                  window_seconds, draft_curve, tuple(predictions))
+                  window_seconds, draft_curve, tuple(predictions), speculative_curve=speculative_curve)
 
 
 def _replay_length(kp: int, walks: list, p_continue: float, pricer: _Pricer, seed: int) -> dict:
@@ -430,6 +460,9 @@ def format_table(result: WhatIf) -> str:
         f"cost curve: verify ms = {c.intercept * 1e3:.3f} + {c.per_position * 1e3:.3f} * window + "
         f"{c.per_expert * 1e3:.4f} * mean union (plain step {c.plain_step_seconds * 1e3:.3f} ms); "
         f"draft ms = {result.draft_curve.per_step * 1e3:.3f} + {result.draft_curve.per_draft * 1e3:.3f} * drafts",
+        *([] if (sc := result.speculative_curve) is None else [
+            f"windows >= 2 (their own line): verify ms = {sc.intercept * 1e3:.3f} + {sc.per_position * 1e3:.3f} * "
+            f"window + {sc.per_expert * 1e3:.4f} * mean union"]),
         f"predicted best draft length: {result.best.draft_length}",
     ]
     return "\n".join(lines)

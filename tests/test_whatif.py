@@ -277,3 +277,27 @@ def test_the_replay_prices_the_shorter_run_s_own_steps_not_the_recorded_mix() ->
     recorded_mix = (c.seconds(2, 3.0) + curve(1, 2.0)) / 2
     assert p.verify_seconds_per_step_truncated == pytest.approx(recorded_mix, rel=1e-6)
     assert recorded_mix / p.committed_per_step < 0.98 * p.seconds_per_committed_token
+
+
+def test_short_windows_get_the_line_of_the_run_s_own_multi_position_passes() -> None:
+    """Passes after a draft pay a fixed 2 ms a plain step does not. A k=4 run whose requests end with
+    shorter windows (the budget) identifies that line on its own passes: k'=1 is priced on it, not on
+    the line through the plain step, which misses the fixed part."""
+    overhead = 2e-3
+
+    def step(drafted: int) -> StepRecord:
+        """Layer 0: position p picks {2p, 2p+1} (union 2w); layer 1 always {8, 9}: mean union w + 1."""
+        w = drafted + 1
+        topk = (tuple((2 * p, 2 * p + 1) for p in range(w)), tuple((8, 9) for _ in range(w)))
+        verify = curve(w, w + 1) + overhead
+        return dataclasses.replace(synthetic_step(4, drafted, 0), topk_ids=topk, unique_experts=(2 * w, 2),
+                                   verify_seconds=verify, decode_step_equivalents=verify / curve(1, M))
+
+    request = tuple(step(d) for d in (4, 4, 4, 1, 4, 4, 2, 4, 3, 4, 1, 2))
+    result = whatif.predict([request], M)
+    line = result.speculative_curve
+    assert line is not None and line.seconds(2, 3.0) == pytest.approx(curve(2, 3.0) + overhead)
+    by_k = {p.draft_length: p for p in result.predictions}
+    assert by_k[1].verify_seconds_per_step == pytest.approx(curve(2, 3.0) + overhead)
+    assert result.curve.plain_step_seconds == pytest.approx(curve(1, M))
+    assert result.curve.seconds(2, 3.0) < curve(2, 3.0) + 0.8 * overhead  # the line through the plain step
