@@ -41,7 +41,8 @@ Contract (`predict(steps, ...)`, pure; steps of one policy, grouped by request, 
   is priced like a recorded one (window size mean, else the cost curve), with the union recounted
   from the recorded window that holds the same positions (the same tokens in the same context for
   a greedy request), else the run's mean union for that window size; its draft time from the draft
-  fit (d > 0) or the run's mean lookup that found nothing (n-gram, d = 0).
+  fit (d > 0; n-gram: the run's mean lookup per step, whatever it found) or, for an n-gram step
+  that found nothing, the same lookup.
 - With an EP placement: mean ranks touched and most experts on one rank per layer, dispatch bytes
   per committed token, for each k'.
 """
@@ -200,8 +201,14 @@ def fit_speculative_curve(steps: Sequence[StepRecord], top_k: int) -> CostCurve 
 
 
 def fit_draft_curve(steps: Sequence[StepRecord]) -> DraftCurve:
-    """Least squares of draft seconds on drafts per step when that varies and both parts come out
-    non-negative; otherwise draft time proportional to the drafts."""
+    """n-gram drafter: one lookup per step whatever it proposes (a suffix search over the history,
+    no model pass), so the mean seconds of the run's lookups per step and nothing per draft (a
+    proportional fit priced a k'=1 lookup at an eighth of a k=8 one). Model drafter: least squares
+    of draft seconds on drafts per step when that varies and both parts come out non-negative;
+    otherwise draft time proportional to the drafts."""
+    if steps and steps[0].drafter is Drafter.NGRAM:
+        lookups = [s.draft_seconds for s in steps if s.drafted > 0 or s.draft_seconds > 0]
+        return DraftCurve(statistics.fmean(lookups) if lookups else 0.0, 0.0)
     drafting = [s for s in steps if s.drafted > 0]
     if not drafting:
         return DraftCurve(0.0, 0.0)
@@ -257,6 +264,14 @@ def position_offers(request: Sequence[StepRecord], places: Sequence[tuple[int, i
     return offers
 
 
+def position_drafts(request: Sequence[StepRecord], places: Sequence[tuple[int, int]]) -> list[bool]:
+    """Whether a step starting at each output position runs its drafter at all (a model pass, an
+    n-gram lookup): as recorded at a recorded start, else while the budget leaves room for a draft."""
+    n = len(places)
+    return [request[g].drafted > 0 or request[g].draft_seconds > 0 if i == 0 else n - p - 1 > 0
+            for p, (g, i) in enumerate(places)]
+
+
 def continue_probability(requests: Sequence[list[int | None]]) -> float:
     """P(accepted | the previous position accepted), over positions the run tested."""
     pairs = [(x, y) for r in requests for x, y in zip(r, r[1:], strict=False) if x == 1 and y is not None]
@@ -291,7 +306,7 @@ class _Pricer:
     speculative_curve: CostCurve | None  # for windows >= 2 when the run identifies one
     window_seconds: dict[int, float]
     draft_curve: DraftCurve
-    nothing_found_seconds: float  # mean draft seconds of recorded steps whose drafter offered nothing
+    nothing_found_seconds: float  # draft seconds of a step whose drafter offered nothing (n-gram: a lookup)
     union_by_window: dict[int, float]  # window size -> mean union of recorded windows cut to that size
     ids: list[np.ndarray]  # [L, w, m] per recorded step
     _unions: dict[tuple[int, int, int], float] = field(default_factory=dict)
@@ -313,8 +328,8 @@ class _Pricer:
         line = self.speculative_curve if w >= 2 and self.speculative_curve is not None else self.curve
         return line.seconds(w, self.union(g, i, w))
 
-    def draft(self, kp: int, drafts: int, budget: int) -> float:
-        if kp == 0 or budget == 0:  # no speculation / the last token: nothing is drafted or looked up
+    def draft(self, kp: int, drafts: int, runs: bool) -> float:
+        if kp == 0 or not runs:  # no speculation / no budget left: nothing is drafted or looked up
             return 0.0
         return self.draft_curve.seconds(drafts) if drafts else self.nothing_found_seconds
 
@@ -343,15 +358,16 @@ def predict(requests: Sequence[Sequence[StepRecord]], top_k: int,
     union_by_window = {w: float(np.mean([[len(np.unique(layer)) for layer in r[:, :w]] for r in ids
                                          if r.shape[1] >= w]))
                        for w in range(1, max(r.shape[1] for r in ids) + 1)}
-    nothing = [s.draft_seconds for s in steps if s.drafted == 0 and s.draft_seconds > 0]
-    pricer = _Pricer(curve, speculative_curve, window_seconds, draft_curve,
-                     statistics.fmean(nothing) if nothing else 0.0, union_by_window, ids)
+    # A step whose drafter offered nothing still looked (n-gram): its lookup costs what any lookup does.
+    pricer = _Pricer(curve, speculative_curve, window_seconds, draft_curve, draft_curve.seconds(0),
+                     union_by_window, ids)
     outcomes = [position_outcomes(r) for r in requests]
     offset = 0
-    walks = []  # per request: outcomes, offers, (global recorded step, offset) per position
+    walks = []  # per request: outcomes, offers, (global recorded step, offset), drafter runs, per position
     for request, outcome in zip(requests, outcomes, strict=True):
         places = position_steps(request)
-        walks.append((outcome, position_offers(request, places), [(offset + g, i) for g, i in places]))
+        walks.append((outcome, position_offers(request, places), [(offset + g, i) for g, i in places],
+                      position_drafts(request, places)))
         offset += len(request)
     p_continue = continue_probability(outcomes)
     measured = sum(s.seconds for s in steps) / max(1, sum(s.committed for s in steps))
@@ -368,12 +384,12 @@ def _replay_length(kp: int, walks: list, p_continue: float, pricer: _Pricer, see
     for draw in range(REPLAY_DRAWS):
         rng = random.Random(seed * 1000 + draw)
         steps = tokens = 0
-        for outcome, offers, places in walks:
+        for outcome, offers, places, drafts in walks:
             walked = replay_steps(outcome, offers, kp, p_continue, rng)
             for p, d in walked:
                 g, i = places[p]
                 totals["window"] += d + 1
-                totals["draft"] += pricer.draft(kp, d, offers[p] if kp else 0)
+                totals["draft"] += pricer.draft(kp, d, drafts[p])
                 totals["verify"] += pricer.verify(g, i, d + 1)
             steps, tokens = steps + len(walked), tokens + len(outcome)
         per_draw.append(tokens / max(1, steps))

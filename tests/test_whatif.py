@@ -301,3 +301,19 @@ def test_short_windows_get_the_line_of_the_run_s_own_multi_position_passes() -> 
     assert by_k[1].verify_seconds_per_step == pytest.approx(curve(2, 3.0) + overhead)
     assert result.curve.plain_step_seconds == pytest.approx(curve(1, M))
     assert result.curve.seconds(2, 3.0) < curve(2, 3.0) + 0.8 * overhead  # the line through the plain step
+
+
+def test_an_ngram_step_costs_one_lookup_whatever_it_proposes() -> None:
+    """The n-gram drafter searches the history once per step: 0.1 ms whether it proposed 4 tokens, 1
+    or none (one 1.5 ms lookup, a preempted one, stays in the mean). k'=1 pays one lookup per step,
+    not a quarter of a k=4 step's; k'=0 looks up nothing."""
+    lookups = (1e-4, 1e-4, 1e-4, 1.5e-3, 1e-4, 0.0)  # the last step had no budget left: no lookup
+    request = tuple(dataclasses.replace(synthetic_step(4, d, 0), drafter=Drafter.NGRAM, draft_seconds=t)
+                    for d, t in zip((4, 1, 0, 4, 2, 0), lookups, strict=True))
+    result = whatif.predict([request], M)
+    by_k = {p.draft_length: p for p in result.predictions}
+    assert by_k[0].draft_seconds_per_step == 0
+    # The other five steps look up once each, the mean lookup (the one that found nothing included).
+    assert result.draft_curve.per_step == pytest.approx(sum(lookups) / 5)
+    assert by_k[1].draft_seconds_per_step == pytest.approx(sum(lookups) / 5 * 5 / 6)
+    assert by_k[4].draft_seconds_per_step == pytest.approx(by_k[1].draft_seconds_per_step)
