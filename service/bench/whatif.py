@@ -7,14 +7,15 @@ The prediction uses only the k-run's steps; the k' figures are measured. Per k' 
 predicted (replay and truncated-step estimates) and measured seconds per committed token, the
 committed tokens per step and window per step behind each, and the error of the prediction from
 all rounds' k-runs against all rounds' k'-runs. Each round is also an independent pair (its own
-k-run predicts its own k'-runs, measured minutes apart): the per-round errors' mean and min-max
-are the spread reported. Writes whatif-bench.json to --out.
+k-run predicts its own k'-runs, on the same prompts, policies back to back per prompt in a rotating
+order): the per-round errors' median and min-max are the spread reported. Writes whatif-bench.json to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 from service import whatif
@@ -56,8 +57,11 @@ def run(args: argparse.Namespace) -> int:
         runs: dict[int, list[list]] = {p.draft_length: [[] for _ in range(args.rounds)] for p in policies}
         recorded = []  # requests of the k-run
         for r in range(args.rounds):
-            for prompt in prompts:
-                for policy in policies:
+            for j, prompt in enumerate(prompts):
+                # Each prompt's policies back to back, the order rotated so that no policy always
+                # runs first or after the same one (load on a shared machine drifts within a round).
+                shift = (r * len(prompts) + j) % len(policies)
+                for policy in policies[shift:] + policies[:shift]:
                     request = GenerationRequest(prompt=prompt, max_new_tokens=args.max_new_tokens, sampling=GREEDY)
                     result = engine.generate(request, policy)
                     runs[policy.draft_length][r].extend(result.steps)
@@ -101,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n{drafter.value} drafter (T={temp}), recorded at k={args.record_length}: "
               f"{prediction.steps} steps; predicted best k'={prediction.best.draft_length}")
         print(f"{'k':>3} {'measured ms/tok (spread)':>26} {'replay':>8} {'err':>7} "
-              f"{'per-round err mean (min..max)':>30} {'truncated':>9} {'err':>7} {'per-round':>8} "
+              f"{'per-round err median (min..max)':>32} {'truncated':>9} {'err':>7} {'per-round':>8} "
               f"{'window meas':>11} {'replay':>6} "
               f"{'tok/step meas':>13} {'replay':>7} {'trunc':>6} {'draft ms meas':>13} {'pred':>6} "
               f"{'verify ms meas':>14} {'pred':>6}")
@@ -111,9 +115,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{row['draft_length']:>3} {row['measured_seconds_per_committed_token'] * 1e3:>9.3f} "
                   f"({lo * 1e3:.3f}-{hi * 1e3:.3f}) {row['predicted_replay'] * 1e3:>8.3f} "
                   f"{row['error_replay']:>+7.1%} "
-                  f"{f'{sum(errs) / len(errs):+.1%} ({min(errs):+.1%}..{max(errs):+.1%})':>30} "
+                  f"{f'{statistics.median(errs):+.1%} ({min(errs):+.1%}..{max(errs):+.1%})':>32} "
                   f"{row['predicted_truncated'] * 1e3:>9.3f} "
-                  f"{row['error_truncated']:>+7.1%} {sum(trunc_errs) / len(trunc_errs):>+8.1%} "
+                  f"{row['error_truncated']:>+7.1%} {statistics.median(trunc_errs):>+8.1%} "
                   f"{row['measured_window_per_step']:>11.2f} {row['predicted_window_per_step']:>6.2f} "
                   f"{row['measured_committed_per_step']:>13.2f} "
                   f"{row['predicted_committed_per_step']:>7.2f} {row['predicted_committed_per_step_truncated']:>6.2f} "
