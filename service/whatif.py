@@ -182,7 +182,8 @@ def fit_cost_curve(steps: Sequence[StepRecord], top_k: int, anchored: bool = Tru
 def fit_speculative_curve(steps: Sequence[StepRecord], top_k: int) -> CostCurve | None:
     """A free-intercept line on the run's own multi-position passes (window >= 2), when at least
     MIN_OFF_SIZE_STEPS of them have another size than the most common one (a model-drafter run has
-    them where requests end and the token budget cuts the draft short); else None.
+    them where requests end and the token budget cuts the draft short) and the line has a positive
+    slope and a non-negative fixed part; else None.
 
     Why not through the plain step: a pass after a draft is not a plain step plus its extra
     positions. It pays a fixed part a plain step does not (the draft model's passes have evicted
@@ -197,7 +198,10 @@ def fit_speculative_curve(steps: Sequence[StepRecord], top_k: int) -> CostCurve 
     if sum(w != common for w in sizes) < MIN_OFF_SIZE_STEPS:
         return None
     curve = fit_cost_curve(spec, top_k, anchored=False)
-    return curve if curve.per_position > 0 or curve.per_expert > 0 else None
+    # A pass has no negative fixed part: a negative intercept is the noise of a few off-size passes
+    # extrapolated, and the line through the plain step is the safer guess then.
+    sloped = curve.per_position > 0 or curve.per_expert > 0
+    return curve if sloped and curve.intercept >= 0 else None
 
 
 def fit_draft_curve(steps: Sequence[StepRecord]) -> DraftCurve:
