@@ -301,6 +301,13 @@ def test_short_windows_get_the_line_of_the_run_s_own_multi_position_passes() -> 
     assert by_k[1].verify_seconds_per_step == pytest.approx(curve(2, 3.0) + overhead)
     assert result.curve.plain_step_seconds == pytest.approx(curve(1, M))
     assert result.curve.seconds(2, 3.0) < curve(2, 3.0) + 0.8 * overhead  # the line through the plain step
+    # The same passes 2 ms *cheaper* than the synthetic line: a negative fixed part, which no pass has
+    # (noise of a few off-size passes, extrapolated): refused, the line through the plain step prices them.
+    overhead = -2e-3
+    result = whatif.predict([tuple(step(d) for d in (4, 4, 4, 1, 4, 4, 2, 4, 3, 4, 1, 2))], M)
+    assert result.speculative_curve is None
+    by_k = {p.draft_length: p for p in result.predictions}
+    assert by_k[1].verify_seconds_per_step == pytest.approx(result.curve.seconds(2, 3.0))
 
 
 def test_an_ngram_step_costs_one_lookup_whatever_it_proposes() -> None:
