@@ -23,7 +23,9 @@ def test_first_of_counts_search_trials_and_switches_until_a_target_trial_complet
     events = [(finished(PLAIN), 1), (finished(DraftPolicy(Drafter.MODEL, 4, 0.5)), 3),  # T=0.5: not the T=0 point
               (finished(NGRAM_3, state="PRUNED"), 5),  # pruned: not measured in full
               (finished(NGRAM_3, role="remeasure"), 6),  # not a search trial
-              (finished(DraftPolicy(Drafter.MODEL, 4, 0.07)), 8),  # T <= 0.1: the T=0 point
+              (TunerEvent(EventKind.WHATIF, policy=DraftPolicy(Drafter.MODEL, 4, 0.07),
+                          message="model k=4 T=0.07 predicted 1.0 ms/tok: enqueued"), 7),
+              (finished(DraftPolicy(Drafter.MODEL, 4, 0.07)), 8),  # T <= 0.1: the T=0 point, a hint's trial
               (finished(NGRAM_3), 10)]
     for event, switches in events:
         seen.on_event(event, switches)
@@ -32,6 +34,10 @@ def test_first_of_counts_search_trials_and_switches_until_a_target_trial_complet
     assert seen.first_of({policy_key(NGRAM_3)}) == (5, 10)
     assert seen.first_of({policy_key(NGRAM_3), policy_key(PLAIN)}) == (1, 1)
     assert seen.first_of({policy_key(DraftPolicy(Drafter.NGRAM, 2))}) is None
+    assert seen.hints == 1
+    assert seen.first_from_hint({policy_key(MODEL_4_T0)}) is True
+    assert seen.first_from_hint({policy_key(NGRAM_3)}) is False
+    assert seen.first_from_hint({policy_key(DraftPolicy(Drafter.NGRAM, 2))}) is None
 
 
 def test_summary_pairs_the_seeds_and_censors_runs_that_never_got_there() -> None:

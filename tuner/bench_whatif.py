@@ -80,10 +80,13 @@ class FirstMeasured:
     at: dict[str, tuple[int, int]] = field(default_factory=dict)  # label -> (measured trials, switches)
     keys: dict[str, PolicyKey] = field(default_factory=dict)  # label -> its key
     hints: int = 0
+    hinted: set[str] = field(default_factory=set)  # labels a hint enqueued
+    from_hint: dict[str, bool] = field(default_factory=dict)  # label -> its first trial was a hint's
 
     def on_event(self, e: TunerEvent, switches: int) -> None:
         if e.kind is EventKind.WHATIF and e.message.endswith("enqueued"):
             self.hints += 1
+            self.hinted.add(policy_key(e.policy).label())
         if e.kind is not EventKind.TRIAL_FINISHED or e.role != "search" or "result reused" in e.message:
             return
         self.trials += 1
@@ -91,11 +94,21 @@ class FirstMeasured:
             key = policy_key(e.policy)
             self.at.setdefault(key.label(), (self.trials, switches))
             self.keys.setdefault(key.label(), key)
+            self.from_hint.setdefault(key.label(), key.label() in self.hinted)
 
     def first_of(self, targets: set[PolicyKey]) -> tuple[int, int] | None:
         """(trials, switches) when a trial matching any of `targets` first completed."""
-        hits = [self.at[label] for label, key in self.keys.items() if any(matches(key, t) for t in targets)]
-        return min(hits) if hits else None
+        hit = self._first_label(targets)
+        return self.at[hit] if hit is not None else None
+
+    def first_from_hint(self, targets: set[PolicyKey]) -> bool | None:
+        """Whether that first trial was one a what-if hint enqueued (None: never reached)."""
+        hit = self._first_label(targets)
+        return self.from_hint[hit] if hit is not None else None
+
+    def _first_label(self, targets: set[PolicyKey]) -> str | None:
+        hits = [label for label, key in self.keys.items() if any(matches(key, t) for t in targets)]
+        return min(hits, key=self.at.__getitem__) if hits else None
 
 
 def matches(key: PolicyKey, reference: PolicyKey) -> bool:
@@ -169,6 +182,7 @@ def run_whatif(args, prompts: list[str], out: Path) -> int:
                         "trials_in_study": len(built.study.trials), "switches": admin.switches,
                         "hints_enqueued": seen.hints, "first_measured": seen.at,
                         "to_reference_pick": seen.first_of(pick), "to_target": seen.first_of(target),
+                        "target_from_hint": seen.first_from_hint(target),
                     })
     result["reference"] = reference
     result["summary"] = summarise(result["runs"], args.trials)
@@ -221,20 +235,23 @@ def markdown(result: dict) -> str:
     best = cost[ref["pick"]]
     lines = [f"Reference pick: {ref['pick']} ({best * 1e3:.3f} ms/token side by side); within 5% (the target): "
              + ", ".join(f"{n} ({cost[n] / best:.3f})" for n in ref["target"]) + ".", "",
-             "| start | seed | hint | trials / switches to the reference pick | to the target | pick | "
-             "pick / reference pick | hints queued | switches in all |",
+             "| start | seed | hint | trials / switches to the reference pick | to the target | "
+             "target trial from a hint | pick | hints queued | switches in all |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
-        ratio = cost.get(r["pick"])  # model-drafter picks at T > 0 were not in the reference
+        via = {None: "-", True: "yes", False: "no"}[r.get("target_from_hint")]
         lines.append(f"| {'baselines' if r['baselines'] else 'no baselines'} | {r['seed']} | "
                      f"{'yes' if r['hint'] else 'no'} | {_at(r['to_reference_pick'])} | {_at(r['to_target'])} | "
-                     f"{r['pick']} | {f'{ratio / best:.3f}' if ratio else 'not in the reference'} | "
-                     f"{r['hints_enqueued']} | {r['switches']} |")
-    lines += ["", "| start | goal | never (without / with) | saved trials, mean (min..max) | saved switches |",
-              "|---|---|---|---|---|"]
+                     f"{via} | {r['pick']} | {r['hints_enqueued']} | {r['switches']} |")
+    budget = int(result["settings"]["trials"])
+    lines += ["", f"| start | goal | reached (without / with) | trials to it, mean (without / with; never = "
+              f"{budget + 1}, a lower bound) | saved trials where both reached, mean (min..max) | saved switches |",
+              "|---|---|---|---|---|---|"]
     for e in result["summary"]:
+        n = len(e["without_trials"])
         lines.append(f"| {'baselines' if e['baselines'] else 'no baselines'} | "
                      f"{'reference pick' if e['goal'] == 'to_reference_pick' else 'target (within 5%)'} | "
-                     f"{e['without_never']} / {e['with_never']} | {_spread(e['saved_trials'])} "
-                     f"(n={len(e['saved_trials'])}) | {_spread(e['saved_switches'])} |")
+                     f"{n - e['without_never']}/{n} / {n - e['with_never']}/{n} | "
+                     f"{sum(e['without_trials']) / n:.1f} / {sum(e['with_trials']) / n:.1f} | "
+                     f"{_spread(e['saved_trials'])} (n={len(e['saved_trials'])}) | {_spread(e['saved_switches'])} |")
     return "\n".join(lines) + "\n"
