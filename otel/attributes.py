@@ -82,6 +82,12 @@ BATCH_SIZE = "moespec.batch.size"  # requests the pass served
 BATCH_POSITIONS = "moespec.batch.positions"  # tokens in the pass (sum of the windows)
 BATCH_WINDOWS = "moespec.batch.windows"  # int[batch size] each request's window
 BATCH_PASS_ID = "moespec.batch.pass_id"
+# The expert-parallel view of the whole pass (issue 13; only with --ep-size): the request view's
+# quantities over every position of every request in the pass (see service/expert_parallel.py).
+MOE_BATCH_EP_RANKS_TOUCHED = "moespec.moe.batch_ep_ranks_touched"  # int[L]
+MOE_BATCH_EP_MAX_RANK_EXPERTS = "moespec.moe.batch_ep_max_rank_experts"  # int[L]
+MOE_BATCH_EP_DISPATCH_BYTES = "moespec.moe.batch_ep_dispatch_bytes"  # int, all layers
+EP_VERIFY_BATCH_SPAN_KEYS = (MOE_BATCH_EP_RANKS_TOUCHED, MOE_BATCH_EP_MAX_RANK_EXPERTS, MOE_BATCH_EP_DISPATCH_BYTES)
 # (it also carries COST_DRAFT_SECONDS and COST_VERIFY_SECONDS of the pass, and links to the request spans)
 # (the verify span also carries SPEC_DRAFTER, SPEC_DRAFT_LENGTH, SPEC_ACCEPTED_TOKENS,
 #  SPEC_COMMITTED_TOKENS and COST_VERIFY_SECONDS, with per-step values)
@@ -183,6 +189,14 @@ EP_DISPATCH_BYTES = MetricSpec(
     "moespec.moe.ep_dispatch_bytes", Kind.COUNTER, "By",
     "Bytes of token-expert pairs dispatched off their home rank (estimate, --ep-size; / committed tokens "
     "= all-to-all bytes per token).", None, STEP_METRIC_KEYS)
+BATCH_EP_RANKS_TOUCHED = MetricSpec(
+    "moespec.moe.batch.ep_ranks_touched", Kind.HISTOGRAM, "{rank}",
+    "Expert-parallel ranks one batched verify pass (every request in it) runs routed pairs on, in one MoE "
+    "layer (estimate, --ep-size).", None, (MOE_LAYER,))
+BATCH_EP_MAX_RANK_EXPERTS = MetricSpec(
+    "moespec.moe.batch.ep_max_rank_experts", Kind.HISTOGRAM, "{expert}",
+    "Most distinct experts one expert-parallel rank runs for one batched verify pass, in one MoE layer: the "
+    "straggler (estimate, --ep-size).", None, (MOE_LAYER,))
 BATCH_UNIQUE_EXPERTS = MetricSpec(
     "moespec.moe.batch.unique_experts", Kind.HISTOGRAM, "{expert}",
     "Distinct routed experts one batched verify pass (every request in it) touched in one MoE layer.",
@@ -213,7 +227,7 @@ METRICS = (REQUEST_DURATION, TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, STEP_AC
            STEP_DECODE_STEP_EQUIVALENTS, STEP_SECONDS, DRAFTED_TOKENS, COMMITTED_TOKENS, BATCH_UNIQUE_EXPERTS,
            BATCH_SIZE_METRIC, DROPPED_SPANS)
 # Emitted only when the server estimates an expert-parallel view (`moespec serve --ep-size`).
-EP_METRICS = (STEP_EP_RANKS_TOUCHED, EP_DISPATCH_BYTES)
+EP_METRICS = (STEP_EP_RANKS_TOUCHED, EP_DISPATCH_BYTES, BATCH_EP_RANKS_TOUCHED, BATCH_EP_MAX_RANK_EXPERTS)
 ALL_METRICS = METRICS + EP_METRICS
 
 

@@ -38,6 +38,11 @@ def verify_batch_attributes(record: BatchPassRecord) -> dict:
         a.MOE_BATCH_UNIQUE_EXPERTS_BOUND: record.unique_experts_bound,
         a.COST_DRAFT_SECONDS: float(record.draft_seconds),
         a.COST_VERIFY_SECONDS: float(record.verify_seconds),
+        **({} if record.ep_ranks_touched is None else {  # only with --ep-size
+            a.MOE_BATCH_EP_RANKS_TOUCHED: tuple(int(x) for x in record.ep_ranks_touched),
+            a.MOE_BATCH_EP_MAX_RANK_EXPERTS: tuple(int(x) for x in record.ep_max_rank_experts),
+            a.MOE_BATCH_EP_DISPATCH_BYTES: int(record.ep_dispatch_bytes),
+        }),
     }
 
 

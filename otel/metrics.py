@@ -26,6 +26,12 @@ def ep_rank_buckets(info: ModelInfo) -> tuple[float, ...]:
     return tuple(float(r) for r in range(1, min(64, max(1, info.num_experts)) + 1))
 
 
+def rank_expert_buckets(info: ModelInfo) -> tuple[float, ...]:
+    """Experts on one rank: from 1 to E, at most ~32 buckets."""
+    top = max(1, info.num_experts)
+    return tuple(float(b) for b in range(1, top + 1, max(1, top // 32)))
+
+
 def batch_unique_expert_buckets(info: ModelInfo) -> tuple[float, ...]:
     """A batch pass can touch every expert: from m to E, at most ~32 buckets."""
     m, top = max(1, info.top_k), max(1, info.num_experts)
@@ -59,6 +65,8 @@ class Instruments:
         self.ep_dispatch_bytes = counter(a.EP_DISPATCH_BYTES)
         self.batch_unique = histogram(a.BATCH_UNIQUE_EXPERTS, batch_unique_expert_buckets(info))
         self.batch_size = histogram(a.BATCH_SIZE_METRIC)
+        self.batch_ep_ranks = histogram(a.BATCH_EP_RANKS_TOUCHED, ep_rank_buckets(info))
+        self.batch_ep_max_rank = histogram(a.BATCH_EP_MAX_RANK_EXPERTS, rank_expert_buckets(info))
         self._batch_layers = [{a.MOE_LAYER: i} for i in range(info.num_layers)]
         if dropped_spans is not None:
             def observe(_: CallbackOptions) -> Iterable[Observation]:
@@ -86,6 +94,11 @@ class Instruments:
         self.batch_size.record(record.batch_size)
         for layer_attrs, unique in zip(self._batch_layers, record.unique_experts, strict=False):
             self.batch_unique.record(unique, layer_attrs)
+        if record.ep_ranks_touched is not None:  # only with --ep-size
+            for layer_attrs, ranks, most in zip(self._batch_layers, record.ep_ranks_touched,
+                                                record.ep_max_rank_experts, strict=False):
+                self.batch_ep_ranks.record(ranks, layer_attrs)
+                self.batch_ep_max_rank.record(most, layer_attrs)
 
     def record_failure(self, duration_s: float, error_type: str) -> None:
         self.request_duration.record(duration_s, {**self.gen_ai_attributes, a.ERROR_TYPE: error_type})

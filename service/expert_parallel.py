@@ -18,6 +18,8 @@ EP deployment of the same model would do with the same routing):
   1 <= ranks_touched <= min(P, unique experts).
 - `view_from_physical` takes SGLang's recorder ids as they are (physical slots, -1 = no expert), so
   the SGLang backend gets the real replica each pair went to rather than this module's rule.
+- A batch pass (continuous batching) gets the same view over all its positions (`pass_fields`):
+  what the EP deployment would run for the pass, not the sum of its requests' views.
 
 Shape legend: L layers, w positions of the pass, m routed experts per position, E logical experts,
 S physical slots per layer, P ranks.
@@ -205,9 +207,17 @@ class EPSpec:
 
 
 def step_fields(view: PassView) -> dict:
-    """The optional StepRecord fields for one pass's EP view."""
+    """The optional EP fields of a StepRecord or a BatchPassRecord (same names) for one view."""
     return {
         "ep_ranks_touched": view.ranks_touched,
         "ep_max_rank_experts": view.max_rank_experts,
         "ep_dispatch_bytes": view.dispatch_bytes,
     }
+
+
+def pass_fields(placement: Placement, routed_ids, bytes_per_token: int) -> dict:
+    """The EP fields of a whole batch pass from its routed ids [L, N, m] (every request's window, back
+    to back). Every position's home is rank 0, as in the request view (the embedded engine is one
+    attention rank), so the pass's dispatch bytes are the sum of its requests' and its ranks and
+    straggler per layer are at least any one request's: the pass runs all their pairs at once."""
+    return step_fields(pass_view(placement, routed_ids, bytes_per_token))

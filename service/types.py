@@ -117,6 +117,10 @@ class BatchPassRecord:
     draft_seconds: float  # the pass's draft phase (n-gram lookups, batched draft-model passes)
     verify_seconds: float  # the target pass plus every request's acceptance
     start_time_ns: int  # wall clock (time.time_ns()) when the draft phase began
+    # The expert-parallel view of the whole pass (only with an EP size; service/expert_parallel.py).
+    ep_ranks_touched: tuple[int, ...] | None = None  # [L] ranks running at least one of the pass's pairs
+    ep_max_rank_experts: tuple[int, ...] | None = None  # [L] most distinct experts on one rank
+    ep_dispatch_bytes: int | None = None  # the pass's pairs sent off their home rank * hidden * dtype bytes
 
     @property
     def end_time_ns(self) -> int:

@@ -9,7 +9,9 @@ Contract (`predict(steps, ...)`, pure; steps of one policy, grouped by request, 
   seconds ~ c0 + c1 * window + c2 * mean union per layer, with the run's plain decode step
   (window 1, union m) as a fixed point so short windows are interpolated, not extrapolated; window
   and union move together, so a fit with a negative slope gives way to the better one-feature fit.
-  Where the run itself has at least MIN_WINDOW_STEPS passes of a window size (the n-gram drafter
+  Windows of 2+ positions get their own free-intercept line when the run has enough of them off
+  the common size (`fit_speculative_curve`: a pass after a draft pays a fixed part a plain step
+  does not). Where the run itself has at least MIN_WINDOW_STEPS passes of a window size (the n-gram drafter
   proposes 0..k tokens, so its runs have every size), their mean verify seconds is used instead:
   the real cost is concave in the union, so a line through the plain step and the wide windows
   runs low in between.
@@ -26,7 +28,21 @@ Contract (`predict(steps, ...)`, pure; steps of one policy, grouped by request, 
   what it cannot know is how the drafter would behave at a step start the run never had (the
   n-gram drafter's lookup, the draft model's catch-up), so it is exact only for position-wise
   deterministic drafters (model drafter at temperature 0 with greedy requests).
-- Seconds per committed token = mean step seconds at k' / committed tokens per step at k'.
+- Seconds per committed token (`replay`) = the replayed steps' own seconds / the tokens they commit.
+  The replay walks the steps a k'-run would take, so their mix is the k'-run's, not the recorded
+  run's: a k'-run splits one long accepted step of the k-run into several full k'-windows, so it has
+  more drafting steps (and, for the n-gram drafter, fewer steps with nothing to propose) than the
+  recorded steps truncated to k'. Pricing the truncated recorded steps (the `truncated` estimate)
+  is therefore biased low for k' < k in time as well as in tokens. A replayed step starting at
+  output position p drafts min(k', offer(p)) tokens: at a recorded step start the recorded count;
+  inside a recorded step's accepted run, for the model drafter k, for the n-gram drafter the
+  recorded count (the lookup keeps matching the same earlier span, which offers as many tokens as
+  before), never past the request's token budget (its last token is always a plain step). Its window
+  is priced like a recorded one (window size mean, else the cost curve), with the union recounted
+  from the recorded window that holds the same positions (the same tokens in the same context for
+  a greedy request), else the run's mean union for that window size; its draft time from the draft
+  fit (d > 0; n-gram: the run's mean lookup per step, whatever it found) or, for an n-gram step
+  that found nothing, the same lookup.
 - With an EP placement: mean ranks touched and most experts on one rank per layer, dispatch bytes
   per committed token, for each k'.
 """
@@ -36,16 +52,16 @@ from __future__ import annotations
 import random
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import torch
 
 from service import expert_parallel
-from service.types import StepRecord
+from service.types import Drafter, StepRecord
 
 REPLAY_DRAWS = 32  # random draws of the untested positions; the spread is reported
 MIN_WINDOW_STEPS = 10  # recorded passes of one window size that make its own mean the prediction
+MIN_OFF_SIZE_STEPS = 5  # recorded multi-position passes off the common size that identify their own line
 
 
 @dataclass(frozen=True)
@@ -77,10 +93,13 @@ class DraftCurve:
 class LengthPrediction:
     draft_length: int  # k'
     acceptance_per_position: tuple[float, ...]  # [k'] P(draft i accepted | drafted i)
-    window_mean: float
-    unique_experts_mean: tuple[float, ...]  # [L]
-    draft_seconds_per_step: float
-    verify_seconds_per_step: float  # from the cost curve
+    window_mean: float  # recorded steps truncated to k'
+    unique_experts_mean: tuple[float, ...]  # [L] recorded windows truncated to k' positions + 1
+    draft_seconds_per_step: float  # replayed steps
+    verify_seconds_per_step: float  # replayed steps, from the window means / cost curve
+    draft_seconds_per_step_truncated: float  # recorded steps truncated to k'
+    verify_seconds_per_step_truncated: float
+    replay_window_mean: float  # window of the replayed steps
     committed_per_step: float  # replay
     committed_per_step_spread: float  # max - min over the replay draws
     committed_per_step_truncated: float
@@ -103,6 +122,7 @@ class WhatIf:
     window_seconds: dict[int, float]  # window size -> mean verify seconds where the run has enough passes
     draft_curve: DraftCurve
     predictions: tuple[LengthPrediction, ...]  # k' = 0..k
+    speculative_curve: CostCurve | None = None  # windows >= 2, fitted on those passes alone (if identified)
 
     @property
     def best(self) -> LengthPrediction:
@@ -112,12 +132,14 @@ class WhatIf:
         return {**asdict(self), "best_draft_length": self.best.draft_length}
 
 
-def fit_cost_curve(steps: Sequence[StepRecord], top_k: int) -> CostCurve:
+def fit_cost_curve(steps: Sequence[StepRecord], top_k: int, anchored: bool = True) -> CostCurve:
     """Least squares of verify seconds on window size and mean union per layer, through the run's
     plain decode step (window 1, union m): the engine measures that step all the time (it is the
     unit of decode_step_equivalents), so short windows are interpolated between it and the recorded
-    ones rather than extrapolated from the recorded ones alone. Without it, a free intercept."""
-    plain_steps = [s.verify_seconds / s.decode_step_equivalents for s in steps if s.decode_step_equivalents > 0]
+    ones rather than extrapolated from the recorded ones alone. Without it (or `anchored=False`), a
+    free intercept."""
+    plain_steps = [s.verify_seconds / s.decode_step_equivalents for s in steps
+                   if anchored and s.decode_step_equivalents > 0]
     plain = statistics.median(plain_steps) if plain_steps else 0.0
     windows = np.array([s.window for s in steps], dtype=float)
     unions = np.array([float(np.mean(s.unique_experts)) for s in steps])
@@ -157,9 +179,40 @@ def fit_cost_curve(steps: Sequence[StepRecord], top_k: int) -> CostCurve:
     return CostCurve(c[0], c[1], c[2], plain, len(steps))
 
 
+def fit_speculative_curve(steps: Sequence[StepRecord], top_k: int) -> CostCurve | None:
+    """A free-intercept line on the run's own multi-position passes (window >= 2), when at least
+    MIN_OFF_SIZE_STEPS of them have another size than the most common one (a model-drafter run has
+    them where requests end and the token budget cuts the draft short) and the line has a positive
+    slope and a non-negative fixed part; else None.
+
+    Why not through the plain step: a pass after a draft is not a plain step plus its extra
+    positions. It pays a fixed part a plain step does not (the draft model's passes have evicted
+    the target's weights from the caches; the ragged multi-position path), so the line through the
+    plain step and the wide windows runs low at short windows (model drafter k'=2: verify -16%).
+    """
+    spec = [s for s in steps if s.window >= 2]
+    if not spec:
+        return None
+    sizes = [s.window for s in spec]
+    common = max(set(sizes), key=sizes.count)
+    if sum(w != common for w in sizes) < MIN_OFF_SIZE_STEPS:
+        return None
+    curve = fit_cost_curve(spec, top_k, anchored=False)
+    # A pass has no negative fixed part: a negative intercept is the noise of a few off-size passes
+    # extrapolated, and the line through the plain step is the safer guess then.
+    sloped = curve.per_position > 0 or curve.per_expert > 0
+    return curve if sloped and curve.intercept >= 0 else None
+
+
 def fit_draft_curve(steps: Sequence[StepRecord]) -> DraftCurve:
-    """Least squares of draft seconds on drafts per step when that varies and both parts come out
-    non-negative; otherwise draft time proportional to the drafts."""
+    """n-gram drafter: one lookup per step whatever it proposes (a suffix search over the history,
+    no model pass), so the mean seconds of the run's lookups per step and nothing per draft (a
+    proportional fit priced a k'=1 lookup at an eighth of a k=8 one). Model drafter: least squares
+    of draft seconds on drafts per step when that varies and both parts come out non-negative;
+    otherwise draft time proportional to the drafts."""
+    if steps and steps[0].drafter is Drafter.NGRAM:
+        lookups = [s.draft_seconds for s in steps if s.drafted > 0 or s.draft_seconds > 0]
+        return DraftCurve(statistics.fmean(lookups) if lookups else 0.0, 0.0)
     drafting = [s for s in steps if s.drafted > 0]
     if not drafting:
         return DraftCurve(0.0, 0.0)
@@ -188,27 +241,101 @@ def position_outcomes(request: Sequence[StepRecord]) -> list[int | None]:
     return out
 
 
+def position_steps(request: Sequence[StepRecord]) -> list[tuple[int, int]]:
+    """Aligned with `position_outcomes`: for each output position, (the recorded step that committed
+    it, its offset in that step), i.e. where a step starting there finds its window's positions in
+    the recorded window (offset 0 = the recorded step's own start)."""
+    out: list[tuple[int, int]] = []
+    for g, s in enumerate(request):
+        out += [(g, i) for i in range(min(s.committed, s.accepted + 1))]
+    return out
+
+
+def position_offers(request: Sequence[StepRecord], places: Sequence[tuple[int, int]]) -> list[int]:
+    """Drafts the drafter would offer at a step starting at each output position (before the k'
+    cap): the recorded count at a recorded start; inside a recorded accepted run the model drafter
+    offers k, the n-gram lookup the recorded count (it keeps matching the same earlier span); never
+    past the budget (the request's last position is always a plain step)."""
+    n = len(places)
+    offers = []
+    for p, (g, i) in enumerate(places):
+        s = request[g]
+        if i == 0:
+            offers.append(s.drafted)
+        else:
+            inside = s.draft_length if s.drafter is Drafter.MODEL else s.drafted
+            offers.append(max(0, min(inside, n - p - 1)))
+    return offers
+
+
+def position_drafts(request: Sequence[StepRecord], places: Sequence[tuple[int, int]]) -> list[bool]:
+    """Whether a step starting at each output position runs its drafter at all (a model pass, an
+    n-gram lookup): as recorded at a recorded start, else while the budget leaves room for a draft."""
+    n = len(places)
+    return [request[g].drafted > 0 or request[g].draft_seconds > 0 if i == 0 else n - p - 1 > 0
+            for p, (g, i) in enumerate(places)]
+
+
 def continue_probability(requests: Sequence[list[int | None]]) -> float:
     """P(accepted | the previous position accepted), over positions the run tested."""
     pairs = [(x, y) for r in requests for x, y in zip(r, r[1:], strict=False) if x == 1 and y is not None]
     return sum(y for _, y in pairs) / len(pairs) if pairs else 0.0
 
 
-def replay(outcomes: Sequence[int | None], k: int, p_continue: float, rng: random.Random) -> tuple[int, int]:
-    """Windows of k drafts over one request's positions -> (committed tokens, steps)."""
-    n, s, steps = len(outcomes), 0, 0
-    while s < n:
+def replay_steps(outcomes: Sequence[int | None], offers: Sequence[int], k: int, p_continue: float,
+                 rng: random.Random) -> list[tuple[int, int]]:
+    """Windows of up to k drafts over one request's positions -> (start position, drafts) per step;
+    each step commits its accepted drafts plus one token, so the steps cover every position."""
+    n, p, steps = len(outcomes), 0, []
+    while p < n:
+        d = min(k, offers[p])
         j = 0
-        while j < k and s + j < n:
-            o = outcomes[s + j]
+        while j < d and p + j < n:
+            o = outcomes[p + j]
             if o is None:
                 o = int(rng.random() < p_continue)
             if not o:
                 break
             j += 1
-        s += j + 1
-        steps += 1
-    return n, steps
+        steps.append((p, d))
+        p += j + 1
+    return steps
+
+
+@dataclass
+class _Pricer:
+    """Seconds of one replayed step, from what the recorded run measured (see the module docstring)."""
+
+    curve: CostCurve
+    speculative_curve: CostCurve | None  # for windows >= 2 when the run identifies one
+    window_seconds: dict[int, float]
+    draft_curve: DraftCurve
+    nothing_found_seconds: float  # draft seconds of a step whose drafter offered nothing (n-gram: a lookup)
+    union_by_window: dict[int, float]  # window size -> mean union of recorded windows cut to that size
+    ids: list[np.ndarray]  # [L, w, m] per recorded step
+    _unions: dict[tuple[int, int, int], float] = field(default_factory=dict)
+
+    def union(self, g: int, i: int, w: int) -> float:
+        key = (g, i, w)
+        if key not in self._unions:
+            routed = self.ids[g]
+            if i + w <= routed.shape[1]:  # the recorded window holds all of these positions
+                self._unions[key] = float(np.mean([len(np.unique(layer)) for layer in routed[:, i:i + w]]))
+            else:
+                wider = [x for x in self.union_by_window if x >= w]
+                self._unions[key] = self.union_by_window[min(wider) if wider else max(self.union_by_window)]
+        return self._unions[key]
+
+    def verify(self, g: int, i: int, w: int) -> float:
+        if w in self.window_seconds:
+            return self.window_seconds[w]
+        line = self.speculative_curve if w >= 2 and self.speculative_curve is not None else self.curve
+        return line.seconds(w, self.union(g, i, w))
+
+    def draft(self, kp: int, drafts: int, runs: bool) -> float:
+        if kp == 0 or not runs:  # no speculation / no budget left: nothing is drafted or looked up
+            return 0.0
+        return self.draft_curve.seconds(drafts) if drafts else self.nothing_found_seconds
 
 
 def predict(requests: Sequence[Sequence[StepRecord]], top_k: int,
@@ -225,40 +352,74 @@ def predict(requests: Sequence[Sequence[StepRecord]], top_k: int,
         raise ValueError(f"steps of {len(policies)} policies; replay one policy's steps at a time")
     k = first.draft_length
     curve = fit_cost_curve(steps, top_k)
+    speculative_curve = fit_speculative_curve(steps, top_k)
     draft_curve = fit_draft_curve(steps)
     by_window: dict[int, list[float]] = {}
     for s in steps:
         by_window.setdefault(s.window, []).append(s.verify_seconds)
     window_seconds = {w: statistics.fmean(v) for w, v in sorted(by_window.items()) if len(v) >= MIN_WINDOW_STEPS}
-    ids = [torch.tensor(s.topk_ids) for s in steps]  # [L, w, m] each
+    ids = [np.asarray(s.topk_ids) for s in steps]  # [L, w, m] each
+    union_by_window = {w: float(np.mean([[len(np.unique(layer)) for layer in r[:, :w]] for r in ids
+                                         if r.shape[1] >= w]))
+                       for w in range(1, max(r.shape[1] for r in ids) + 1)}
+    # A step whose drafter offered nothing still looked (n-gram): its lookup costs what any lookup does.
+    pricer = _Pricer(curve, speculative_curve, window_seconds, draft_curve, draft_curve.seconds(0),
+                     union_by_window, ids)
     outcomes = [position_outcomes(r) for r in requests]
+    offset = 0
+    walks = []  # per request: outcomes, offers, (global recorded step, offset), drafter runs, per position
+    for request, outcome in zip(requests, outcomes, strict=True):
+        places = position_steps(request)
+        walks.append((outcome, position_offers(request, places), [(offset + g, i) for g, i in places],
+                      position_drafts(request, places)))
+        offset += len(request)
     p_continue = continue_probability(outcomes)
     measured = sum(s.seconds for s in steps) / max(1, sum(s.committed for s in steps))
-    predictions = [_predict_length(kp, steps, ids, outcomes, p_continue, curve, window_seconds, draft_curve,
-                                   placement, ep_token_bytes, seed) for kp in range(k + 1)]
+    predictions = [_predict_length(kp, steps, ids, walks, p_continue, pricer, placement, ep_token_bytes, seed)
+                   for kp in range(k + 1)]
     return WhatIf(first.drafter.value, first.draft_temperature, k, len(steps), len(requests), measured, curve,
-                  window_seconds, draft_curve, tuple(predictions))
+                  window_seconds, draft_curve, tuple(predictions), speculative_curve=speculative_curve)
 
 
-def _predict_length(kp: int, steps: list[StepRecord], ids: list[torch.Tensor], outcomes: list[list[int | None]],
-                    p_continue: float, curve: CostCurve, window_seconds: dict[int, float], draft_curve: DraftCurve,
-                    placement: expert_parallel.Placement | None,
+def _replay_length(kp: int, walks: list, p_continue: float, pricer: _Pricer, seed: int) -> dict:
+    """REPLAY_DRAWS walks at k' -> totals of steps, tokens, windows, draft and verify seconds."""
+    totals = {"steps": 0, "tokens": 0, "window": 0, "draft": 0.0, "verify": 0.0}
+    per_draw = []
+    for draw in range(REPLAY_DRAWS):
+        rng = random.Random(seed * 1000 + draw)
+        steps = tokens = 0
+        for outcome, offers, places, drafts in walks:
+            walked = replay_steps(outcome, offers, kp, p_continue, rng)
+            for p, d in walked:
+                g, i = places[p]
+                totals["window"] += d + 1
+                totals["draft"] += pricer.draft(kp, d, drafts[p])
+                totals["verify"] += pricer.verify(g, i, d + 1)
+            steps, tokens = steps + len(walked), tokens + len(outcome)
+        per_draw.append(tokens / max(1, steps))
+        totals["steps"] += steps
+        totals["tokens"] += tokens
+    return {**totals, "spread": max(per_draw) - min(per_draw)}
+
+
+def _predict_length(kp: int, steps: list[StepRecord], ids: list[np.ndarray], walks: list, p_continue: float,
+                    pricer: _Pricer, placement: expert_parallel.Placement | None,
                     ep_token_bytes: int, seed: int) -> LengthPrediction:
     L = ids[0].shape[0]
     windows, unions, drafts, verifies, committed_trunc = [], [], [], [], []
     accepted_at, drafted_at = [0] * kp, [0] * kp
     ranks, most, dispatched = np.zeros(L), np.zeros(L), 0
-    for s, routed in zip(steps, ids, strict=True):
+    for g, (s, routed) in enumerate(zip(steps, ids, strict=True)):
         d = min(s.drafted, kp)
         a = min(s.accepted, kp)
         w = d + 1
         window_ids = routed[:, :w]  # [L, w', m] the first w' positions of the recorded window
-        union = [len(torch.unique(layer)) for layer in window_ids]
+        union = [len(np.unique(layer)) for layer in window_ids]
         windows.append(w)
         unions.append(union)
         # k' = 0 drafts nothing; a step whose drafter found nothing (n-gram) costs what it cost.
-        drafts.append(0.0 if kp == 0 else s.draft_seconds if s.drafted == 0 else draft_curve.seconds(d))
-        verifies.append(window_seconds.get(w) or curve.seconds(w, float(np.mean(union))))
+        drafts.append(0.0 if kp == 0 else s.draft_seconds if s.drafted == 0 else pricer.draft_curve.seconds(d))
+        verifies.append(pricer.verify(g, 0, w))
         committed_trunc.append(min(a + 1, s.committed))
         for i in range(d):
             drafted_at[i] += 1
@@ -269,29 +430,25 @@ def _predict_length(kp: int, steps: list[StepRecord], ids: list[torch.Tensor], o
             most += view.max_rank_experts
             dispatched += view.dispatch_bytes
     n = len(steps)
-    draws = []
-    for draw in range(REPLAY_DRAWS):
-        rng = random.Random(seed * 1000 + draw)
-        tokens = step_count = 0
-        for request in outcomes:
-            t, st = replay(request, kp, p_continue, rng)
-            tokens, step_count = tokens + t, step_count + st
-        draws.append(tokens / max(1, step_count))
-    per_step = statistics.fmean(draws)
+    walked = _replay_length(kp, walks, p_continue, pricer, seed)
+    per_step = walked["tokens"] / max(1, walked["steps"])
     trunc = statistics.fmean(committed_trunc)
-    step_seconds = statistics.fmean(drafts) + statistics.fmean(verifies)
+    trunc_seconds = statistics.fmean(drafts) + statistics.fmean(verifies)
     return LengthPrediction(
         draft_length=kp,
         acceptance_per_position=tuple(acc / max(1, dr) for acc, dr in zip(accepted_at, drafted_at, strict=True)),
         window_mean=statistics.fmean(windows),
         unique_experts_mean=tuple(float(x) for x in np.mean(np.array(unions), axis=0)),
-        draft_seconds_per_step=statistics.fmean(drafts),
-        verify_seconds_per_step=statistics.fmean(verifies),
+        draft_seconds_per_step=walked["draft"] / max(1, walked["steps"]),
+        verify_seconds_per_step=walked["verify"] / max(1, walked["steps"]),
+        draft_seconds_per_step_truncated=statistics.fmean(drafts),
+        verify_seconds_per_step_truncated=statistics.fmean(verifies),
+        replay_window_mean=walked["window"] / max(1, walked["steps"]),
         committed_per_step=per_step,
-        committed_per_step_spread=max(draws) - min(draws),
+        committed_per_step_spread=walked["spread"],
         committed_per_step_truncated=trunc,
-        seconds_per_committed_token=step_seconds / per_step,
-        seconds_per_committed_token_truncated=step_seconds / trunc,
+        seconds_per_committed_token=(walked["draft"] + walked["verify"]) / max(1, walked["tokens"]),
+        seconds_per_committed_token_truncated=trunc_seconds / trunc,
         ep_ranks_touched_mean=tuple(float(x) for x in ranks / n) if placement is not None else None,
         ep_max_rank_experts_mean=tuple(float(x) for x in most / n) if placement is not None else None,
         ep_dispatch_bytes_per_token=dispatched / n / per_step if placement is not None else None,
@@ -323,6 +480,9 @@ def format_table(result: WhatIf) -> str:
         f"cost curve: verify ms = {c.intercept * 1e3:.3f} + {c.per_position * 1e3:.3f} * window + "
         f"{c.per_expert * 1e3:.4f} * mean union (plain step {c.plain_step_seconds * 1e3:.3f} ms); "
         f"draft ms = {result.draft_curve.per_step * 1e3:.3f} + {result.draft_curve.per_draft * 1e3:.3f} * drafts",
+        *([] if (sc := result.speculative_curve) is None else [
+            f"windows >= 2 (their own line): verify ms = {sc.intercept * 1e3:.3f} + {sc.per_position * 1e3:.3f} * "
+            f"window + {sc.per_expert * 1e3:.4f} * mean union"]),
         f"predicted best draft length: {result.best.draft_length}",
     ]
     return "\n".join(lines)

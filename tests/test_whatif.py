@@ -245,5 +245,82 @@ def test_a_window_size_the_run_has_often_enough_is_priced_at_its_own_mean() -> N
     result = whatif.predict([request], M)
     assert set(result.window_seconds) == {2}
     by_k = {p.draft_length: p for p in result.predictions}
-    assert by_k[1].verify_seconds_per_step == pytest.approx(5e-3)
+    assert by_k[1].verify_seconds_per_step_truncated == pytest.approx(5e-3)
     assert by_k[3].verify_seconds_per_step == pytest.approx((12 * 5e-3 + 3 * result.curve.seconds(4, 3.0)) / 15)
+    # The k'=1 replay walks 15 two-position steps (12 + 1 + 1 + 1: the last recorded step's accepted
+    # run of 2 splits after its first draft) and then the request's last token as a plain step (no
+    # budget left to draft), priced on the line through the plain step: 16 steps for 18 tokens.
+    assert by_k[1].replay_window_mean == pytest.approx(31 / 16)
+    assert by_k[1].verify_seconds_per_step == pytest.approx((15 * 5e-3 + result.curve.seconds(1, 2.0)) / 16)
+
+
+def test_the_replay_prices_the_shorter_run_s_own_steps_not_the_recorded_mix() -> None:
+    """An n-gram-like run at k=4: ten steps that accept 3 of 4 drafts, each followed by a step whose
+    lookup found nothing. A k'=1 run splits each accepted run into two full two-position windows,
+    so per 5 tokens it pays two w=2 passes and one w=1 pass; the recorded steps truncated to k'=1
+    have one w=2 pass per w=1 pass, which is too cheap a mix."""
+    accepted = dataclasses.replace(synthetic_step(4, 4, 3), drafter=Drafter.NGRAM, draft_seconds=0.0)
+    nothing = dataclasses.replace(synthetic_step(4, 0, 0), drafter=Drafter.NGRAM, draft_seconds=0.0)
+    result = whatif.predict([(accepted, nothing) * 10], M)
+    p = {x.draft_length: x for x in result.predictions}[1]
+    # Layer 0 of a window starting at offset 0 picks {0..3} (union 4), at offset 2 {0, 1} (union 2);
+    # layer 1 always 2 experts. Two-position passes were never recorded: priced on the fitted line;
+    # ten one-position passes were: priced at their mean.
+    c = result.curve
+    assert result.window_seconds[1] == pytest.approx(curve(1, 2.0))
+    per_five_tokens = c.seconds(2, (4 + 2) / 2) + c.seconds(2, (2 + 2) / 2) + curve(1, 2.0)
+    assert p.committed_per_step == pytest.approx(5 / 3)
+    assert p.replay_window_mean == pytest.approx(5 / 3)
+    assert p.verify_seconds_per_step == pytest.approx(per_five_tokens / 3, rel=1e-6)
+    assert p.seconds_per_committed_token == pytest.approx(per_five_tokens / 5, rel=1e-6)
+    # The recorded mix (one w=2 and one w=1 pass per 5 tokens' worth of steps) would be biased low.
+    recorded_mix = (c.seconds(2, 3.0) + curve(1, 2.0)) / 2
+    assert p.verify_seconds_per_step_truncated == pytest.approx(recorded_mix, rel=1e-6)
+    assert recorded_mix / p.committed_per_step < 0.98 * p.seconds_per_committed_token
+
+
+def test_short_windows_get_the_line_of_the_run_s_own_multi_position_passes() -> None:
+    """Passes after a draft pay a fixed 2 ms a plain step does not. A k=4 run whose requests end with
+    shorter windows (the budget) identifies that line on its own passes: k'=1 is priced on it, not on
+    the line through the plain step, which misses the fixed part."""
+    overhead = 2e-3
+
+    def step(drafted: int) -> StepRecord:
+        """Layer 0: position p picks {2p, 2p+1} (union 2w); layer 1 always {8, 9}: mean union w + 1."""
+        w = drafted + 1
+        topk = (tuple((2 * p, 2 * p + 1) for p in range(w)), tuple((8, 9) for _ in range(w)))
+        verify = curve(w, w + 1) + overhead
+        return dataclasses.replace(synthetic_step(4, drafted, 0), topk_ids=topk, unique_experts=(2 * w, 2),
+                                   verify_seconds=verify, decode_step_equivalents=verify / curve(1, M))
+
+    request = tuple(step(d) for d in (4, 4, 4, 1, 4, 4, 2, 4, 3, 4, 1, 2))
+    result = whatif.predict([request], M)
+    line = result.speculative_curve
+    assert line is not None and line.seconds(2, 3.0) == pytest.approx(curve(2, 3.0) + overhead)
+    by_k = {p.draft_length: p for p in result.predictions}
+    assert by_k[1].verify_seconds_per_step == pytest.approx(curve(2, 3.0) + overhead)
+    assert result.curve.plain_step_seconds == pytest.approx(curve(1, M))
+    assert result.curve.seconds(2, 3.0) < curve(2, 3.0) + 0.8 * overhead  # the line through the plain step
+    # The same passes 2 ms *cheaper* than the synthetic line: a negative fixed part, which no pass has
+    # (noise of a few off-size passes, extrapolated): refused, the line through the plain step prices them.
+    overhead = -2e-3
+    result = whatif.predict([tuple(step(d) for d in (4, 4, 4, 1, 4, 4, 2, 4, 3, 4, 1, 2))], M)
+    assert result.speculative_curve is None
+    by_k = {p.draft_length: p for p in result.predictions}
+    assert by_k[1].verify_seconds_per_step == pytest.approx(result.curve.seconds(2, 3.0))
+
+
+def test_an_ngram_step_costs_one_lookup_whatever_it_proposes() -> None:
+    """The n-gram drafter searches the history once per step: 0.1 ms whether it proposed 4 tokens, 1
+    or none (one 1.5 ms lookup, a preempted one, stays in the mean). k'=1 pays one lookup per step,
+    not a quarter of a k=4 step's; k'=0 looks up nothing."""
+    lookups = (1e-4, 1e-4, 1e-4, 1.5e-3, 1e-4, 0.0)  # the last step had no budget left: no lookup
+    request = tuple(dataclasses.replace(synthetic_step(4, d, 0), drafter=Drafter.NGRAM, draft_seconds=t)
+                    for d, t in zip((4, 1, 0, 4, 2, 0), lookups, strict=True))
+    result = whatif.predict([request], M)
+    by_k = {p.draft_length: p for p in result.predictions}
+    assert by_k[0].draft_seconds_per_step == 0
+    # The other five steps look up once each, the mean lookup (the one that found nothing included).
+    assert result.draft_curve.per_step == pytest.approx(sum(lookups) / 5)
+    assert by_k[1].draft_seconds_per_step == pytest.approx(sum(lookups) / 5 * 5 / 6)
+    assert by_k[4].draft_seconds_per_step == pytest.approx(by_k[1].draft_seconds_per_step)

@@ -277,9 +277,10 @@ class Scheduler:
         L, E, m = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
         N = sum(lengths)
         unique = unique_experts_per_layer(routed, E) if self.e.config.capture_routing else (0,) * L
+        ep = {} if self.e.ep is None else expert_parallel.pass_fields(self.e.ep, routed, self.e.ep_token_bytes)
         return BatchPassRecord(pass_id=next(self._pass_ids), batch_size=len(lengths), positions=N,
                                windows=tuple(lengths), unique_experts=unique, unique_experts_bound=min(E, N * m),
-                               draft_seconds=draft_s, verify_seconds=verify_s, start_time_ns=start_ns)
+                               draft_seconds=draft_s, verify_seconds=verify_s, start_time_ns=start_ns, **ep)
 
     def _record(self, seq: Sequence, drafted: int, accepted: int, flags: torch.Tensor, window: torch.Tensor,
                 routed: torch.Tensor, draft_s: float, verify_s: float, batch: BatchPassRecord) -> StepRecord:
