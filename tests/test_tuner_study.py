@@ -12,7 +12,7 @@ from service.types import Drafter, DraftPolicy
 from tests.tuner_fixtures import model_info
 from tuner import study as st
 from tuner.pruning import PruneRule
-from tuner.sampler import SamplerKind, initial_policies, make_sampler, temperature_step
+from tuner.sampler import InitialDesign, SamplerKind, initial_policies, make_sampler, temperature_step
 from tuner.space import SearchSpace, policy_key
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -79,11 +79,11 @@ def test_space_is_conditional(space):
 
 def test_grid_mode_enqueues_every_point_of_the_discrete_space_once(space):
     grid_space = SearchSpace.from_model_info(model_info(), temperature_step=temperature_step(SamplerKind.GRID))
-    points = [policy_key(p) for p in initial_policies(SamplerKind.GRID, grid_space, baselines=True)]
+    points = [policy_key(p) for p in initial_policies(SamplerKind.GRID, grid_space, InitialDesign.CORNERS)]
     assert len(points) == len(set(points)) == 1 + 8 + 8 * 4  # plain, n-gram x k, model x k x {0,.5,1,1.5}
     assert {policy_key(p) for p in space.baselines()} <= set(points)
     study = optuna.create_study(sampler=make_sampler(SamplerKind.GRID, seed=0, n_trials=41))
-    for p in initial_policies(SamplerKind.GRID, grid_space, baselines=True):
+    for p in initial_policies(SamplerKind.GRID, grid_space, InitialDesign.CORNERS):
         study.enqueue_trial(grid_space.params_of(p))
     for _ in points:
         trial = study.ask()
@@ -154,15 +154,19 @@ def test_recovery_fails_own_and_stale_running_trials_and_keeps_finished_ones(tmp
     assert study.trials[0].value == 0.5
 
 
-def test_interrupted_trials_do_not_count_towards_the_budget(tmp_path):
+def test_interrupted_and_starved_trials_do_not_count_towards_the_budget(tmp_path):
     storage, study = new_study(tmp_path)
     study.tell(study.ask(), 1.0)
     t = study.ask()
     t.set_user_attr("tuner_id", "me")
     st.recover_interrupted(storage, study, "me", 60, 0)
-    failed = study.ask()
-    failed.set_user_attr("fail_reason", "starved")
-    study.tell(failed, state=TrialState.FAIL)
+    starved = study.ask()
+    starved.set_user_attr("fail_reason", "starved: 0 tokens / 0 steps / 0 requests in 60.0 s")
+    study.tell(starved, state=TrialState.FAIL)
+    assert st.search_trials_done(study) == 1  # a window without traffic measured nothing: redone
+    other = study.ask()
+    other.set_user_attr("fail_reason", "server unreachable: down")
+    study.tell(other, state=TrialState.FAIL)
     assert st.search_trials_done(study) == 2
 
 

@@ -44,7 +44,7 @@ from tuner.loadgen import DEFAULT_PROMPTS, REPEAT_PROMPTS, LoadGenerator, LoadSp
 from tuner.measure import MeasureConfig, Measurer
 from tuner.progress import ProgressPrinter
 from tuner.pruning import PruneRule
-from tuner.sampler import SamplerKind, initial_policies, temperature_step
+from tuner.sampler import InitialDesign, SamplerKind, initial_policies, temperature_step
 from tuner.server_proc import start_server, telemetry_env
 from tuner.space import SearchSpace, policy_key
 from tuner.spans import request_sample
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.skip_grid:
             grid_space = SearchSpace.from_model_info(admin.model_info(), temperature_step=temperature_step(
                 SamplerKind.GRID))
-            size = len(initial_policies(SamplerKind.GRID, grid_space, baselines=False))
+            size = len(initial_policies(SamplerKind.GRID, grid_space, InitialDesign.NONE))
             print(f"bench: grid of {size} policies, no pruning ...", file=err, flush=True)
             grid, grid_best, grid_seconds = study_run("grid", SamplerKind.GRID, size, 0, PruneRule(factor=0))
             result["grid"] = {"points": size, "seconds": round(grid_seconds, 1), "best": grid_best.key.label(),

@@ -29,6 +29,7 @@ ROLE_SEARCH = "search"
 ROLE_REMEASURE = "remeasure"
 ROLE_CHALLENGE = "challenge"  # continuous mode: a challenger beside the incumbent at the exploration share
 FAIL_INTERRUPTED = "interrupted"
+FAIL_STARVED = "starved"  # prefix of a starved window's fail_reason
 
 
 class StorageError(Exception):
@@ -109,12 +110,15 @@ def role(trial: FrozenTrial) -> str:
 
 
 def search_trials_done(study: optuna.Study) -> int:
-    """Finished search trials that count towards --trials: measured ones. Interrupted trials are
-    redone; re-proposals of a measured policy reuse its result and spend no traffic, so they do not
+    """Finished search trials that count towards --trials: measured ones. Interrupted and starved
+    trials are redone (a starved window measured nothing; `max_consecutive_failures` of them in a
+    row stop the search instead, so no traffic cannot loop forever); re-proposals of a measured
+    policy reuse its result and spend no traffic, so they do not
     count either (the budget is traffic spent, not sampler calls)."""
     done = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
-        if (role(t) == ROLE_SEARCH and t.user_attrs.get("fail_reason") != FAIL_INTERRUPTED
+        reason = str(t.user_attrs.get("fail_reason", ""))
+        if (role(t) == ROLE_SEARCH and reason != FAIL_INTERRUPTED and not reason.startswith(FAIL_STARVED)
                 and "duplicate_of" not in t.user_attrs):
             done += 1
     return done

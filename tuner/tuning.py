@@ -6,7 +6,7 @@ Contract (what survives what):
   server on an abandoned trial policy. Finished trials are never touched.
 - Budget: `trials` counts finished, *measured* search trials in the study, so a restarted tuner
   continues to the same total instead of starting over. Interrupted trials do not count (they are
-  redone), nor do re-proposals of an already-measured policy (their result is reused, no traffic
+  redone), nor do starved ones, nor re-proposals of an already-measured policy (their result is reused, no traffic
   spent); `max_consecutive_duplicates` re-proposals in a row end the search as converged.
 - Comparison (`TrialMode`): the first trial runs alone and sets the scale; every later one is
   paired with the incumbent as control (same window, traffic split, `candidate_share` of the
@@ -478,7 +478,7 @@ class Tuner:
             return TrialState.PRUNED
         self._fail(
             trial,
-            f"starved: {m.stats.committed} tokens / {m.stats.steps} steps / {m.stats.requests} requests in "
+            f"{st.FAIL_STARVED}: {m.stats.committed} tokens / {m.stats.steps} steps / {m.stats.requests} requests in "
             f"{m.seconds:.1f} s (need {window.min_tokens} tokens and {window.min_steps} steps; "
             f"{m.other_spans} spans of other policies arrived meanwhile)",
         )
