@@ -94,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="server torch threads")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     parser.add_argument("--skip-grid", action="store_true", help="tuner only (no ground truth)")
+    parser.add_argument("--initial-design", choices=[d.value for d in InitialDesign],
+                        default=InitialDesign.CORNERS.value,
+                        help="what each fresh TPE study measures first (as moespec tune; default corners)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
 
         def study_run(name: str, sampler: SamplerKind, trials: int, remeasure: int, prune: PruneRule):
             settings = TuneSettings(study_name=name, trials=trials, tuner_id=f"bench:{name}", sampler=sampler,
-                                    seed=args.seed, window=window, prune=prune, remeasure_top=remeasure)
+                                    seed=args.seed, window=window, prune=prune, remeasure_top=remeasure,
+                                    initial_design=InitialDesign(args.initial_design))
             built = assemble(settings, storage, admin, collector, ProgressPrinter(err))
             t0 = time.monotonic()
             best = built.tuner.run()

@@ -52,7 +52,8 @@ def run_noise(args, prompts: list[str], out: Path) -> int:
         def study(name: str, sampler: SamplerKind, trials: int, remeasure: int, mode: TrialMode | None,
                   prune: PruneRule, seed: int):
             settings = TuneSettings(study_name=name, trials=trials, tuner_id=f"bench:{name}", sampler=sampler,
-                                    seed=seed, window=window, prune=prune, remeasure_top=remeasure, trial_mode=mode)
+                                    seed=seed, window=window, prune=prune, remeasure_top=remeasure, trial_mode=mode,
+                                    initial_design=InitialDesign(args.initial_design))
             built = assemble(settings, storage, rig.admin, rig.collector, ProgressPrinter(err))
             t0 = time.monotonic()
             best = built.tuner.run()

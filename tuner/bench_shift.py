@@ -32,6 +32,7 @@ from tuner.measure import MeasureConfig, Measurer
 from tuner.progress import ProgressPrinter
 from tuner.pruning import PruneRule
 from tuner.rig import Rig, RigSpec, open_rig
+from tuner.sampler import InitialDesign
 from tuner.space import policy_key
 from tuner.study import open_storage
 from tuner.window import CostModel, Objective, WindowSpec
@@ -83,7 +84,7 @@ def one_run(args, rig: Rig, label: str, new_prompts: list[str] | None, out: Path
         print(f"bench {label}: decision {d.kind}: {d.policy} ({d.reason})", file=err, flush=True)
 
     base = TuneSettings(study_name=label, trials=args.trials, tuner_id=f"bench:{label}", seed=args.seed,
-                        window=window, remeasure_top=args.remeasure)
+                        window=window, remeasure_top=args.remeasure, initial_design=InitialDesign(args.initial_design))
     root = assemble(base, storage, rig.admin, rig.collector, ProgressPrinter(err))
 
     def make(name: str, trials: int):
