@@ -40,7 +40,7 @@ from tuner.assemble import TuneSettings, assemble
 from tuner.collector import SpanCollector
 from tuner.compare import Compared, compare
 from tuner.demo import DEFAULT_POLICY
-from tuner.loadgen import DEFAULT_PROMPTS, REPEAT_PROMPTS, LoadGenerator, LoadSpec, first_prompts, load_prompts
+from tuner.loadgen import DEFAULT_PROMPTS, TABLE_PROMPTS, LoadGenerator, LoadSpec, first_prompts, load_prompts
 from tuner.measure import MeasureConfig, Measurer
 from tuner.progress import ProgressPrinter
 from tuner.pruning import PruneRule
@@ -78,8 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--scenario shift: give up waiting for a decision after this long (default 300)")
     parser.add_argument("--exploration-share", type=float, default=0.1, help="--scenario shift (default 0.1)")
     parser.add_argument("--reopen-trials", type=int, default=8, help="--scenario shift (default 8)")
-    parser.add_argument("--shift-prompts", type=Path, default=REPEAT_PROMPTS,
-                        help="--scenario shift: the second workload (default service/prompts/repeat.jsonl)")
+    parser.add_argument("--shift-prompts", type=Path, default=TABLE_PROMPTS,
+                        help="--scenario shift: the second workload (default service/prompts/tables.jsonl)")
+    parser.add_argument("--exploration-pairs", type=int, default=6,
+                        help="--scenario shift: exploring / alone period pairs for the exploration cost (default 6)")
     parser.add_argument("--prompt-count", type=int, default=8,
                         help="cycle the first N shipped prompts (default 8), so every window serves the same work")
     parser.add_argument("--min-tokens", type=int, default=None,
