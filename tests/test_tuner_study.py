@@ -196,6 +196,44 @@ def test_incumbent_is_the_best_mean_and_a_remeasurement_can_dethrone_it(tmp_path
     assert best.values == (0.6, 0.62) and best.mean == pytest.approx(0.61)
 
 
+def add_paired(study, space, policy: DraftPolicy, ratio: float, control: DraftPolicy, control_value: float,
+               role=st.ROLE_SEARCH):
+    """A paired trial as the tuner tells it: value = ratio x the control's value."""
+    study.enqueue_trial(space.params_of(policy), user_attrs={"role": role})
+    trial = study.ask()
+    space.suggest(trial, "")
+    trial.set_user_attr("paired_ratio", ratio)
+    trial.set_user_attr("control_policy", policy_key(control).label())
+    study.tell(trial, ratio * control_value)
+
+
+def test_confirmation_picks_by_direct_ratios_not_by_chained_values(tmp_path, space):
+    """A search chain: n-gram k=4 at 0.9x plain, then model k=2 T=0 at a lucky 0.7x n-gram k=4 (its
+    chained value 0.63 makes it the incumbent). The confirmation pairs the others with it directly:
+    n-gram k=4 measures 0.95x it, i.e. cheaper. The confirmed winner is n-gram k=4; the mean-of-values
+    rule (the negative control, used for sequential trials) keeps the lucky chain's end."""
+    _, study = new_study(tmp_path)
+    plain, ngram, model = DraftPolicy(), DraftPolicy(Drafter.NGRAM, 4), DraftPolicy(Drafter.MODEL, 2, 0.0)
+    add(study, space, plain, 1.0)
+    add_paired(study, space, ngram, 0.9, plain, 1.0)
+    add_paired(study, space, model, 0.7, ngram, 0.9)
+    assert policy_key(st.incumbent(study, space).policy) == policy_key(model)
+    add_paired(study, space, ngram, 0.95, model, 0.63, role=st.ROLE_REMEASURE)
+    add_paired(study, space, plain, 1.2, model, 0.63, role=st.ROLE_REMEASURE)
+    best, confirmation = st.confirmed_winner(study, space, top=3)
+    assert policy_key(best.policy) == policy_key(ngram)
+    assert confirmation == {"ngram k=4": 0.95, "model k=2 T=0.00": 1.0, "plain": 1.2}
+    assert policy_key(st.winner(study, space, top=3).policy) == policy_key(model)  # negative control
+    # Confirmations against another control do not count: then the search's incumbent stands.
+    _, other = new_study(tmp_path, name="other")
+    add(other, space, plain, 1.0)
+    add_paired(other, space, ngram, 0.9, plain, 1.0)
+    add_paired(other, space, model, 0.7, ngram, 0.9)
+    add_paired(other, space, ngram, 0.5, plain, 1.0, role=st.ROLE_REMEASURE)
+    best, confirmation = st.confirmed_winner(other, space, top=3)
+    assert confirmation is None and policy_key(best.policy) == policy_key(model)
+
+
 def test_remeasure_candidates_use_search_trials_only(tmp_path, space):
     _, study = new_study(tmp_path)
     add(study, space, DraftPolicy(), 1.0)
