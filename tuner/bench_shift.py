@@ -43,7 +43,8 @@ from tuner.window import CostModel, Objective, WindowSpec
 def run_shift(args, code: list[str], repeat: list[str], out: Path) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     result: dict[str, object] = {"settings": {k: str(v) for k, v in vars(args).items() if not k.startswith("_")}}
-    for label, shift in (("shift", True), ("no-shift", False)):
+    runs = (("shift", True), ("no-shift", False)) if not args.no_shift_only else (("no-shift", False),)
+    for label, shift in runs:
         spec = RigSpec(code, args.concurrency, args.max_new_tokens, args.temperature, args.seed, args.threads)
         with open_rig(spec) as rig:
             result[label] = one_run(args, rig, label, repeat if shift else None, out)
@@ -197,13 +198,15 @@ def wait_for(condition, timeout: float) -> bool:
 
 
 def markdown(result: dict) -> str:
-    s, n = result["shift"], result["no-shift"]
+    s, n = result.get("shift"), result["no-shift"]
     lines = ["| run | incumbent before | after | s to re-open | s to new incumbent | re-opened searches | promotions |",
-             "|---|---|---|---|---|---|---|",
-             f"| shift | {s['incumbent_before']} | {s.get('incumbent_after')} | {s.get('seconds_to_reopen')} | "
-             f"{s.get('seconds_to_new_incumbent')} | {s['reopened']} | {s['promoted']} |",
-             f"| no shift | {n['incumbent_before']} | {n.get('incumbent_after')} | - | - | {n['reopened']} "
-             f"| {n['promoted']} |", ""]
+             "|---|---|---|---|---|---|---|"]
+    if s is not None:
+        lines.append(f"| shift | {s['incumbent_before']} | {s.get('incumbent_after')} | {s.get('seconds_to_reopen')} | "
+                     f"{s.get('seconds_to_new_incumbent')} | {s['reopened']} | {s['promoted']} |")
+    lines += [f"| no shift | {n['incumbent_before']} | {n.get('incumbent_after')} | - | - | {n['reopened']} "
+              f"| {n['promoted']} |", ""]
+    s = s or {}
     if s.get("side_by_side_new_workload"):
         lines += ["New workload: each policy paired with the new incumbent (ratio > 1: the new incumbent is cheaper):",
                   "", "| | policy | cost / new incumbent | 95% interval | per round |", "|---|---|---|---|---|"]
