@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import optuna
 import pytest
@@ -119,6 +120,19 @@ def test_default_sampler_is_multivariate_grouped_tpe(space):
         ungrouped = optuna.samplers.TPESampler(seed=0, multivariate=True, group=False)
     assert joint_space_after_history(independent, space) == set()
     assert joint_space_after_history(ungrouped, space) == {"draft_length"}
+
+
+def test_corners_span_every_axis_and_follow_what_is_tunable(space):
+    labels = [policy_key(p).label() for p in initial_policies(SamplerKind.TPE, space, InitialDesign.CORNERS)]
+    assert labels == ["plain", "model k=8 T=0.00", "ngram k=8", "model k=2 T=0.00", "ngram k=2"]
+    for p in space.corners():
+        assert space.contains(p) and space.policy_from_params(space.params_of(p), "") == replace(p, policy_id="")
+    length_only = SearchSpace.from_model_info(model_info(max_draft_length=1, drafters=(Drafter.NGRAM,),
+                                                         tunable=("draft_length",)))
+    assert [policy_key(p).label() for p in length_only.corners()] == ["plain", "ngram k=1"]
+    no_temperature = SearchSpace.from_model_info(model_info(tunable=("draft_length", "drafter")))
+    assert "model k=8 T=1.00" in [policy_key(p).label() for p in no_temperature.corners()]
+    assert initial_policies(SamplerKind.TPE, space, InitialDesign.NONE) == []
 
 
 def test_baselines_are_plain_default_and_ngram(space):
