@@ -82,6 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--scenario shift: the second workload (default service/prompts/tables.jsonl)")
     parser.add_argument("--no-shift-only", action="store_true",
                         help="--scenario shift: only the no-shift control and the exploration cost")
+    parser.add_argument("--shift-only", action="store_true",
+                        help="--scenario shift: only the run with the workload shift")
     parser.add_argument("--exploration-pairs", type=int, default=6,
                         help="--scenario shift: exploring / alone period pairs for the exploration cost (default 6)")
     parser.add_argument("--prompt-count", type=int, default=8,

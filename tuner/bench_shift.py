@@ -43,7 +43,8 @@ from tuner.window import CostModel, Objective, WindowSpec
 def run_shift(args, code: list[str], repeat: list[str], out: Path) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     result: dict[str, object] = {"settings": {k: str(v) for k, v in vars(args).items() if not k.startswith("_")}}
-    runs = (("shift", True), ("no-shift", False)) if not args.no_shift_only else (("no-shift", False),)
+    runs = [(label, shift) for label, shift in (("shift", True), ("no-shift", False))
+            if not (args.no_shift_only and shift) and not (args.shift_only and not shift)]
     for label, shift in runs:
         spec = RigSpec(code, args.concurrency, args.max_new_tokens, args.temperature, args.seed, args.threads)
         with open_rig(spec) as rig:
@@ -198,14 +199,17 @@ def wait_for(condition, timeout: float) -> bool:
 
 
 def markdown(result: dict) -> str:
-    s, n = result.get("shift"), result["no-shift"]
+    s, n = result.get("shift"), result.get("no-shift")
     lines = ["| run | incumbent before | after | s to re-open | s to new incumbent | re-opened searches | promotions |",
              "|---|---|---|---|---|---|---|"]
     if s is not None:
         lines.append(f"| shift | {s['incumbent_before']} | {s.get('incumbent_after')} | {s.get('seconds_to_reopen')} | "
                      f"{s.get('seconds_to_new_incumbent')} | {s['reopened']} | {s['promoted']} |")
-    lines += [f"| no shift | {n['incumbent_before']} | {n.get('incumbent_after')} | - | - | {n['reopened']} "
-              f"| {n['promoted']} |", ""]
+    if n is not None:
+        lines.append(f"| no shift | {n['incumbent_before']} | {n.get('incumbent_after')} | - | - | {n['reopened']} "
+                     f"| {n['promoted']} |")
+    lines.append("")
+    n = n or {}
     s = s or {}
     if s.get("side_by_side_new_workload"):
         lines += ["New workload: each policy paired with the new incumbent (ratio > 1: the new incumbent is cheaper):",
