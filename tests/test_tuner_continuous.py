@@ -49,21 +49,25 @@ def prose_workload(policy: DraftPolicy) -> float:
 
 
 class Harness:
-    def __init__(self, tmp_path, server: FakeServer, metrics: TunerMetrics | None = None):
+    def __init__(self, tmp_path, server: FakeServer, metrics: TunerMetrics | None = None,
+                 window: WindowSpec = WINDOW, config: ContinuousConfig = FAST):
         self.storage = st.open_storage(f"sqlite:///{tmp_path / 'c.db'}")
         self.collector = SpanCollector(request_sample)
         self.admin = PolicyAdmin(server, "fake:0", retry_seconds=0.2, sleep=lambda s: None)
         self.decisions = []
-        base = settings(trials=6, remeasure_top=1, window=WINDOW, seed=3)
+        self.logs: list[str] = []
+        base = settings(trials=6, remeasure_top=1, window=window, seed=3)
         root = assemble(base, self.storage, self.admin, self.collector)
+        self.root = root
 
         def make(name: str, trials: int):
             if name == base.study_name:
                 return root
-            return assemble(settings(study_name=name, trials=trials, remeasure_top=1, window=WINDOW, seed=3),
+            return assemble(settings(study_name=name, trials=trials, remeasure_top=1, window=window, seed=3),
                             self.storage, self.admin, self.collector)
 
-        self.tuner = ContinuousTuner(root.study, make, FAST, base.trials, metrics, self.decisions.append)
+        self.tuner = ContinuousTuner(root.study, make, config, base.trials, metrics, self.decisions.append,
+                                     self.logs.append)
 
     def run_until(self, done, timeout: float) -> None:
         stop = threading.Event()
@@ -186,3 +190,46 @@ def test_after_an_interleaved_challenge_the_incumbent_serves_alone_long_enough_t
     assert idle_floor(challenge(0.1), 0.1) == 0.0  # a split at the exploration share bounds it already
     assert idle_floor(challenge(0.5), 0.1) == pytest.approx(54.0)  # 6 s of all traffic -> 54 s alone
     assert idle_floor(None, 0.1) == 0.0
+
+
+def test_no_traffic_in_the_initial_search_waits_and_resumes_instead_of_exiting(tmp_path):
+    """`moespec tune` stops with NoTraffic after three starved windows; continuous mode must not: it
+    logs, backs off and resumes the same study once traffic arrives."""
+    server = FakeServer()
+    starving = WindowSpec(min_tokens=64, min_steps=8, max_seconds=0.3)
+    h = Harness(tmp_path, server, window=starving,
+                config=ContinuousConfig(exploration_share=0.25, idle_seconds=0.05, max_idle_seconds=0.2))
+    with SyntheticTraffic(server, h.collector.on_spans, code_workload, noise=0.05) as traffic:
+        traffic.paused.set()  # no requests at all
+        stop = threading.Event()
+        thread = threading.Thread(target=h.tuner.run, args=(stop,), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while sum("no traffic" in line for line in h.logs) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert thread.is_alive(), h.logs  # did not exit on its own
+        assert sum("no traffic" in line for line in h.logs) >= 2, h.logs  # kept waiting, and said so
+        assert not h.decisions
+        traffic.paused.clear()  # traffic arrives
+        while not h.decisions and time.monotonic() < deadline + 30:
+            time.sleep(0.05)
+        stop.set()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert h.decisions and h.decisions[0].kind == "initial", h.logs
+    study = h.root.study
+    starved = [t for t in study.trials if str(t.user_attrs.get("fail_reason", "")).startswith(st.FAIL_STARVED)]
+    assert len(starved) >= 6  # two waits of three starved windows each, none counted towards the budget
+    assert st.search_trials_done(study) >= 6
+
+
+def test_negative_control_the_same_starvation_stops_a_one_shot_search(tmp_path):
+    """The condition the test above survives is real: the one-shot tuner on it raises NoTraffic."""
+    from tuner.tuning import NoTraffic
+
+    server = FakeServer()
+    h = Harness(tmp_path, server, window=WindowSpec(min_tokens=64, min_steps=8, max_seconds=0.3))
+    with SyntheticTraffic(server, h.collector.on_spans, code_workload) as traffic:
+        traffic.paused.set()
+        with pytest.raises(NoTraffic):
+            h.root.tuner.run()

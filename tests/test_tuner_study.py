@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import optuna
 import pytest
@@ -12,7 +13,7 @@ from service.types import Drafter, DraftPolicy
 from tests.tuner_fixtures import model_info
 from tuner import study as st
 from tuner.pruning import PruneRule
-from tuner.sampler import SamplerKind, initial_policies, make_sampler, temperature_step
+from tuner.sampler import InitialDesign, SamplerKind, initial_policies, make_sampler, temperature_step
 from tuner.space import SearchSpace, policy_key
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -79,11 +80,11 @@ def test_space_is_conditional(space):
 
 def test_grid_mode_enqueues_every_point_of_the_discrete_space_once(space):
     grid_space = SearchSpace.from_model_info(model_info(), temperature_step=temperature_step(SamplerKind.GRID))
-    points = [policy_key(p) for p in initial_policies(SamplerKind.GRID, grid_space, baselines=True)]
+    points = [policy_key(p) for p in initial_policies(SamplerKind.GRID, grid_space, InitialDesign.CORNERS)]
     assert len(points) == len(set(points)) == 1 + 8 + 8 * 4  # plain, n-gram x k, model x k x {0,.5,1,1.5}
     assert {policy_key(p) for p in space.baselines()} <= set(points)
     study = optuna.create_study(sampler=make_sampler(SamplerKind.GRID, seed=0, n_trials=41))
-    for p in initial_policies(SamplerKind.GRID, grid_space, baselines=True):
+    for p in initial_policies(SamplerKind.GRID, grid_space, InitialDesign.CORNERS):
         study.enqueue_trial(grid_space.params_of(p))
     for _ in points:
         trial = study.ask()
@@ -121,6 +122,19 @@ def test_default_sampler_is_multivariate_grouped_tpe(space):
     assert joint_space_after_history(ungrouped, space) == {"draft_length"}
 
 
+def test_corners_span_every_axis_and_follow_what_is_tunable(space):
+    labels = [policy_key(p).label() for p in initial_policies(SamplerKind.TPE, space, InitialDesign.CORNERS)]
+    assert labels == ["plain", "model k=8 T=0.00", "ngram k=8", "model k=2 T=0.00", "ngram k=2"]
+    for p in space.corners():
+        assert space.contains(p) and space.policy_from_params(space.params_of(p), "") == replace(p, policy_id="")
+    length_only = SearchSpace.from_model_info(model_info(max_draft_length=1, drafters=(Drafter.NGRAM,),
+                                                         tunable=("draft_length",)))
+    assert [policy_key(p).label() for p in length_only.corners()] == ["plain", "ngram k=1"]
+    no_temperature = SearchSpace.from_model_info(model_info(tunable=("draft_length", "drafter")))
+    assert "model k=8 T=1.00" in [policy_key(p).label() for p in no_temperature.corners()]
+    assert initial_policies(SamplerKind.TPE, space, InitialDesign.NONE) == []
+
+
 def test_baselines_are_plain_default_and_ngram(space):
     labels = [policy_key(p).label() for p in space.baselines()]
     assert labels == ["plain", "model k=3 T=1.00", "ngram k=3"]
@@ -154,15 +168,19 @@ def test_recovery_fails_own_and_stale_running_trials_and_keeps_finished_ones(tmp
     assert study.trials[0].value == 0.5
 
 
-def test_interrupted_trials_do_not_count_towards_the_budget(tmp_path):
+def test_interrupted_and_starved_trials_do_not_count_towards_the_budget(tmp_path):
     storage, study = new_study(tmp_path)
     study.tell(study.ask(), 1.0)
     t = study.ask()
     t.set_user_attr("tuner_id", "me")
     st.recover_interrupted(storage, study, "me", 60, 0)
-    failed = study.ask()
-    failed.set_user_attr("fail_reason", "starved")
-    study.tell(failed, state=TrialState.FAIL)
+    starved = study.ask()
+    starved.set_user_attr("fail_reason", "starved: 0 tokens / 0 steps / 0 requests in 60.0 s")
+    study.tell(starved, state=TrialState.FAIL)
+    assert st.search_trials_done(study) == 1  # a window without traffic measured nothing: redone
+    other = study.ask()
+    other.set_user_attr("fail_reason", "server unreachable: down")
+    study.tell(other, state=TrialState.FAIL)
     assert st.search_trials_done(study) == 2
 
 
@@ -190,6 +208,44 @@ def test_incumbent_is_the_best_mean_and_a_remeasurement_can_dethrone_it(tmp_path
     best = st.winner(study, space, top=2)
     assert policy_key(best.policy) == policy_key(steady)
     assert best.values == (0.6, 0.62) and best.mean == pytest.approx(0.61)
+
+
+def add_paired(study, space, policy: DraftPolicy, ratio: float, control: DraftPolicy, control_value: float,
+               role=st.ROLE_SEARCH):
+    """A paired trial as the tuner tells it: value = ratio x the control's value."""
+    study.enqueue_trial(space.params_of(policy), user_attrs={"role": role})
+    trial = study.ask()
+    space.suggest(trial, "")
+    trial.set_user_attr("paired_ratio", ratio)
+    trial.set_user_attr("control_policy", policy_key(control).label())
+    study.tell(trial, ratio * control_value)
+
+
+def test_confirmation_picks_by_direct_ratios_not_by_chained_values(tmp_path, space):
+    """A search chain: n-gram k=4 at 0.9x plain, then model k=2 T=0 at a lucky 0.7x n-gram k=4 (its
+    chained value 0.63 makes it the incumbent). The confirmation pairs the others with it directly:
+    n-gram k=4 measures 0.95x it, i.e. cheaper. The confirmed winner is n-gram k=4; the mean-of-values
+    rule (the negative control, used for sequential trials) keeps the lucky chain's end."""
+    _, study = new_study(tmp_path)
+    plain, ngram, model = DraftPolicy(), DraftPolicy(Drafter.NGRAM, 4), DraftPolicy(Drafter.MODEL, 2, 0.0)
+    add(study, space, plain, 1.0)
+    add_paired(study, space, ngram, 0.9, plain, 1.0)
+    add_paired(study, space, model, 0.7, ngram, 0.9)
+    assert policy_key(st.incumbent(study, space).policy) == policy_key(model)
+    add_paired(study, space, ngram, 0.95, model, 0.63, role=st.ROLE_REMEASURE)
+    add_paired(study, space, plain, 1.2, model, 0.63, role=st.ROLE_REMEASURE)
+    best, confirmation = st.confirmed_winner(study, space, top=3)
+    assert policy_key(best.policy) == policy_key(ngram)
+    assert confirmation == {"ngram k=4": 0.95, "model k=2 T=0.00": 1.0, "plain": 1.2}
+    assert policy_key(st.winner(study, space, top=3).policy) == policy_key(model)  # negative control
+    # Confirmations against another control do not count: then the search's incumbent stands.
+    _, other = new_study(tmp_path, name="other")
+    add(other, space, plain, 1.0)
+    add_paired(other, space, ngram, 0.9, plain, 1.0)
+    add_paired(other, space, model, 0.7, ngram, 0.9)
+    add_paired(other, space, ngram, 0.5, plain, 1.0, role=st.ROLE_REMEASURE)
+    best, confirmation = st.confirmed_winner(other, space, top=3)
+    assert confirmation is None and policy_key(best.policy) == policy_key(model)
 
 
 def test_remeasure_candidates_use_search_trials_only(tmp_path, space):

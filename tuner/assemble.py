@@ -17,7 +17,7 @@ from tuner.admin import PolicyAdmin
 from tuner.collector import SpanCollector
 from tuner.measure import MeasureConfig, Measurer, TrialMode
 from tuner.pruning import PruneRule
-from tuner.sampler import SamplerKind, initial_policies, make_sampler, rationale, temperature_step
+from tuner.sampler import InitialDesign, SamplerKind, initial_policies, make_sampler, rationale, temperature_step
 from tuner.space import SearchSpace
 from tuner.study import open_study
 from tuner.tuning import Tuner, TunerConfig, TunerEvent
@@ -41,7 +41,8 @@ class TuneSettings:
     policy_check_seconds: float = 1.0
     fixed_bytes_per_pass: int | None = None  # None: estimate from ModelInfo (see cost_model)
     ep_size: int = 0  # the server's --ep-size: its dispatch bytes enter the modelled cost
-    enqueue_baselines: bool = True
+    # The CLI, demo and benches ask for CORNERS; library callers (the fast tests) keep the original three.
+    initial_design: InitialDesign = InitialDesign.BASELINES
     trial_mode: TrialMode | None = None  # None: resolved from the objective and ModelInfo (trial_mode())
     candidate_share: float = 0.5
     switch_window_factor: float = 10.0
@@ -130,7 +131,7 @@ def assemble(
             remeasure_top=settings.remeasure_top,
             stale_seconds=settings.stale_seconds,
             max_consecutive_failures=settings.max_consecutive_failures,
-            initial_policies=tuple(initial_policies(settings.sampler, space, settings.enqueue_baselines)),
+            initial_policies=tuple(initial_policies(settings.sampler, space, settings.initial_design)),
             mode=mode,
             candidate_share=settings.candidate_share,
             switch_window_factor=settings.switch_window_factor,

@@ -40,11 +40,11 @@ from tuner.assemble import TuneSettings, assemble
 from tuner.collector import SpanCollector
 from tuner.compare import Compared, compare
 from tuner.demo import DEFAULT_POLICY
-from tuner.loadgen import DEFAULT_PROMPTS, REPEAT_PROMPTS, LoadGenerator, LoadSpec, first_prompts, load_prompts
+from tuner.loadgen import DEFAULT_PROMPTS, TABLE_PROMPTS, LoadGenerator, LoadSpec, first_prompts, load_prompts
 from tuner.measure import MeasureConfig, Measurer
 from tuner.progress import ProgressPrinter
 from tuner.pruning import PruneRule
-from tuner.sampler import SamplerKind, initial_policies, temperature_step
+from tuner.sampler import InitialDesign, SamplerKind, initial_policies, temperature_step
 from tuner.server_proc import start_server, telemetry_env
 from tuner.space import SearchSpace, policy_key
 from tuner.spans import request_sample
@@ -78,8 +78,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--scenario shift: give up waiting for a decision after this long (default 300)")
     parser.add_argument("--exploration-share", type=float, default=0.1, help="--scenario shift (default 0.1)")
     parser.add_argument("--reopen-trials", type=int, default=8, help="--scenario shift (default 8)")
-    parser.add_argument("--shift-prompts", type=Path, default=REPEAT_PROMPTS,
-                        help="--scenario shift: the second workload (default service/prompts/repeat.jsonl)")
+    parser.add_argument("--shift-prompts", type=Path, default=TABLE_PROMPTS,
+                        help="--scenario shift: the second workload (default service/prompts/tables.jsonl)")
+    parser.add_argument("--no-shift-only", action="store_true",
+                        help="--scenario shift: only the no-shift control and the exploration cost")
+    parser.add_argument("--shift-only", action="store_true",
+                        help="--scenario shift: only the run with the workload shift")
+    parser.add_argument("--exploration-pairs", type=int, default=6,
+                        help="--scenario shift: exploring / alone period pairs for the exploration cost (default 6)")
     parser.add_argument("--prompt-count", type=int, default=8,
                         help="cycle the first N shipped prompts (default 8), so every window serves the same work")
     parser.add_argument("--min-tokens", type=int, default=None,
@@ -94,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="server torch threads")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     parser.add_argument("--skip-grid", action="store_true", help="tuner only (no ground truth)")
+    parser.add_argument("--initial-design", choices=[d.value for d in InitialDesign],
+                        default=InitialDesign.CORNERS.value,
+                        help="what each fresh TPE study measures first (as moespec tune; default corners)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
 
         def study_run(name: str, sampler: SamplerKind, trials: int, remeasure: int, prune: PruneRule):
             settings = TuneSettings(study_name=name, trials=trials, tuner_id=f"bench:{name}", sampler=sampler,
-                                    seed=args.seed, window=window, prune=prune, remeasure_top=remeasure)
+                                    seed=args.seed, window=window, prune=prune, remeasure_top=remeasure,
+                                    initial_design=InitialDesign(args.initial_design))
             built = assemble(settings, storage, admin, collector, ProgressPrinter(err))
             t0 = time.monotonic()
             best = built.tuner.run()
@@ -167,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.skip_grid:
             grid_space = SearchSpace.from_model_info(admin.model_info(), temperature_step=temperature_step(
                 SamplerKind.GRID))
-            size = len(initial_policies(SamplerKind.GRID, grid_space, baselines=False))
+            size = len(initial_policies(SamplerKind.GRID, grid_space, InitialDesign.NONE))
             print(f"bench: grid of {size} policies, no pruning ...", file=err, flush=True)
             grid, grid_best, grid_seconds = study_run("grid", SamplerKind.GRID, size, 0, PruneRule(factor=0))
             result["grid"] = {"points": size, "seconds": round(grid_seconds, 1), "best": grid_best.key.label(),

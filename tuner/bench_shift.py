@@ -3,19 +3,21 @@ control, and what its exploration costs.
 
 Two runs, each on a fresh server, the continuous tuner (tuner/continuous.py) in a thread:
 - shift: the load serves the code prompts; once the initial search has decided and the tuner has
-  explored for --steady-seconds, the load switches to `service/prompts/repeat.jsonl` (answers repeat
-  the prompt: prompt lookup shines). Reported: seconds from the switch to the re-opened search and
-  to the new incumbent, and the new incumbent measured side by side on the new workload against the
-  old incumbent, plain decoding and n-gram k=max.
-- no-shift: the same, the load never switches; reported: re-opened searches (should be 0).
-  Exploration cost: output tokens/s with the tuner exploring vs the incumbent alone, alternating
-  --steady-seconds periods (two pairs), so drift hits both.
+  explored for --steady-seconds, the load switches to --shift-prompts (default
+  `service/prompts/tables.jsonl`: literal tables whose rows repeat, where prompt lookup copies long
+  spans and the draft model falls behind). Reported: seconds from the switch to the re-opened search
+  and to the new incumbent, and the new incumbent paired (same traffic split, per round) with the old
+  incumbent, plain decoding and each drafter at the longest length on the new workload.
+- no-shift: the same, the load never switches; reported: re-opened searches (should be 0) and
+  promotions. Exploration cost: output tokens/s with the tuner exploring vs the incumbent alone in
+  --exploration-pairs alternating pairs of --steady-seconds periods (see exploration_cost).
 Writes shift.json / shift.md to --out and prints the table.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import threading
 import time
@@ -26,12 +28,13 @@ import optuna
 
 from service.types import Drafter, DraftPolicy
 from tuner.assemble import TuneSettings, assemble
-from tuner.compare import compare
+from tuner.compare import compare_paired
 from tuner.continuous import ContinuousConfig, ContinuousTuner, Decision
 from tuner.measure import MeasureConfig, Measurer
 from tuner.progress import ProgressPrinter
 from tuner.pruning import PruneRule
 from tuner.rig import Rig, RigSpec, open_rig
+from tuner.sampler import InitialDesign
 from tuner.space import policy_key
 from tuner.study import open_storage
 from tuner.window import CostModel, Objective, WindowSpec
@@ -40,7 +43,9 @@ from tuner.window import CostModel, Objective, WindowSpec
 def run_shift(args, code: list[str], repeat: list[str], out: Path) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     result: dict[str, object] = {"settings": {k: str(v) for k, v in vars(args).items() if not k.startswith("_")}}
-    for label, shift in (("shift", True), ("no-shift", False)):
+    runs = [(label, shift) for label, shift in (("shift", True), ("no-shift", False))
+            if not (args.no_shift_only and shift) and not (args.shift_only and not shift)]
+    for label, shift in runs:
         spec = RigSpec(code, args.concurrency, args.max_new_tokens, args.temperature, args.seed, args.threads)
         with open_rig(spec) as rig:
             result[label] = one_run(args, rig, label, repeat if shift else None, out)
@@ -83,7 +88,7 @@ def one_run(args, rig: Rig, label: str, new_prompts: list[str] | None, out: Path
         print(f"bench {label}: decision {d.kind}: {d.policy} ({d.reason})", file=err, flush=True)
 
     base = TuneSettings(study_name=label, trials=args.trials, tuner_id=f"bench:{label}", seed=args.seed,
-                        window=window, remeasure_top=args.remeasure)
+                        window=window, remeasure_top=args.remeasure, initial_design=InitialDesign(args.initial_design))
     root = assemble(base, storage, rig.admin, rig.collector, ProgressPrinter(err))
 
     def make(name: str, trials: int):
@@ -107,6 +112,7 @@ def one_run(args, rig: Rig, label: str, new_prompts: list[str] | None, out: Path
         running.stop()
         r["exploration"] = exploration_cost(args, rig, running)
         running.stop()
+        r["incumbent_after"] = running.tuner.incumbent.key.label()
     else:
         time.sleep(args.steady_seconds)
         seen = len(decisions)
@@ -125,39 +131,62 @@ def one_run(args, rig: Rig, label: str, new_prompts: list[str] | None, out: Path
                                                       after.policy)
     r["decisions"] = [d.as_dict() for d in decisions]
     r["reopened"] = sum(d.kind == "reopen" for d in decisions)
+    r["promoted"] = sum(d.kind == "promote" for d in decisions)
     return r
 
 
 def exploration_cost(args, rig: Rig, running: _Running) -> dict[str, object]:
-    """Output tokens/s exploring vs the incumbent alone, alternating, two pairs."""
-    rates: dict[str, list[float]] = {"exploring": [], "alone": []}
-    for _ in range(2):
-        for mode in ("exploring", "alone"):
+    """Output tokens/s of the whole load with the tuner exploring vs the incumbent alone, in
+    --exploration-pairs pairs of --steady-seconds periods, the order alternating (E A, A E, ...) so a
+    linear drift cancels. An exploring period ends when the tuner has stopped (its round in flight
+    finished), so it holds whole rounds and their full cost. A pair whose exploring period changed
+    the incumbent is discarded: "alone" must run the same incumbent as "exploring" did."""
+    pairs: list[dict[str, object]] = []
+    for i in range(args.exploration_pairs):
+        order = ("exploring", "alone") if i % 2 == 0 else ("alone", "exploring")
+        rate: dict[str, float] = {}
+        changed = False
+        for mode in order:
+            before = running.tuner.incumbent.key if running.tuner.incumbent else None
+            tokens, t = rig.output_tokens(), time.monotonic()
             if mode == "exploring":
                 running.start()
-            tokens, t = rig.output_tokens(), time.monotonic()
-            time.sleep(args.steady_seconds)
-            rates[mode].append((rig.output_tokens() - tokens) / (time.monotonic() - t))
-            if mode == "exploring":
+                time.sleep(args.steady_seconds)
                 running.stop()
-    ratios = [e / a for e, a in zip(rates["exploring"], rates["alone"], strict=True) if a > 0]
-    return {"tokens_per_second": rates, "exploring_over_alone": ratios,
-            "cost_percent": [round((1 - x) * 100, 1) for x in ratios]}
+                changed = running.tuner.incumbent is None or running.tuner.incumbent.key != before
+            else:
+                time.sleep(args.steady_seconds)
+            rate[mode] = (rig.output_tokens() - tokens) / (time.monotonic() - t)
+        ratio = rate["exploring"] / rate["alone"] if rate["alone"] > 0 else None
+        pairs.append({"order": list(order), "tokens_per_second": rate, "exploring_over_alone": ratio,
+                      "incumbent_changed": changed, "used": ratio is not None and not changed})
+        print(f"bench exploration: pair {i + 1}/{args.exploration_pairs} {order[0]} first: exploring "
+              f"{rate['exploring']:.1f} tok/s, alone {rate['alone']:.1f} tok/s"
+              + (" (incumbent changed: discarded)" if changed else ""), file=sys.stderr, flush=True)
+    used = sorted(p["exploring_over_alone"] for p in pairs if p["used"])
+    summary: dict[str, object] = {"pairs": pairs, "used_pairs": len(used)}
+    if used:
+        costs = [(1 - x) * 100 for x in used]
+        summary.update({"cost_percent_median": round(statistics.median(costs), 1),
+                        "cost_percent_mean": round(statistics.fmean(costs), 1),
+                        "cost_percent_min": round(min(costs), 1), "cost_percent_max": round(max(costs), 1),
+                        "cost_percent_sd": round(statistics.stdev(costs), 1) if len(costs) > 1 else None})
+    return summary
 
 
 def side_by_side(args, rig: Rig, window: WindowSpec, before: DraftPolicy | None, after: DraftPolicy):
+    """The new incumbent against the old one, plain decoding and each drafter at the longest length,
+    every one paired with the new incumbent in one traffic split per round (ratios > 1: the new
+    incumbent is cheaper)."""
     k = rig.admin.model_info().max_draft_length
-    policies = {"after": after, "plain": DraftPolicy(draft_length=0), f"ngram k={k}": DraftPolicy(Drafter.NGRAM, k)}
+    policies = {"plain": DraftPolicy(draft_length=0), f"ngram k={k}": DraftPolicy(Drafter.NGRAM, k),
+                f"model k={k} T=0": DraftPolicy(Drafter.MODEL, k, 0.0)}
     if before is not None and policy_key(before) != policy_key(after):
         policies["before"] = before
     measurer = Measurer(rig.admin, rig.collector, MeasureConfig(window=window, prune=PruneRule(factor=0),
                                                                 objective=Objective.MEASURED, cost=CostModel(0)))
-    table = compare(measurer, policies, args.compare_rounds, "bench/shift")
-    best = min((c for c in table if c.stats.committed), key=lambda c: c.seconds_per_token)
-    return [{"name": c.name, "policy": policy_key(c.policy).label(),
-             "seconds_per_token": c.seconds_per_token if c.stats.committed else None,
-             "over_best": c.seconds_per_token / best.seconds_per_token if c.stats.committed else None}
-            for c in table]
+    rows = compare_paired(measurer, after, policies, args.compare_rounds, "bench/shift")
+    return [c.as_dict() for c in rows]
 
 
 def wait_for(condition, timeout: float) -> bool:
@@ -170,21 +199,40 @@ def wait_for(condition, timeout: float) -> bool:
 
 
 def markdown(result: dict) -> str:
-    s, n = result["shift"], result["no-shift"]
-    lines = ["| run | incumbent before | after | s to re-open | s to new incumbent | re-opened searches |",
-             "|---|---|---|---|---|---|",
-             f"| shift | {s['incumbent_before']} | {s.get('incumbent_after')} | {s.get('seconds_to_reopen')} | "
-             f"{s.get('seconds_to_new_incumbent')} | {s['reopened']} |",
-             f"| no shift | {n['incumbent_before']} | - | - | - | {n['reopened']} |", ""]
+    s, n = result.get("shift"), result.get("no-shift")
+    lines = ["| run | incumbent before | after | s to re-open | s to new incumbent | re-opened searches | promotions |",
+             "|---|---|---|---|---|---|---|"]
+    if s is not None:
+        lines.append(f"| shift | {s['incumbent_before']} | {s.get('incumbent_after')} | {s.get('seconds_to_reopen')} | "
+                     f"{s.get('seconds_to_new_incumbent')} | {s['reopened']} | {s['promoted']} |")
+    if n is not None:
+        lines.append(f"| no shift | {n['incumbent_before']} | {n.get('incumbent_after')} | - | - | {n['reopened']} "
+                     f"| {n['promoted']} |")
+    lines.append("")
+    n = n or {}
+    s = s or {}
     if s.get("side_by_side_new_workload"):
-        lines += ["New workload, side by side:", "", "| | policy | ms / token | / best |", "|---|---|---|---|"]
+        lines += ["New workload: each policy paired with the new incumbent (ratio > 1: the new incumbent is cheaper):",
+                  "", "| | policy | cost / new incumbent | 95% interval | per round |", "|---|---|---|---|---|"]
         for row in s["side_by_side_new_workload"]:
-            spt = f"{row['seconds_per_token'] * 1e3:.3f}" if row["seconds_per_token"] else "-"
-            over = f"{row['over_best']:.3f}" if row["over_best"] else "-"
-            lines.append(f"| {row['name']} | {row['policy']} | {spt} | {over} |")
+            ratio = f"{row['paired_ratio']:.3f}" if row["paired_ratio"] else "-"
+            low, high = row["paired_ratio_low"], row["paired_ratio_high"]
+            interval = f"{low:.3f}-{high:.3f}" if low is not None and high is not None else "-"
+            rounds = ", ".join(f"{x:.3f}" if x else "-" for x in row["per_round"])
+            lines.append(f"| {row['name']} | {row['policy']} | {ratio} | {interval} | {rounds} |")
         lines.append("")
     e = n.get("exploration")
     if e:
-        lines.append(f"Exploration cost (no-shift run, exploring vs incumbent alone, alternating pairs): "
-                     f"{', '.join(f'{x}%' for x in e['cost_percent'])} of output tokens/s")
+        lines += ["Exploration cost (no-shift run): output tokens/s with the tuner exploring vs the incumbent alone, "
+                  "alternating periods:", "", "| pair | order | exploring tok/s | alone tok/s | cost | used |",
+                  "|---|---|---|---|---|---|"]
+        for i, p in enumerate(e["pairs"]):
+            r = p["tokens_per_second"]
+            cost = f"{(1 - p['exploring_over_alone']) * 100:.1f}%" if p["exploring_over_alone"] else "-"
+            lines.append(f"| {i + 1} | {' then '.join(p['order'])} | {r['exploring']:.1f} | {r['alone']:.1f} "
+                         f"| {cost} | {'yes' if p['used'] else 'no (incumbent changed)'} |")
+        if e["used_pairs"]:
+            lines += ["", f"Cost over {e['used_pairs']} pairs: median {e['cost_percent_median']}%, mean "
+                      f"{e['cost_percent_mean']}%, range {e['cost_percent_min']}% to {e['cost_percent_max']}%"
+                      + (f", sd {e['cost_percent_sd']}%" if e.get("cost_percent_sd") is not None else "")]
     return "\n".join(lines) + "\n"

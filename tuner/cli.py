@@ -31,7 +31,7 @@ from tuner.continuous import ContinuousConfig, ContinuousTuner
 from tuner.measure import TrialMode
 from tuner.progress import ProgressPrinter, fmt_cost
 from tuner.pruning import PruneRule
-from tuner.sampler import SamplerKind, rationale
+from tuner.sampler import InitialDesign, SamplerKind, rationale
 from tuner.spans import request_sample
 from tuner.study import StorageError, StudyMismatch, open_storage
 from tuner.tuning import NoTraffic
@@ -70,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sampler", choices=[s.value for s in SamplerKind], default=SamplerKind.TPE.value,
                         help="tpe (default; see tuner/sampler.py for why), grid (exhaustive), random")
     parser.add_argument("--seed", type=int, default=None, help="sampler seed")
+    parser.add_argument("--initial-design", choices=[d.value for d in InitialDesign],
+                        default=InitialDesign.CORNERS.value,
+                        help="what a fresh TPE study measures first: corners = plain, each drafter at the longest "
+                             "and a short length, the model drafter at T=0 (default); baselines = plain, the "
+                             "default policy, n-gram k=3")
     parser.add_argument("--min-tokens", type=int, default=256, help="committed tokens a trial window needs")
     parser.add_argument("--min-steps", type=int, default=32, help="verify steps a trial window needs")
     parser.add_argument("--max-window-seconds", type=float, default=60.0,
@@ -167,6 +172,7 @@ def settings_from_args(args: argparse.Namespace) -> TuneSettings:
         switch_window_factor=args.switch_window_factor,
         ep_size=args.ep_size,
         whatif_recording=args.whatif_recording,
+        initial_design=InitialDesign(args.initial_design),
     )
 
 
@@ -283,7 +289,11 @@ def _continuous(args, settings, storage, admin, collector, printer, root, metric
         print(f"tuner: decision {d.kind}: incumbent {d.policy} ({fmt_cost(d.value, settings.objective.value)}, "
               f"{d.policy_id}, epoch {d.epoch}): {d.reason}", file=sys.stderr, flush=True)
 
-    return provider, ContinuousTuner(root.study, make, continuous_config(args), settings.trials, metrics, log)
+    def waiting(line: str) -> None:
+        print(f"tuner: {line}", file=sys.stderr, flush=True)
+
+    return provider, ContinuousTuner(root.study, make, continuous_config(args), settings.trials, metrics, log,
+                                     waiting)
 
 
 def _raise_interrupt(signum, frame) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from service.types import DraftPolicy
 from tuner.measure import Measurement, Measurer, Outcome
+from tuner.paired import PairedRatio
 from tuner.space import policy_key
 from tuner.window import WindowStats
 
@@ -70,4 +71,60 @@ def compare(
             entry.stats.merge(m.stats)
             entry.per_round.append(m.stats.seconds_per_token)
             on_measured(name, rnd, m.stats.seconds_per_token)
+    return [out[n] for n in names]
+
+
+@dataclass
+class PairedCompared:
+    """One policy against a reference, both arms of every round in one traffic split."""
+
+    name: str
+    policy: DraftPolicy
+    candidate: WindowStats  # all rounds merged
+    reference: WindowStats  # the reference arm of the same windows, merged
+    per_round: list[float]  # candidate / reference cost ratio of each round (inf when starved)
+    starved: int = 0
+
+    @property
+    def ratio(self) -> PairedRatio:
+        """Pooled over the rounds (exact sums per arm), with its 95% interval from per-request costs."""
+        return PairedRatio.of(self.candidate, self.reference)
+
+    def as_dict(self) -> dict[str, object]:
+        r = self.ratio
+        return {"name": self.name, "policy": policy_key(self.policy).label(), **r.as_attrs(),
+                "per_round": [x if x != float("inf") else None for x in self.per_round],
+                "starved_rounds": self.starved,
+                "seconds_per_token": self.candidate.seconds_per_token if self.candidate.committed else None,
+                "reference_seconds_per_token": self.reference.seconds_per_token if self.reference.committed else None}
+
+
+def compare_paired(
+    measurer: Measurer,
+    reference: DraftPolicy,
+    policies: dict[str, DraftPolicy],
+    rounds: int,
+    id_prefix: str,
+    share: float = 0.5,
+) -> list[PairedCompared]:
+    """Each policy beside `reference` in one traffic split (interleaved request by request), `rounds`
+    windows each, the order rotated every round. The figure per policy is its cost relative to the
+    reference in the same windows, so a machine whose speed changes between (or during) windows
+    moves both arms and leaves the ratio alone, unlike `compare`, whose absolute per-round figures
+    carry the drift. A policy equal to the reference is not measured against itself."""
+    names = [n for n in policies if policy_key(policies[n]) != policy_key(reference)]
+    out = {n: PairedCompared(n, policies[n], WindowStats(f"{id_prefix}/{n}"), WindowStats(f"{id_prefix}/{n}/ref"), [])
+           for n in names}
+    for rnd in range(rounds):
+        shift = rnd % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            cand = replace(policies[name], policy_id=f"{id_prefix}/{name}-r{rnd}")
+            ref = replace(reference, policy_id=f"{id_prefix}/{name}-r{rnd}/ref")
+            m = measurer.measure_paired(cand, ref, share, 1.0, prune=False)
+            entry = out[name]
+            if m.candidate.outcome is Outcome.STARVED:
+                entry.starved += 1
+            entry.candidate.merge(m.candidate.stats)
+            entry.reference.merge(m.control)
+            entry.per_round.append(m.ratio.ratio)
     return [out[n] for n in names]

@@ -3,6 +3,8 @@
 Contract:
 - Start: the epoch's search runs (or resumes) exactly like `moespec tune`; its winner becomes the
   incumbent unless a saved incumbent of the same epoch exists (a restart keeps what was decided).
+  Where `moespec tune` would stop (windows starved: no traffic; the server unreachable), continuous
+  mode logs it, backs off and resumes the search: it ends only when told to (SIGTERM / the event).
 - Then, forever, rounds: one challenger beside the incumbent at `exploration_share` of the traffic
   (a paired trial of role "challenge"), chosen in rotation: plain decoding (the shift probe), the
   runners-up, a fresh TPE proposal. A challenger whose whole confidence interval of cost relative to
@@ -35,10 +37,11 @@ from optuna.trial import TrialState
 
 from service.types import DraftPolicy
 from tuner import study as st
+from tuner.admin import ServerUnavailable
 from tuner.assemble import Assembled
 from tuner.metrics import TunerMetrics
 from tuner.space import SearchSpace, policy_key
-from tuner.tuning import Challenge
+from tuner.tuning import Challenge, NoTraffic
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,7 @@ class ContinuousTuner:
         initial_trials: int,
         metrics: TunerMetrics | None = None,
         on_decision: Callable[[Decision], None] = lambda d: None,
+        on_log: Callable[[str], None] = lambda line: None,
     ):
         self._root = root
         self._make = make
@@ -157,6 +161,8 @@ class ContinuousTuner:
         self._initial_trials = initial_trials
         self._metrics = metrics
         self._on_decision = on_decision
+        self._on_log = on_log  # waiting for traffic / the server (not decisions: nothing was decided)
+        self._stop = threading.Event()
         self.built: Assembled | None = None
         self.incumbent: st.PolicyScore | None = None
         self.epoch = int(root.user_attrs.get("continuous", {}).get("epoch", 0))
@@ -165,7 +171,9 @@ class ContinuousTuner:
     # -- the loop ----------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        self._open_epoch(self.epoch, resumed=True)
+        self._stop = stop
+        if not self._open_epoch(self.epoch, resumed=True):
+            return  # stopped while waiting for traffic
         rounds = 0
         idle = self._config.idle_seconds
         while not stop.is_set():
@@ -174,12 +182,35 @@ class ContinuousTuner:
             # The plain probe is never pruned: plain far worse than the incumbent is the normal case,
             # and its ratio is what the shift detector needs (its cost is bounded by the share).
             probe = challenger is not None and challenger.get("draft_length") == 0
-            result = self.built.tuner.challenge(challenger, self.incumbent, self._config.exploration_share,
-                                                prune=not probe)
+            try:
+                result = self.built.tuner.challenge(challenger, self.incumbent, self._config.exploration_share,
+                                                    prune=not probe)
+            except ServerUnavailable as e:
+                # A background job outlives server restarts: wait (backing off) and try again.
+                idle = min(self._config.max_idle_seconds, idle * 2)
+                self._on_log(f"server unreachable ({e}); next challenge in {idle:.0f} s")
+                stop.wait(idle)
+                continue
             decided = self._judge(result) if result is not None else False
             self.restore()
             idle = self._config.idle_seconds if decided else min(self._config.max_idle_seconds, idle * 2)
             stop.wait(max(idle, idle_floor(result, self._config.exploration_share)))
+
+    def _search(self) -> st.PolicyScore | None:
+        """The epoch's search, resumed until it finishes. Starved windows (no traffic yet, or spans not
+        arriving) and an unreachable server do not end continuous mode: it logs, backs off (doubling
+        from `idle_seconds` up to `max_idle_seconds`) and resumes the same study, whose starved
+        trials do not count towards its budget. None only when stopped meanwhile."""
+        wait = self._config.idle_seconds
+        while not self._stop.is_set():
+            try:
+                return self.built.tuner.run()
+            except (NoTraffic, ServerUnavailable) as e:
+                what = "no traffic" if isinstance(e, NoTraffic) else "server unreachable"
+                self._on_log(f"search of epoch {self.epoch} waiting: {what} ({e}); retrying in {wait:.0f} s")
+                self._stop.wait(wait)
+                wait = min(self._config.max_idle_seconds, wait * 2)
+        return None
 
     def restore(self) -> None:
         """Put the incumbent back as the only policy (after a challenge, an interruption, at start)."""
@@ -210,11 +241,14 @@ class ContinuousTuner:
 
     # -- decisions ---------------------------------------------------------------------------
 
-    def _open_epoch(self, epoch: int, resumed: bool) -> None:
+    def _open_epoch(self, epoch: int, resumed: bool) -> bool:
+        """Run (or resume) the epoch's search and set the incumbent; False when stopped meanwhile."""
         self.epoch = epoch
         name = epoch_study_name(self._root.study_name, epoch)
         self.built = self._make(name, self._initial_trials if epoch == 0 else self._config.reopen_trials)
-        winner = self.built.tuner.run()
+        winner = self._search()
+        if self._stop.is_set():
+            return False
         saved = self._root.user_attrs.get("continuous", {})
         kept = saved.get("incumbent") if resumed and saved.get("epoch") == epoch else None
         self.detector = ShiftDetector(self._config)
@@ -231,6 +265,7 @@ class ContinuousTuner:
         else:
             raise RuntimeError("the search finished without a single complete trial")
         self.restore()
+        return True
 
     def _reopen(self, reason: str) -> None:
         self._decide("reopen", reason)

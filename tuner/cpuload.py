@@ -3,7 +3,8 @@
 Contract: `BackgroundLoad(seed, workers=1)` as a context manager starts a thread that alternates
 on / off phases of seeded random lengths in [min_phase, max_phase] seconds. "On" runs `workers` child
 processes spinning a core each; "off" kills them. Bounded three ways: the children exit by themselves
-after `max_seconds` (so not even a killed bench can leave one behind for long), they are killed when
+at the end of their phase (at most `max_phase` + 1 s, and never past `max_seconds`: a killed bench
+leaves nothing behind for long), they are killed when
 the context exits, and they do nothing but spin (no files, no network). `log` records (t, on) for
 the report.
 """
@@ -56,11 +57,14 @@ class BackgroundLoad:
         on = self._rng.random() < 0.5
         while not self._stop.is_set():
             self.log.append((time.monotonic() - self._start, on))
+            phase = self._rng.uniform(*self._phase)
             if on:
-                left = self._max_seconds - (time.monotonic() - self._start)
+                # A child spins for its phase only (+1 s of slack), so a bench killed without running
+                # its exit handlers leaves a spinning core behind for at most one phase.
+                left = min(phase + 1.0, self._max_seconds - (time.monotonic() - self._start))
                 self._procs = [subprocess.Popen([sys.executable, "-c", _SPIN, str(max(0.0, left))])
                                for _ in range(self._workers)]
-            self._stop.wait(self._rng.uniform(*self._phase))
+            self._stop.wait(phase)
             self._kill()
             on = not on
 

@@ -42,7 +42,7 @@ from tuner.measure import MeasureConfig, Measurer
 from tuner.progress import ProgressPrinter
 from tuner.pruning import PruneRule
 from tuner.report import write_report
-from tuner.sampler import SamplerKind, rationale
+from tuner.sampler import InitialDesign, SamplerKind, rationale
 from tuner.server_proc import start_server, telemetry_env
 from tuner.space import policy_key
 from tuner.spans import request_sample
@@ -179,6 +179,7 @@ def run_session(args: argparse.Namespace, storage, prompts: list[str], err: Text
             seed=args.seed,
             window=WindowSpec(args.min_tokens, args.min_steps, args.max_window_seconds),
             remeasure_top=args.remeasure,
+            initial_design=InitialDesign.CORNERS,
         )
         admin = PolicyAdmin(client, server.address, retry_seconds=10)
         print(f"demo: sampler {rationale(settings.sampler)}", file=err, flush=True)

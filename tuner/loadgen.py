@@ -33,6 +33,7 @@ from service.types import GenerationRequest, SamplingParams
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "service" / "prompts" / "heldout.jsonl"
 # Answers that repeat the prompt (the workload-shift benchmark's second workload; service/prompts/README.md)
 REPEAT_PROMPTS = DEFAULT_PROMPTS.with_name("repeat.jsonl")
+TABLE_PROMPTS = DEFAULT_PROMPTS.with_name("tables.jsonl")  # the workload-shift benchmark's second set
 EXIT_UNREACHABLE = 3
 MAX_OPEN_LOOP_IN_FLIGHT = 64  # open-loop callers; beyond this, arrivals wait for a free caller
 

@@ -121,6 +121,24 @@ class SearchSpace:
                 out.append(DraftPolicy(drafter=Drafter.NGRAM, draft_length=length))
         return [p for p in out if p.drafter in self.drafters or p.draft_length == 0]
 
+    def corners(self) -> list[DraftPolicy]:
+        """A small deterministic initial design that spans the space before TPE models it: plain
+        decoding, then each drafter at the longest and at a short draft length, the model drafter at
+        temperature 0 (argmax drafts: the most agreement per position). Long first: on this model
+        pair the long argmax draft is the one a few random TPE startup points kept missing."""
+        out = [DraftPolicy(draft_length=0)]
+        if not self.tune_length or self.max_draft_length < 1:
+            return out
+        drafters = self.drafters if self.tune_drafter else self.drafters[:1]
+        temperature = 0.0 if self.tune_temperature else DEFAULT_TEMPERATURE
+        short = min(2, self.max_draft_length)
+        for length in dict.fromkeys((self.max_draft_length, short)):
+            for drafter in drafters:
+                out.append(DraftPolicy(drafter=drafter, draft_length=length,
+                                       draft_temperature=temperature if drafter is Drafter.MODEL else
+                                       DEFAULT_TEMPERATURE))
+        return out
+
     def grid(self, temperatures: tuple[float, ...]) -> Iterator[DraftPolicy]:
         """Every point of the discrete space (plain once, n-gram per length, model per length x T)."""
         yield DraftPolicy(draft_length=0)

@@ -10,7 +10,8 @@ Contract:
   `recover_interrupted` fails RUNNING trials left by a dead tuner: its own (same tuner id: it was
   this tuner, killed) at once, other tuners' only once their heartbeat is stale.
 - The incumbent is the policy with the lowest *mean* over its COMPLETE trials, so a re-measurement
-  pulls a lucky first measurement back towards the truth.
+  pulls a lucky first measurement back towards the truth. Paired modes pick the final winner by a
+  confirmation round of direct ratios against one control (`confirmed_winner`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ ROLE_SEARCH = "search"
 ROLE_REMEASURE = "remeasure"
 ROLE_CHALLENGE = "challenge"  # continuous mode: a challenger beside the incumbent at the exploration share
 FAIL_INTERRUPTED = "interrupted"
+FAIL_STARVED = "starved"  # prefix of a starved window's fail_reason
 
 
 class StorageError(Exception):
@@ -109,12 +111,15 @@ def role(trial: FrozenTrial) -> str:
 
 
 def search_trials_done(study: optuna.Study) -> int:
-    """Finished search trials that count towards --trials: measured ones. Interrupted trials are
-    redone; re-proposals of a measured policy reuse its result and spend no traffic, so they do not
+    """Finished search trials that count towards --trials: measured ones. Interrupted and starved
+    trials are redone (a starved window measured nothing; `max_consecutive_failures` of them in a
+    row stop the search instead, so no traffic cannot loop forever); re-proposals of a measured
+    policy reuse its result and spend no traffic, so they do not
     count either (the budget is traffic spent, not sampler calls)."""
     done = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
-        if (role(t) == ROLE_SEARCH and t.user_attrs.get("fail_reason") != FAIL_INTERRUPTED
+        reason = str(t.user_attrs.get("fail_reason", ""))
+        if (role(t) == ROLE_SEARCH and reason != FAIL_INTERRUPTED and not reason.startswith(FAIL_STARVED)
                 and "duplicate_of" not in t.user_attrs):
             done += 1
     return done
@@ -195,3 +200,29 @@ def winner(study: optuna.Study, space: SearchSpace, top: int) -> PolicyScore | N
     keys = {c.key for c in remeasure_candidates(study, space, top)}
     ranked = [s for s in scores(study, space) if s.key in keys]
     return ranked[0] if ranked else incumbent(study, space)
+
+
+def confirmed_winner(study: optuna.Study, space: SearchSpace, top: int) -> tuple[PolicyScore | None, dict | None]:
+    """Paired modes: the search's incumbent (best of the top `top` by search trials) unless a
+    confirmation trial (role remeasure, paired with that incumbent as control) measured a policy
+    cheaper than it: then the one with the lowest ratio. Returns it and {label: ratio} (the control
+    at 1.0); without any confirmation ratio, `winner`'s rule and None."""
+    candidates = remeasure_candidates(study, space, top)
+    if not candidates:
+        return winner(study, space, top), None
+    anchor = candidates[0]
+    ratios: dict[PolicyKey, list[float]] = {}
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        ratio = t.user_attrs.get("paired_ratio")
+        if (role(t) != ROLE_REMEASURE or ratio is None or not math.isfinite(ratio)
+                or t.user_attrs.get("control_policy") != anchor.key.label()):
+            continue
+        ratios.setdefault(policy_key(space.policy_from_params(t.params, "")), []).append(float(ratio))
+    if not ratios:
+        return winner(study, space, top), None
+    # Several confirmations of one policy (a restarted tuner): their geometric mean.
+    pooled = {key: math.exp(sum(map(math.log, rs)) / len(rs)) for key, rs in ratios.items()}
+    pooled[anchor.key] = 1.0
+    best_key = min(pooled, key=pooled.get)
+    best = next(s for s in scores(study, space) if s.key == best_key)
+    return best, {key.label(): round(r, 4) for key, r in sorted(pooled.items(), key=lambda kv: kv[1])}

@@ -6,7 +6,7 @@ Contract (what survives what):
   server on an abandoned trial policy. Finished trials are never touched.
 - Budget: `trials` counts finished, *measured* search trials in the study, so a restarted tuner
   continues to the same total instead of starting over. Interrupted trials do not count (they are
-  redone), nor do re-proposals of an already-measured policy (their result is reused, no traffic
+  redone), nor do starved ones, nor re-proposals of an already-measured policy (their result is reused, no traffic
   spent); `max_consecutive_duplicates` re-proposals in a row end the search as converged.
 - Comparison (`TrialMode`): the first trial runs alone and sets the scale; every later one is
   paired with the incumbent as control (same window, traffic split, `candidate_share` of the
@@ -24,9 +24,10 @@ Contract (what survives what):
   trial, unless that policy is already measured or queued. A missing or unreadable recording is
   logged (event WHATIF, attribute `whatif_error`) and the search goes on without the hint.
 - End: the best `remeasure_top` policies are measured once more (new trials, role "remeasure",
-  never pruned);
-  the winner is the lowest mean over all measurements of those, applied and stored as the study's
-  user attribute "winner".
+  never pruned). Sequential: the winner is the lowest mean over all measurements of those. Paired /
+  interleaved (the confirmation round): each is paired with one fixed control, the search's
+  incumbent, and the winner is the lowest of those direct ratios (the control scoring 1). The winner
+  is applied and stored as the study's user attribute "winner" (with the ratios, "confirmation").
 """
 
 from __future__ import annotations
@@ -169,22 +170,34 @@ class Tuner:
         return self._finish()
 
     def _remeasure(self) -> None:
+        """Sequential: the best `remeasure_top` policies measured once more. Paired / interleaved: the
+        confirmation round. The search's incumbent (best by search trials only, so the same after a
+        restart) is the one control; every other top policy is paired with it, and the winner is
+        picked by those direct ratios (`study.confirmed_winner`). Why one fixed control: during the
+        search each value is `ratio x its control's value`, a chain through every incumbent change,
+        and each link's noise is selected for (a lucky ratio makes the next incumbent), so the
+        chained values drift low; a direct comparison in the same windows has no chain."""
         attempts = st.remeasured(self._study, self._space)
-        for candidate in st.remeasure_candidates(self._study, self._space, self._config.remeasure_top):
+        candidates = st.remeasure_candidates(self._study, self._space, self._config.remeasure_top)
+        paired = self._config.mode is not TrialMode.SEQUENTIAL
+        anchor = candidates[0] if paired and candidates else None
+        for candidate in candidates:
             if attempts.get(candidate.key, 0):
                 continue  # already re-measured (possibly before a restart)
-            best = st.incumbent(self._study, self._space)
-            if self._config.mode is not TrialMode.SEQUENTIAL and best is not None and best.key == candidate.key:
+            if anchor is not None and anchor.key == candidate.key:
                 continue  # paired with itself it would measure a ratio of 1: the control needs no re-measure
             self._study.enqueue_trial(
                 self._space.params_of(candidate.policy),
                 user_attrs={"role": st.ROLE_REMEASURE, "remeasure_of": candidate.trials[0]},
             )
-            self._run_trial(st.ROLE_REMEASURE)
+            self._run_trial(st.ROLE_REMEASURE, control=anchor)
             self.apply_incumbent()
 
     def _finish(self) -> st.PolicyScore | None:
-        best = st.winner(self._study, self._space, self._config.remeasure_top)
+        if self._config.mode is TrialMode.SEQUENTIAL:
+            best, confirmation = st.winner(self._study, self._space, self._config.remeasure_top), None
+        else:
+            best, confirmation = st.confirmed_winner(self._study, self._space, self._config.remeasure_top)
         if best is None:
             return None
         self._admin.apply(best.policy)
@@ -197,6 +210,7 @@ class Tuner:
                 "mean": best.mean,
                 "values": list(best.values),
                 "trials": list(best.trials),
+                **({"confirmation": confirmation} if confirmation else {}),
             },
         )
         self._emit(TunerEvent(EventKind.WINNER, policy=best.policy, value=best.mean, best=best,
@@ -215,10 +229,11 @@ class Tuner:
 
     # -- one trial ---------------------------------------------------------------------------
 
-    def _run_trial(self, role: str) -> tuple[TrialState, int]:
+    def _run_trial(self, role: str, control: st.PolicyScore | None = None) -> tuple[TrialState, int]:
+        """`control`: the paired control arm (default: the incumbent)."""
         trial = self._study.ask()
         try:
-            return self._run_asked(trial, role), trial.number
+            return self._run_asked(trial, role, control), trial.number
         except ServerUnavailable as e:
             self._fail(trial, f"server unreachable: {e}")
             raise
@@ -230,14 +245,14 @@ class Tuner:
             self._fail(trial, st.FAIL_INTERRUPTED)
             raise
 
-    def _run_asked(self, trial: optuna.Trial, role: str) -> TrialState:
+    def _run_asked(self, trial: optuna.Trial, role: str, control: st.PolicyScore | None = None) -> TrialState:
         study, cfg = self._study, self._config
         role = str(trial.user_attrs.get("role", role))
         trial.set_user_attr("role", role)
         trial.set_user_attr("tuner_id", cfg.tuner_id)
         st.beat(trial, self._wall_clock)
         policy = self._space.suggest(trial, st.policy_id(study.study_name, trial.number))
-        best = st.incumbent(study, self._space)
+        best = control or st.incumbent(study, self._space)
         done = st.search_trials_done(study)
         if role == st.ROLE_SEARCH:
             previous = st.previous_result(study, self._space, policy_key(policy))
@@ -478,7 +493,7 @@ class Tuner:
             return TrialState.PRUNED
         self._fail(
             trial,
-            f"starved: {m.stats.committed} tokens / {m.stats.steps} steps / {m.stats.requests} requests in "
+            f"{st.FAIL_STARVED}: {m.stats.committed} tokens / {m.stats.steps} steps / {m.stats.requests} requests in "
             f"{m.seconds:.1f} s (need {window.min_tokens} tokens and {window.min_steps} steps; "
             f"{m.other_spans} spans of other policies arrived meanwhile)",
         )
