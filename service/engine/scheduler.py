@@ -8,11 +8,15 @@ Contract:
   `[last committed token, drafts...]` back to back (ragged), then per-sequence acceptance with the
   sequence's own sampling and generator (`accept`, `accept_greedy`, ... looked up in this module,
   imported from `service.engine.sampling`), commit, stop rules and streaming.
-- Sequences join and leave between steps. Chunked prefill: a newcomer's prompt (all but its last
-  token) rides in the passes of the following steps, at most `prefill_chunk` prompt tokens per pass
-  over all newcomers (first come, first served), so a long prompt never stalls the running
-  sequences for more than one bounded pass; with nobody decoding, one pass prefills every waiting
-  prompt whole. A
+- Sequences join and leave between steps. Chunked prefill: each scheduler iteration runs at most
+  one prefill pass of at most `prefill_chunk` prompt tokens over the newcomers (first come, first
+  served; a longer prompt continues in the next iterations), then the step of the running
+  sequences, so a long prompt never stalls them for more than one bounded pass per token; with
+  nobody decoding, one pass prefills every waiting prompt whole. A prompt's last chunk carries its
+  first verify window (one segment, contiguous positions), so it decodes from that pass on. (Prompt
+  chunks ride in a pass of their own rather than beside the decode windows: attention is one padded
+  call per pass, and a long chunk beside 16 one-token windows cost more than the two passes,
+  measured; see the README.) A
   sequence decodes from the step after its prefill completes. A sequence whose `should_stop()` is
   true (cancel, deadline) leaves before the step, with what it has; `should_stop` is polled once
   per step, as before batching.
@@ -157,11 +161,12 @@ class Scheduler:
                         joining.append(seq)
                 self._join(joining)
                 self._leave_stopped(skip=joining)
-                chunks = self._plan_prefill()
-                # A sequence whose prompt completes in this pass takes its first step in it too.
-                decoding = self._running + [c.seq for c in chunks if c.completes]
-                if decoding or chunks:
-                    self._run_guarded(self._step, decoding, chunks)
+                decoding, chunks = list(self._running), self._plan_prefill()
+                if chunks:  # a sequence whose prompt completes in this pass takes its first step in it too
+                    self._run_guarded(self._step, [c.seq for c in chunks if c.completes], chunks)
+                    decoding = [s for s in decoding if s in self._running]  # (a fault fails those in the pass)
+                if decoding:
+                    self._run_guarded(self._step, decoding, [])
         for seq in leaving:
             self._finish(seq, FinishReason.CANCELLED)
 
@@ -255,6 +260,7 @@ class Scheduler:
         batch = RaggedBatch.build([s.slot for s in seqs] + [c.seq.slot for c in partial], starts,
                                   [len(x) for x in segments])
         out = e.target.forward_ragged(torch.tensor([t for x in segments for t in x]), batch, e.target_cache)
+        pass_id = next(self._pass_ids)  # every pass, prefill-only ones included: gaps show in the records
         self._advance_prefill(chunks)
         if not seqs:
             return
@@ -268,8 +274,8 @@ class Scheduler:
         if len(seqs) == 1 and lengths[0] == 1 and not chunks:
             e.observe_plain_step(t2 - t1)
         own_unique, batch_unique = self._unions(routed, lengths)
-        pass_record = self._pass_record(lengths, batch_unique, sum(c.length for c in chunks), start_ns, t1 - t0,
-                                        t2 - t1)
+        pass_record = self._pass_record(pass_id, lengths, batch_unique, sum(c.length for c in chunks), start_ns,
+                                        t1 - t0, t2 - t1)
         step_unit = e.current_decode_step_seconds()
         for seq, (drafts, _, draft_s), window, ids, unique, (n_ok, flags, bonus) in zip(
                 seqs, proposals, windows, routed.split(lengths, dim=1), own_unique, verdicts, strict=True):
@@ -375,12 +381,12 @@ class Scheduler:
         return [(torch.cat(d), torch.cat(q)) for d, q in zip(drafts, qs, strict=True)]
 
     # ------------------------------------------------------------------ records
-    def _pass_record(self, lengths: list[int], unique: tuple[int, ...], prefill_tokens: int, start_ns: int,
-                     draft_s: float, verify_s: float) -> BatchPassRecord:
+    def _pass_record(self, pass_id: int, lengths: list[int], unique: tuple[int, ...], prefill_tokens: int,
+                     start_ns: int, draft_s: float, verify_s: float) -> BatchPassRecord:
         cfg = self.e.target.cfg
         E, m = cfg.num_experts, cfg.num_experts_per_tok
         N = sum(lengths)
-        return BatchPassRecord(pass_id=next(self._pass_ids), batch_size=len(lengths), positions=N,
+        return BatchPassRecord(pass_id=pass_id, batch_size=len(lengths), positions=N,
                                windows=tuple(lengths), unique_experts=unique, unique_experts_bound=min(E, N * m),
                                draft_seconds=draft_s, verify_seconds=verify_s, start_time_ns=start_ns,
                                prefill_tokens=prefill_tokens)
