@@ -6,7 +6,7 @@ Contract:
 - One scheduler step = draft for every running sequence (its own policy: n-gram lookups per
   sequence, the draft model in batched ragged passes), then ONE target pass over all their windows
   `[last committed token, drafts...]` back to back (ragged), then per-sequence acceptance with the
-  sequence's own sampling and generator (`accept`, `accept_greedy`, ... looked up in this module,
+  sequence's own sampling and generator (`accept`, `accept_greedy_ids`, ... looked up in this module,
   imported from `service.engine.sampling`), commit, stop rules and streaming.
 - Sequences join and leave between steps. Chunked prefill: each scheduler iteration runs at most
   one prefill pass of at most `prefill_chunk` prompt tokens over the newcomers (first come, first
@@ -16,10 +16,9 @@ Contract:
   first verify window (one segment, contiguous positions), so it decodes from that pass on. (Prompt
   chunks ride in a pass of their own rather than beside the decode windows: attention is one padded
   call per pass, and a long chunk beside 16 one-token windows cost more than the two passes,
-  measured; see the README.) A
-  sequence decodes from the step after its prefill completes. A sequence whose `should_stop()` is
-  true (cancel, deadline) leaves before the step, with what it has; `should_stop` is polled once
-  per step, as before batching.
+  measured; see the README.) A sequence whose `should_stop()` is true (cancel, deadline) leaves
+  before the next pass, with what it has; `should_stop` is polled once per scheduler iteration the
+  sequence is in (prefill passes included: a cancelled request stops prefilling too).
 - Per-step work that does not need a request's own generator runs once per pass: one argmax over
   every row for the greedy requests, the per-request and batch unions in one scatter; sampled
   requests keep their own `target_probs` / `accept` calls (their random streams must not interleave).
