@@ -117,7 +117,7 @@ class BatchPassRecord:
     draft_seconds: float  # the pass's draft phase (n-gram lookups, batched draft-model passes)
     verify_seconds: float  # the target pass plus every request's acceptance
     start_time_ns: int  # wall clock (time.time_ns()) when the draft phase began
-    prefill_tokens: int = 0  # newcomers' prompt tokens that rode in the pass (chunked prefill; not in the union)
+    prefill_tokens: int = 0  # prompt tokens of the prefill pass run just before this one: what its requests waited for
 
     @property
     def end_time_ns(self) -> int:

@@ -2,8 +2,8 @@
 
 - A newcomer's prompt is prefilled in passes of at most `prefill_chunk` prompt tokens, one between
   two steps of the running requests: while a long prompt arrives a running request waits at most one
-  bounded pass per token (counted in passes and tokens, not wall time), and the prompt's last chunk
-  carries its first verify window.
+  bounded pass per token (counted in passes and tokens, not wall time), and the newcomer's first
+  step shares the running requests' pass.
 - Outputs do not depend on how the prompt was chunked: greedy identical (or the first difference at
   a near-tie, the rule of tests/test_batching.py), seeded sampled identical, and sampled first
   tokens from chunked prompts follow the target's distribution.
@@ -71,24 +71,23 @@ def test_a_running_request_waits_at_most_one_bounded_prefill_pass_per_token(engi
     prompt_len = len(engine.tokenizer.encode(prompt).ids)
     first, (late,) = while_running(engine, running, [(newcomer, DraftPolicy())])
     assert first.completion_tokens == 60
-    # Every pass gets an id, prefill-only ones included: the passes between two of its steps.
-    ids = [s.batch.pass_id for s in first.steps[1:]]  # (its own first pass carried its own prompt)
-    between = [b - a - 1 for a, b in zip(ids, ids[1:], strict=False)]
-    assert max(between) == 1, between  # never more than one prefill pass between two of its tokens
-    # ... and the newcomer's prompt (all but its last token) took ceil((n - 1) / CHUNK) of them: no
-    # prefill pass carried more than CHUNK tokens.
-    assert sum(between) == -(-(prompt_len - 1) // CHUNK), between
-    assert all(s.batch.prefill_tokens == 0 for s in first.steps[1:])
-    # The newcomer's first step rode in the pass of its last chunk.
-    assert 0 < late.steps[0].batch.prefill_tokens <= CHUNK and late.steps[0].batch.batch_size == 1
+    waits = [s.batch.prefill_tokens for s in first.steps[1:]]  # (its own first step followed its own prompt)
+    # The newcomer's prompt (all but its last token) was prefilled between the running request's
+    # tokens, never more than CHUNK tokens before one of them: ceil((n - 1) / CHUNK) prefill passes.
+    assert sum(waits) == prompt_len - 1 and max(waits) <= CHUNK, waits
+    assert sum(1 for n in waits if n) == -(-(prompt_len - 1) // CHUNK)
+    # Every pass is numbered: one prefill pass at most between two of its steps.
+    ids = [s.batch.pass_id for s in first.steps[1:]]
+    assert max(b - a for a, b in zip(ids, ids[1:], strict=False)) == 2
+    # The newcomer's first step shared the running request's pass.
+    assert late.steps[0].batch.batch_size == 2 and late.steps[0].batch.pass_id in ids
 
 
-def test_a_prompt_arriving_alone_is_prefilled_whole_with_its_first_step(engine):
-    """Nobody decodes, so nobody can stall: one pass carries the whole prompt and the first window."""
+def test_a_prompt_arriving_alone_is_prefilled_whole(engine):
+    """Nobody decodes, so nobody can stall: one pass carries the whole prompt, then its first step."""
     prompt = long_prompt(engine, 100)
     result = engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=3, sampling=GREEDY), DraftPolicy())
-    assert result.steps[0].batch.prefill_tokens == result.prompt_tokens - 1
-    assert [s.batch.prefill_tokens for s in result.steps[1:]] == [0, 0]
+    assert [s.batch.prefill_tokens for s in result.steps] == [result.prompt_tokens - 1, 0, 0]
 
 
 # --------------------------------------------------------------------------- outputs unchanged
@@ -106,8 +105,9 @@ def test_chunked_prompts_give_the_outputs_of_whole_prompts(engine):
     alone = [engine.generate(*job) for job in greedy + sampled]  # nobody decoding: each prompt whole
     assert all(r.steps[0].batch.prefill_tokens == r.prompt_tokens - 1 for r in alone)
     running = GenerationRequest(prompt="import os\n", max_new_tokens=80, sampling=GREEDY)
-    _, chunked = while_running(engine, running, greedy + sampled)
-    assert all(max(s.batch.prefill_tokens for s in r.steps) <= CHUNK for r in chunked)
+    first, chunked = while_running(engine, running, greedy + sampled)
+    waits = [s.batch.prefill_tokens for s in first.steps[1:]]
+    assert sum(waits) == sum(r.prompt_tokens - 1 for r in chunked) and max(waits) <= CHUNK, waits
     assert all(r.steps[0].batch.prefill_tokens < r.prompt_tokens - 1 for r in chunked), "a prompt went in whole"
     for (request, _), a, b in zip(greedy, alone[:3], chunked[:3], strict=True):
         reference = reference_greedy(engine, request.prompt, 16)

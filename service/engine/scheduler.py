@@ -11,22 +11,21 @@ Contract:
 - Sequences join and leave between steps. Chunked prefill: each scheduler iteration runs at most
   one prefill pass of at most `prefill_chunk` prompt tokens over the newcomers (first come, first
   served; a longer prompt continues in the next iterations), then the step of the running
-  sequences, so a long prompt never stalls them for more than one bounded pass per token; with
-  nobody decoding, one pass prefills every waiting prompt whole. A prompt's last chunk carries its
-  first verify window (one segment, contiguous positions), so it decodes from that pass on. (Prompt
-  chunks ride in a pass of their own rather than beside the decode windows: attention is one padded
-  call per pass, and a long chunk beside 16 one-token windows cost more than the two passes,
-  measured; see the README.) A sequence whose `should_stop()` is true (cancel, deadline) leaves
-  before the next pass, with what it has; `should_stop` is polled once per scheduler iteration the
-  sequence is in (prefill passes included: a cancelled request stops prefilling too).
+  sequences, newcomers whose prompt is now all in included; so a long prompt never stalls them for
+  more than one bounded pass per token. With nobody decoding, one pass prefills every waiting prompt
+  whole. (Prompt chunks run in a pass of their own rather than beside the decode windows: attention
+  is one padded call per pass, and a long chunk beside 16 one-token windows cost more than the two
+  passes, measured; see the README.) A sequence whose `should_stop()` is true (cancel, deadline)
+  leaves before the next pass, with what it has; `should_stop` is polled once per scheduler
+  iteration the sequence is in (prefill included: a cancelled request stops prefilling too).
 - Per-step work that does not need a request's own generator runs once per pass: one argmax over
   every row for the greedy requests, the per-request and batch unions in one scatter; sampled
   requests keep their own `target_probs` / `accept` calls (their random streams must not interleave).
 - Every step yields one StepRecord per sequence (its own window's union) and one BatchPassRecord
-  for the pass (the union over every position of every verify window; prompt tokens that rode in
-  the pass are counted in `prefill_tokens`, not in the union), attached to those StepRecords.
-  Draft and verify seconds of a step are the pass's (prefill chunks included): what the request
-  waited for.
+  for the pass (the union over every position of every window; `prefill_tokens`: the prompt tokens
+  of the prefill pass that ran just before it, what its requests waited for), attached to those
+  StepRecords. Draft and verify seconds of a step are the pass's. Every pass takes a pass id,
+  prefill passes too.
 - A fault while running a pass fails the sequences in it (their callers get the exception); the
   scheduler keeps serving the others and newcomers.
 
@@ -86,7 +85,7 @@ class PrefillChunk:
     seq: Sequence
     start: int
     length: int
-    completes: bool  # the prompt's last chunk: its first verify window rides in the same pass
+    completes: bool  # the prompt's last chunk
 
     def tokens(self) -> list[int]:
         return self.seq.ids[self.start:self.start + self.length]
@@ -160,19 +159,18 @@ class Scheduler:
                         joining.append(seq)
                 self._join(joining)
                 self._leave_stopped(skip=joining)
-                decoding, chunks = list(self._running), self._plan_prefill()
-                if chunks:  # a sequence whose prompt completes in this pass takes its first step in it too
-                    self._run_guarded(self._step, [c.seq for c in chunks if c.completes], chunks)
-                    decoding = [s for s in decoding if s in self._running]  # (a fault fails those in the pass)
-                if decoding:
-                    self._run_guarded(self._step, decoding, [])
+                chunks, prefilled = self._plan_prefill(), 0
+                if chunks:
+                    self._run_guarded(self._prefill, [c.seq for c in chunks], chunks)
+                    prefilled = sum(c.length for c in chunks)
+                if self._running:  # (a newcomer whose prompt is now all in takes its first step here)
+                    self._run_guarded(self._step, list(self._running), prefilled)
         for seq in leaving:
             self._finish(seq, FinishReason.CANCELLED)
 
-    def _run_guarded(self, work, decoding: list[Sequence], chunks: list[PrefillChunk]) -> None:
-        seqs = decoding + [c.seq for c in chunks]
+    def _run_guarded(self, work, seqs: list[Sequence], *args) -> None:
         try:
-            work(decoding, chunks)
+            work(seqs, *args)
         except Exception as error:  # a fault in a pass: its sequences fail, the others keep running
             logger.exception("engine pass failed for %d request(s)", len(seqs))
             for seq in seqs:
@@ -239,42 +237,36 @@ class Scheduler:
             seq.slot = -1
 
     # ------------------------------------------------------------------ one step
-    def _step(self, seqs: list[Sequence], chunks: list[PrefillChunk]) -> None:
-        """One target pass over the verify windows of `seqs` (decoding) and the prompt `chunks`.
+    def _prefill(self, seqs: list[Sequence], chunks: list[PrefillChunk]) -> None:
+        """One target pass over prompt chunks (no verify windows): their keys/values go to the cache."""
+        tokens = torch.tensor([t for c in chunks for t in c.tokens()])
+        batch = RaggedBatch.build([c.seq.slot for c in chunks], [c.start for c in chunks], [c.length for c in chunks])
+        self.e.target.forward_ragged(tokens, batch, self.e.target_cache)
+        next(self._pass_ids)  # prefill passes are numbered too: a gap in a request's pass ids is a pass it waited
+        for chunk in chunks:
+            chunk.seq.prefilled += chunk.length
+            if chunk.completes:  # decodes from this iteration's step on
+                self._prefilling.remove(chunk.seq)
+                self._running.append(chunk.seq)
 
-        A sequence whose prompt completes here has its last chunk and its first window in one
-        segment (contiguous positions of its slot); a chunk that leaves some prompt for later passes
-        is a segment of its own, after the windows.
-        """
+    def _step(self, seqs: list[Sequence], prefilled: int) -> None:
+        """One target pass over the verify windows of `seqs`; `prefilled` prompt tokens ran just before."""
         e = self.e
         start_ns, t0 = time.time_ns(), time.perf_counter()
         proposals = self._draft(seqs)  # per sequence: (drafts, q [k', V] or None, draft seconds)
         t1 = time.perf_counter()
         windows = [[s.ids[-1], *drafts] for s, (drafts, _, _) in zip(seqs, proposals, strict=True)]  # [w_b]
         lengths = [len(w) for w in windows]
-        heads = {c.seq: c.tokens() for c in chunks if c.completes}  # prompt tokens before the first window
-        partial = [c for c in chunks if not c.completes]
-        segments = [heads.get(s, []) + w for s, w in zip(seqs, windows, strict=True)] + [c.tokens() for c in partial]
-        starts = [len(s.ids) - 1 - len(heads.get(s, ())) for s in seqs] + [c.start for c in partial]
-        batch = RaggedBatch.build([s.slot for s in seqs] + [c.seq.slot for c in partial], starts,
-                                  [len(x) for x in segments])
-        out = e.target.forward_ragged(torch.tensor([t for x in segments for t in x]), batch, e.target_cache)
-        pass_id = next(self._pass_ids)  # every pass, prefill-only ones included: gaps show in the records
-        self._advance_prefill(chunks)
-        if not seqs:
-            return
-        logits, routed = out.logits, out.routed_ids  # [N, V], [L, N, m]
-        if chunks:  # keep the verify windows' rows, each segment's last w_b: prompt rows are not verified
-            ends = itertools.accumulate(len(x) for x in segments[:len(seqs)])
-            rows = torch.tensor([r for end, w in zip(ends, lengths, strict=True) for r in range(end - w, end)])
-            logits, routed = logits[rows], routed[:, rows]  # [n, V], [L, n, m]
+        batch = RaggedBatch.build([s.slot for s in seqs], [len(s.ids) - 1 for s in seqs], lengths)
+        out = e.target.forward_ragged(torch.tensor([t for w in windows for t in w]), batch, e.target_cache)
+        pass_id = next(self._pass_ids)
+        logits, routed = out.logits, out.routed_ids  # [n, V], [L, n, m]
         verdicts = self._accept(seqs, proposals, logits, lengths)
         t2 = time.perf_counter()
-        if len(seqs) == 1 and lengths[0] == 1 and not chunks:
+        if len(seqs) == 1 and lengths[0] == 1:
             e.observe_plain_step(t2 - t1)
         own_unique, batch_unique = self._unions(routed, lengths)
-        pass_record = self._pass_record(pass_id, lengths, batch_unique, sum(c.length for c in chunks), start_ns,
-                                        t1 - t0, t2 - t1)
+        pass_record = self._pass_record(pass_id, lengths, batch_unique, prefilled, start_ns, t1 - t0, t2 - t1)
         step_unit = e.current_decode_step_seconds()
         for seq, (drafts, _, draft_s), window, ids, unique, (n_ok, flags, bonus) in zip(
                 seqs, proposals, windows, routed.split(lengths, dim=1), own_unique, verdicts, strict=True):
@@ -291,14 +283,6 @@ class Scheduler:
                 continue
             if finish is not None:
                 self._finish(seq, finish)
-
-    def _advance_prefill(self, chunks: list[PrefillChunk]) -> None:
-        """The chunks' keys/values are in the cache; a sequence whose prompt is all in decodes from now on."""
-        for chunk in chunks:
-            chunk.seq.prefilled += chunk.length
-            if chunk.completes:
-                self._prefilling.remove(chunk.seq)
-                self._running.append(chunk.seq)
 
     def _accept(self, seqs: list[Sequence], proposals: list, logits: torch.Tensor,
                 lengths: list[int]) -> list[tuple[int, tuple[bool, ...], int]]:
