@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "cores, measured at start-up, and printed")
     parser.add_argument("--max-batch", type=int, default=32,
                         help="torch backend: requests verified together in one pass (KV-cache slots)")
-    parser.add_argument("--prefill-chunk", type=int, default=256,
+    parser.add_argument("--prefill-chunk", type=int, default=2048,
                         help="torch backend: newcomers' prompt tokens per pass while others decode (chunked "
                              "prefill: bounds how long a long prompt stalls the running requests)")
     parser.add_argument("--drafter", choices=[d.value for d in Drafter], default=Drafter.MODEL.value,

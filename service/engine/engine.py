@@ -68,7 +68,7 @@ class EngineConfig:
     max_batch: int = 32  # requests verified together in one pass (KV-cache slots); more wait
     # Newcomers' prompt tokens per pass, joined to the running requests' verify windows (chunked
     # prefill): bounds how long a long prompt can stall them. See the README's chunked prefill figures.
-    prefill_chunk: int = 256
+    prefill_chunk: int = 2048
 
 
 class Engine:
