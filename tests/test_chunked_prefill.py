@@ -199,3 +199,15 @@ def test_greedy_acceptance_on_ids_equals_the_tensor_rule():
         draft = torch.randint(0, 4, (k,), generator=gen)
         n, ok, nxt = accept_greedy(draft, target)
         assert accept_greedy_ids(draft.tolist(), target.tolist()) == (n, tuple(ok.tolist()), int(nxt))
+
+
+def test_the_unions_of_every_window_in_one_scatter_equal_one_count_per_window():
+    from service.engine.scheduler import unique_experts_per_layer, unique_experts_per_window
+
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        lengths = torch.randint(1, 6, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
+        routed = torch.randint(0, 16, (3, sum(lengths), 4), generator=gen)  # [L, N, m], 16 experts: overlaps
+        own, whole = unique_experts_per_window(routed, lengths, 16)
+        assert own == [unique_experts_per_layer(w, 16) for w in routed.split(lengths, dim=1)]
+        assert whole == unique_experts_per_layer(routed, 16)

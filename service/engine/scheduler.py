@@ -310,6 +310,9 @@ class Scheduler:
         if not self.e.config.capture_routing:
             zeros = (0,) * routed.shape[0]
             return [zeros] * len(lengths), zeros
+        if len(lengths) == 1:  # a request alone: its window is the pass (one scatter, fewer ops)
+            unique = unique_experts_per_layer(routed, self.e.target.cfg.num_experts)
+            return [unique], unique
         return unique_experts_per_window(routed, lengths, self.e.target.cfg.num_experts)
 
     # ------------------------------------------------------------------ drafting
