@@ -117,6 +117,7 @@ class BatchPassRecord:
     draft_seconds: float  # the pass's draft phase (n-gram lookups, batched draft-model passes)
     verify_seconds: float  # the target pass plus every request's acceptance
     start_time_ns: int  # wall clock (time.time_ns()) when the draft phase began
+    prefill_tokens: int = 0  # prompt tokens of the prefill pass run just before this one: what its requests waited for
     # The expert-parallel view of the whole pass (only with an EP size; service/expert_parallel.py).
     ep_ranks_touched: tuple[int, ...] | None = None  # [L] ranks running at least one of the pass's pairs
     ep_max_rank_experts: tuple[int, ...] | None = None  # [L] most distinct experts on one rank

@@ -223,17 +223,19 @@ def test_requests_join_and_leave_a_running_batch_without_changing_its_output(eng
         if len(committed) >= 4:
             running.set()
 
-    polls = []
+    # should_stop is polled once per scheduler iteration the request is in (its prefill passes too),
+    # so the steps are counted from what it streamed (one delta per step).
+    steps = []
 
     def stop_after_three_steps():
-        polls.append(1)
-        return len(polls) > 3
+        return len(steps) >= 3
 
     with ThreadPoolExecutor(3) as pool:
         first = pool.submit(engine.generate, long_req, policy, on_delta=on_long_delta)
         assert running.wait(30)
         late = pool.submit(engine.generate, short_req, policy)
-        leaving = pool.submit(engine.generate, cancelled_req, policy, should_stop=stop_after_three_steps)
+        leaving = pool.submit(engine.generate, cancelled_req, policy, should_stop=stop_after_three_steps,
+                              on_delta=steps.append)
         results = first.result(), late.result(), leaving.result()
     long_out, short_out, cancelled = results
     assert_same_or_near_tie(engine, long_req.prompt, alone[long_req], long_out.token_ids)

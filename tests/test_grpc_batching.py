@@ -54,8 +54,9 @@ def test_the_server_runs_as_many_requests_as_batch_slots_then_refuses():
         assert server.server.runner._capacity == 2  # workers default to the engine's batch slots
         with MoespecClient(server.address) as c:
             streams = [c.stream(r) for r in long]
-            for s in streams:
-                next(s)  # both running at once
+            for s in streams:  # both running at once: two steps each (a newcomer's first step rides
+                next(s)        # in its own prefill pass; from its second on it shares the others' pass)
+                next(s)
             with pytest.raises(grpc.RpcError) as e:
                 c.generate(GenerationRequest(prompt="x", max_new_tokens=2))
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

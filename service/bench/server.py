@@ -15,7 +15,8 @@ speculation under continuous batching.
    min..max over rounds; the ratio to concurrency 1 per round) and client-observed latency p50 / p99
    (pooled over rounds). The engine batches concurrent requests into one verify pass.
 3. Policies under batching (`service.bench.batching`, in-process on an Engine with the server's
-   default configuration, skipped with `--grid-rounds 0`): ms per committed token and the batch union
+   default configuration, its measured thread count included, skipped with `--grid-rounds 0`): ms per
+   committed token and the batch union
    of experts per layer for plain, n-gram k=2/4/8 and model k=1..4 (T=0) at concurrency 1/4/16.
 The server runs as its own process (as deployed), so client and server never share a GIL. With
 `--out DIR` the figures go to DIR/server-bench.json, .md (the tables) and .png (the plots).
@@ -86,11 +87,14 @@ def bench_server(
     grid_concurrency: tuple[int, ...] = (1, 4, 16),
 ) -> tuple[Overhead, list[Load], list[Cell]]:
     """The same policy on both paths: plain decoding by default."""
+    from service.cli.serve import default_threads  # the server's own thread default, measured the same way
     from service.engine import Engine, EngineConfig  # torch only when benchmarking
 
     policy = policy or DraftPolicy(policy_id="bench")
     workload = load_workload(requests, max_new_tokens)
-    engine = Engine(EngineConfig(threads=threads))
+    # The in-process side runs what the server runs: without --threads, the thread count the server picks
+    # (torch's own default, all cores, is another configuration and was up to 2x off on a loaded machine).
+    engine = Engine(EngineConfig(threads=threads or default_threads()))
     server_args = ["--port", "0", "--max-queue", str(max(concurrency) * 2), "--drafter", policy.drafter.value,
                    "--draft-length", str(policy.draft_length), "--draft-temperature", str(policy.draft_temperature)]
     if threads:

@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "cores, measured at start-up, and printed")
     parser.add_argument("--max-batch", type=int, default=32,
                         help="torch backend: requests verified together in one pass (KV-cache slots)")
+    parser.add_argument("--prefill-chunk", type=int, default=2048,
+                        help="torch backend: newcomers' prompt tokens per pass while others decode (chunked "
+                             "prefill: bounds how long a long prompt stalls the running requests)")
     parser.add_argument("--drafter", choices=[d.value for d in Drafter], default=Drafter.MODEL.value,
                         help="initial draft policy: drafter")
     parser.add_argument("--draft-length", type=int, default=0,
@@ -97,6 +100,8 @@ def server_config(args: argparse.Namespace, env_token: str | None) -> ServerConf
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_batch < 1:
         raise UsageError("--max-batch must be >= 1")
+    if args.prefill_chunk < 1:
+        raise UsageError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     if (args.workers is not None and args.workers < 1) or args.max_queue < 0:
         raise UsageError("--workers must be >= 1 and --max-queue >= 0")
     if args.threads is not None and args.threads < 1:
@@ -138,7 +143,7 @@ def create_backend(args: argparse.Namespace) -> Backend:
         raise UsageError(f"--record-steps: no folder {args.record_steps.resolve().parent}")
     try:
         return Engine(EngineConfig(threads=args.threads or default_threads(), ep=ep, record_steps=args.record_steps,
-                                   max_batch=args.max_batch))
+                                   max_batch=args.max_batch, prefill_chunk=args.prefill_chunk))
     except expert_parallel.PlacementError as e:  # a placement that does not fit the model
         raise UsageError(f"--ep-placement: {e}") from None
 

@@ -11,7 +11,8 @@ Contract:
   (rejected drafts included), and draft / verify wall time.
 - Continuous batching: `generate` blocks its caller while one scheduler thread (`scheduler.py`)
   runs every request in flight, up to `max_batch` at once, each verify step one target pass over the
-  windows of all of them; a request's tokens for a fixed seed do not depend on what else runs.
+  windows of all of them, with newcomers' prompts chunked into those passes (`prefill_chunk` prompt
+  tokens per pass); a request's tokens for a fixed seed do not depend on what else runs.
   `should_stop` is polled once per step; `on_delta` receives text as it becomes final (never text a
   stop string later removes), called from the scheduler thread.
 """
@@ -66,6 +67,9 @@ class EngineConfig:
     ep: expert_parallel.EPSpec | None = None  # estimate each pass's expert-parallel cost for this EP size
     record_steps: Path | None = None  # append every request's steps (top-k ids included) to this file
     max_batch: int = 32  # requests verified together in one pass (KV-cache slots); more wait
+    # Newcomers' prompt tokens per pass, joined to the running requests' verify windows (chunked
+    # prefill): bounds how long a long prompt can stall them. See the README's chunked prefill figures.
+    prefill_chunk: int = 2048
 
 
 class Engine:
@@ -104,7 +108,7 @@ class Engine:
         self.ep_token_bytes = cfg.hidden_size * (config.ep.dtype_bytes if config.ep else 0)
         self.recorder = StepRecorder(config.record_steps, self.info, cfg.hidden_size) if config.record_steps else None
         self.max_batch = config.max_batch  # the Backend protocol's batch slots: the server runs this many callers
-        self._scheduler = Scheduler(self, config.max_batch)  # owns the models from here on
+        self._scheduler = Scheduler(self, config.max_batch, config.prefill_chunk)  # owns the models from here on
         # Stop the scheduler thread when the engine is collected or the interpreter exits, if nobody
         # called close() (a thread still parked in torch at exit aborts the process).
         self._finalizer = weakref.finalize(self, self._scheduler.close)

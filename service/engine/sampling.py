@@ -63,6 +63,14 @@ def accept_greedy(draft: torch.Tensor, target: torch.Tensor) -> tuple[int, torch
     return n, ok, target[n:n + 1]
 
 
+def accept_greedy_ids(draft: list[int], target: list[int]) -> tuple[int, tuple[bool, ...], int]:
+    """`accept_greedy` on plain ids, for the batched step (one argmax over the whole pass, then this
+    per request without tensor ops): draft [k], target [k+1] argmaxes -> (n accepted, flags [k], next token)."""
+    ok = tuple(d == t for d, t in zip(draft, target, strict=False))
+    n = next((i for i, match in enumerate(ok) if not match), len(ok))
+    return n, ok, target[n]
+
+
 def accept(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
            generator: torch.Generator) -> tuple[int, torch.Tensor, torch.Tensor]:
     """Verify k drafts against the target.

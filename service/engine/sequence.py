@@ -1,9 +1,11 @@
 """One request in flight: its tokens, random stream, step records, stop rules and streaming.
 
 The scheduler owns every `Sequence` and calls it from its own thread only; the caller that
-submitted it waits on `done`. Nothing here runs the model: the scheduler hands each sequence the
-tokens a step committed (`commit`) and the sequence applies EOS, stop strings and the budget,
-streams what is final and, once finished, builds the result.
+submitted it waits on `done`. Nothing here runs the model: the scheduler prefills the prompt in
+chunks (`prefilled` counts what the target cache holds), then hands each sequence the tokens a step
+committed (`commit`) and the sequence applies EOS, stop strings and the budget, streams what is
+final and, once finished, builds the result. Token ids are kept as a Python list: the scheduler
+reads a few of them per step, and a tensor grown by `torch.cat` every step cost more than the reads.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ class Sequence:
                  should_stop: Callable[[], bool] | None, on_delta: Callable[[StreamDelta], None] | None):
         self.request, self.policy = request, policy
         self.prompt_len = len(prompt)
-        self.tokens = torch.tensor(prompt, dtype=torch.long)  # [n] prompt + committed tokens
+        self.ids: list[int] = list(prompt)  # prompt + committed tokens
+        self.prefilled = 0  # prompt tokens whose keys/values the target cache holds (up to prompt_len - 1)
         self.budget = budget  # new tokens allowed: max_new_tokens, cut to what the context holds
         self.should_stop = should_stop or (lambda: False)
         self.on_delta = on_delta
@@ -43,7 +46,7 @@ class Sequence:
         else:
             self.gen.manual_seed(seed)
         self.slot = -1  # cache slot, assigned when the scheduler admits it
-        self.draft_valid = 0  # tokens of self.tokens whose keys/values the draft cache holds
+        self.draft_valid = 0  # tokens of self.ids whose keys/values the draft cache holds
         self.steps: list[StepRecord] = []
         self.sent_chars = 0  # completion text already streamed
         self.holdback = max((len(s) for s in request.stop), default=1) - 1
@@ -54,25 +57,35 @@ class Sequence:
         self.error: BaseException | None = None
 
     @property
+    def tokens(self) -> torch.Tensor:
+        """[n] prompt + committed tokens, as a tensor (for the drafters)."""
+        return torch.tensor(self.ids, dtype=torch.long)
+
+    @property
     def completion(self) -> list[int]:
-        return self.tokens[self.prompt_len:].tolist()
+        return self.ids[self.prompt_len:]
 
     @property
     def remaining(self) -> int:
-        return self.budget - (self.tokens.shape[0] - self.prompt_len)
+        return self.budget - (len(self.ids) - self.prompt_len)
+
+    @property
+    def prefill_left(self) -> int:
+        """Prompt tokens still to prefill. All but the last: every output token then comes from a
+        step whose window starts at the last committed token, the first step included."""
+        return self.prompt_len - 1 - self.prefilled
 
     def draft_budget(self) -> int:
         """Drafts this step may propose: never past the budget (the target adds one token itself)."""
         return min(self.policy.draft_length, self.remaining - 1)
 
-    def commit(self, new: torch.Tensor, record: StepRecord, eos_id: int | None,
+    def commit(self, new_ids: list[int], record: StepRecord, eos_id: int | None,
                decode: Callable[[list[int]], str]) -> FinishReason | None:
         """Append committed tokens, apply EOS / stop strings / budget, stream what is final.
 
         EOS ends the output (it is kept in token_ids, not in the text); tokens a step committed
         after it are dropped, so that step's `committed` counts only what reached the output.
         """
-        new_ids = new.tolist()
         finish = None
         if eos_id in new_ids:
             new_ids = new_ids[:new_ids.index(eos_id) + 1]
@@ -80,7 +93,7 @@ class Sequence:
             record = dataclasses.replace(record, committed=len(new_ids))
         self.steps.append(record)
         self.ttft = self.ttft or time.perf_counter() - self.t0
-        self.tokens = torch.cat([self.tokens, torch.tensor(new_ids, dtype=torch.long)])
+        self.ids.extend(new_ids)
         text = decode(self.completion)
         cut = self._stop_index(text)
         if cut is not None:
