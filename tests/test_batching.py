@@ -76,6 +76,32 @@ def test_a_ragged_pass_equals_each_window_run_in_its_own_slot():
     torch.testing.assert_close(batch_cache.k, alone_cache.k, atol=1e-5, rtol=1e-5)
 
 
+
+@pytest.mark.parametrize("length", [9, 200])  # within the fused attention kernel's window, and past it
+def test_a_cache_only_prefill_writes_what_a_full_pass_writes(length):
+    """`fill_cache` skips the output layer and the last layer's MLP: the cache must not notice."""
+    model = load_for_inference(DEFAULT_TARGET_DIR)
+    prompt = torch.arange(3, 3 + length) * 7 % model.cfg.vocab_size
+    full, cache_only = KVCache(model.cfg, 256), KVCache(model.cfg, 256)
+    with torch.inference_mode():
+        model.forward(prompt, 0, full)
+        model.fill_cache(prompt, RaggedBatch.build([0], [0], [length]), cache_only)
+    assert torch.equal(cache_only.k, full.k) and torch.equal(cache_only.v, full.v)
+
+
+def test_logits_of_chosen_rows_are_those_rows_of_the_full_pass():
+    model = load_for_inference(DEFAULT_TARGET_DIR)
+    lengths = [5, 1, 30]  # 36 rows: the full pass takes sgemm for the output layer, the 3 picked rows the kernel
+    tokens = torch.arange(100, 100 + sum(lengths))
+    batch = RaggedBatch.build([0, 1, 2], [0, 0, 0], lengths)
+    rows = torch.tensor(lengths).cumsum(0) - 1
+    with torch.inference_mode():
+        full = model.forward_ragged(tokens, batch, KVCache(model.cfg, 64, slots=3))
+        picked = model.forward_ragged(tokens, batch, KVCache(model.cfg, 64, slots=3), logit_rows=rows)
+    torch.testing.assert_close(picked.logits, full.logits[rows], atol=1e-4, rtol=1e-4)
+    assert torch.equal(picked.routed_ids, full.routed_ids)
+
+
 # ----------------------------------------------------------------------------------- invariance
 
 

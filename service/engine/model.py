@@ -475,14 +475,32 @@ class Transformer(nn.Module):
         """tokens [w] at positions start..start+w-1 of cache slot `slot` -> logits [w, V] and the routed ids."""
         return self.forward_ragged(tokens, RaggedBatch.build([slot], [start], [tokens.shape[0]]), cache)
 
-    def forward_ragged(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache) -> ForwardOutput:
-        """tokens [N]: the windows of `batch` back to back -> logits [N, V], routed ids [L, N, m].
+    def forward_ragged(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache,
+                       logit_rows: torch.Tensor | None = None) -> ForwardOutput:
+        """tokens [N]: the windows of `batch` back to back -> logits [N, V] (or [R, V] for the rows
+        `logit_rows` [R] picks: the output layer is the largest weight a pass reads, so a caller that
+        needs only some rows asks for those), routed ids [L, N, m].
 
         Everything but attention is per token, so it runs on all N at once (the MoE layer sees the
         whole pass: its union is the batch union). Attention: with the fused kernel (passes up to
         kernel_window_max positions) one call per layer, each token at its own slot and position;
         otherwise one padded SDPA call per layer.
         """
+        x, ids = self._layers(tokens, batch, cache, last_mlp=True)
+        if logit_rows is not None:
+            x = x.index_select(0, logit_rows)
+        return ForwardOutput(logits=self.output_logits(self.norm(x)), routed_ids=torch.stack(ids) if ids else None)
+
+    def fill_cache(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache) -> None:
+        """Prefill: write the keys and values of `tokens` to the cache and compute nothing else. No
+        prompt row's logits are read (the last prompt token opens the first verify window), and the
+        last layer's MLP feeds only those logits, so both are skipped: the same cache, less work."""
+        self._layers(tokens, batch, cache, last_mlp=False)
+
+    def _layers(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache,
+                last_mlp: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The decoder layers over one pass -> final hidden states [N, H] (before the norm) and the
+        routed ids [N, m] of each MoE layer that ran."""
         x = self.embed_tokens(tokens)  # [N, H]
         where = cos = sin = None
         if self.fused_attention and tokens.shape[0] <= self.kernel_window_max and x.is_cpu \
@@ -496,6 +514,8 @@ class Transformer(nn.Module):
                 x = self.kernels.attention_block(layer.self_attn.block, where, i, x)
             else:
                 x = x + layer.self_attn.forward_ragged(layer.input_layernorm(x), cos, sin, cache, i, batch)
+            if not last_mlp and i == len(self.layers) - 1:
+                break
             h = layer.post_attention_layernorm(x)  # [N, H]
             if self.cfg.is_moe:
                 h, _, routed = layer.mlp(h)
@@ -503,7 +523,7 @@ class Transformer(nn.Module):
             else:
                 h = layer.mlp(h)
             x = x + h
-        return ForwardOutput(logits=self.output_logits(self.norm(x)), routed_ids=torch.stack(ids) if ids else None)
+        return x, ids
 
     def _rope(self, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, 1, D] at each token's position (eager attention)."""

@@ -241,7 +241,7 @@ class Scheduler:
         """One target pass over prompt chunks (no verify windows): their keys/values go to the cache."""
         tokens = torch.tensor([t for c in chunks for t in c.tokens()])
         batch = RaggedBatch.build([c.seq.slot for c in chunks], [c.start for c in chunks], [c.length for c in chunks])
-        self.e.target.forward_ragged(tokens, batch, self.e.target_cache)
+        self.e.target.fill_cache(tokens, batch, self.e.target_cache)
         next(self._pass_ids)  # prefill passes are numbered too: a gap in a request's pass ids is a pass it waited
         for chunk in chunks:
             chunk.seq.prefilled += chunk.length
@@ -352,8 +352,9 @@ class Scheduler:
             active = [b for b, k in enumerate(ks) if k > r]
             lengths = [pending[b].shape[0] for b in active]
             batch = RaggedBatch.build([seqs[b].slot for b in active], [starts[b] for b in active], lengths)
-            logits = e.draft.forward_ragged(torch.cat([pending[b] for b in active]), batch, e.draft_cache).logits
-            last = logits[torch.tensor(lengths).cumsum(0) - 1]  # [B', V] each sequence's last position
+            last_rows = torch.tensor(lengths).cumsum(0) - 1  # each sequence's last position: the only logits read
+            last = e.draft.forward_ragged(torch.cat([pending[b] for b in active]), batch, e.draft_cache,
+                                          logit_rows=last_rows).logits  # [B', V]
             for j, b in enumerate(active):
                 row = last[j:j + 1]  # [1, V]
                 temperature = seqs[b].policy.draft_temperature
