@@ -52,6 +52,16 @@ def test_the_fastest_measured_count_wins():
     assert threads.choose(8, measure=lambda t: busy(50_000 * t)).threads == 1
 
 
+def test_the_server_keeps_a_core_for_its_own_threads(engine, restore_torch_threads):
+    choice = threads.pick_threads(engine.target, cores=2)  # one candidate left: nothing is timed
+    assert choice.threads == 1 and choice.candidates == (1,) and choice.reserved == 1
+    assert torch.get_num_threads() == 1
+    assert "2 usable cores, 1 kept for the server's own threads" in choice.describe()
+    timed = threads.choose(16, measure=lambda t: busy(400_000 // t), reserved=1)
+    assert timed.candidates == (1, 2, 4, 8, 15) and timed.threads == 15
+    assert threads.choose(1, measure=lambda t: pytest.fail("nothing to measure"), reserved=1).threads == 1
+
+
 def test_near_equal_counts_go_to_the_fewest_threads():
     choice = threads.choose(8, measure=lambda t: busy(100_000), tolerance=1.0)
     assert choice.threads == 1
@@ -74,8 +84,9 @@ def test_the_request_timer_runs_the_model_at_the_count_it_is_given(engine, resto
     seconds = measure(2)
     assert torch.get_num_threads() == 2
     assert 0 < seconds < 30.0
-    # Picking for two cores times both candidates with the real model and applies the pick.
-    choice = threads.pick_threads(engine.target, cores=2)
+    # Picking for three cores keeps one for the server's threads, times 1 and 2 with the real model
+    # and applies the pick.
+    choice = threads.pick_threads(engine.target, cores=3)
     assert choice.candidates == (1, 2) and set(choice.seconds) == {1, 2}
     assert torch.get_num_threads() == choice.threads
     assert choice.seconds[choice.threads] <= min(choice.seconds.values()) * 1.05

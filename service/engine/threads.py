@@ -8,6 +8,13 @@ runs. So the server measures at start-up: a short request (prefill + decode step
 median wins, and a candidate within `tolerance` of a faster one with fewer threads loses to it
 (fewer threads leave more CPU to the gRPC threads and everything else for the same speed).
 
+The server keeps one core out of the candidates (`reserved`): its scheduler loop, gRPC threads and
+callers need CPU between the model's ops, and torch's intra-op workers spin-wait between ops on every
+core they hold. A request timed alone cannot see that (nothing else wants the CPU), so it is a rule,
+from a measurement: on the 2-core development machine, `moespec bench server` with 2 intra-op threads
+served 4 clients at 0.84-0.95x the tokens/s of one client, with 1 thread at 1.48-1.57x (README
+"Thread default").
+
 `choose` takes the measurement as a callable so the selection can be tested on any real workload;
 `request_timer` is the measurement the server uses.
 """
@@ -29,13 +36,15 @@ class ThreadChoice:
     cores: int
     candidates: tuple[int, ...]
     seconds: dict[int, float] = field(default_factory=dict)  # median seconds per candidate; empty: no choice
+    reserved: int = 0  # cores left out of the candidates, for the server's own threads
 
     def describe(self) -> str:
         """One line for the start-up log: what was picked, from what, and why."""
+        kept = f", {self.reserved} kept for the server's own threads" if self.reserved else ""
         if len(self.candidates) == 1:
-            return f"torch intra-op threads: {self.threads} ({self.cores} usable cores: nothing to measure)"
+            return f"torch intra-op threads: {self.threads} ({self.cores} usable cores{kept}: nothing to measure)"
         timed = ", ".join(f"{t}: {s * 1e3:.1f} ms" for t, s in sorted(self.seconds.items()))
-        return (f"torch intra-op threads: {self.threads} ({self.cores} usable cores; a short request "
+        return (f"torch intra-op threads: {self.threads} ({self.cores} usable cores{kept}; a short request "
                 f"(prefill + 16 steps) by threads, median: {timed})")
 
 
@@ -59,13 +68,14 @@ def candidates(cores: int) -> tuple[int, ...]:
 
 
 def choose(cores: int, measure: Callable[[int], float], rounds: int = 3, tolerance: float = 0.05,
-           hopeless: float = 3.0) -> ThreadChoice:
-    """Measure every candidate `rounds` times, interleaved (order reversed every other round); a
-    candidate `hopeless` times slower than the best in the first round is not measured again (it
-    cannot win, and on a crowded machine its rounds can take seconds)."""
-    options = candidates(cores)
+           hopeless: float = 3.0, reserved: int = 0) -> ThreadChoice:
+    """Measure every candidate for `cores` less `reserved` `rounds` times, interleaved (order
+    reversed every other round); a candidate `hopeless` times slower than the best in the first round
+    is not measured again (it cannot win, and on a crowded machine its rounds can take seconds)."""
+    reserved = min(reserved, cores - 1)
+    options = candidates(cores - reserved)
     if len(options) == 1:
-        return ThreadChoice(options[0], cores, options)
+        return ThreadChoice(options[0], cores, options, reserved=reserved)
     samples: dict[int, list[float]] = {t: [] for t in options}
     for r in range(rounds):
         if r == 1:
@@ -79,7 +89,7 @@ def choose(cores: int, measure: Callable[[int], float], rounds: int = 3, toleran
     fastest = min(medians.values())
     # The fewest threads whose median is within tolerance of the fastest.
     pick = min(t for t, s in medians.items() if s <= fastest * (1 + tolerance))
-    return ThreadChoice(pick, cores, options, medians)
+    return ThreadChoice(pick, cores, options, medians, reserved)
 
 
 def request_timer(model, steps: int = 16, prompt_tokens: int = 96) -> Callable[[int], float]:
@@ -103,8 +113,9 @@ def request_timer(model, steps: int = 16, prompt_tokens: int = 96) -> Callable[[
     return measure
 
 
-def pick_threads(model, cores: int | None = None) -> ThreadChoice:
-    """Choose for this machine by timing `model`, and leave torch set to the choice."""
-    choice = choose(cores or usable_cores(), request_timer(model))
+def pick_threads(model, cores: int | None = None, reserved: int = 1) -> ThreadChoice:
+    """Choose for this machine by timing `model`, one core kept for the server's own threads (the
+    module docstring says why), and leave torch set to the choice."""
+    choice = choose(cores or usable_cores(), request_timer(model), reserved=reserved)
     torch.set_num_threads(choice.threads)
     return choice
