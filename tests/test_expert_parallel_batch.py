@@ -7,20 +7,18 @@ on the `verify_batch` span and the batch EP histograms once per pass."""
 from __future__ import annotations
 
 import random
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from otel import attributes as a
-from otel.config import TelemetryConfig
 from otel.receiver import OtlpTraceReceiver
-from otel.setup import build_telemetry_from_config
 from service.expert_parallel import EPSpec
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
-from tests.engine_helpers import heldout_prompts, make_engine
+from tests.engine_helpers import make_engine
 from tests.test_expert_parallel import brute_force
+from tests.test_otel_batch import receiver_telemetry, traced_requests
 
 EP_SIZE = 4
 EXTRA_PER_RANK = 4  # redundant slots per rank: EPLB-style replicas of experts another rank holds
@@ -61,23 +59,9 @@ def exported(ep_engine):
     engine, _ = ep_engine
     reader = InMemoryMetricReader()
     with OtlpTraceReceiver() as rx:
-        environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint, "OTEL_METRICS_EXPORTER": "none",
-                   "OTEL_BSP_SCHEDULE_DELAY": "20", "MOESPEC_VERIFY_SPAN_RATIO": "1"}
-        telemetry = build_telemetry_from_config(TelemetryConfig.from_environ(environ), engine.info, seed=3,
-                                                extra_metric_readers=[reader])
-
-        def one(i: int):
-            policy = POLICIES[i % len(POLICIES)]
-            request = GenerationRequest(prompt=heldout_prompts(REQUESTS)[i][-160:], max_new_tokens=12,
-                                        sampling=SamplingParams(temperature=0.7, seed=i))
-            with telemetry.request(engine.info, request, policy) as obs:
-                result = engine.generate(request, policy)
-                obs.finish(result)
-            return result
-
+        telemetry = receiver_telemetry(rx, engine, reader, seed=3)
         try:
-            with ThreadPoolExecutor(REQUESTS) as pool:
-                results = list(pool.map(one, range(REQUESTS)))
+            results = [result for result, _ in traced_requests(engine, telemetry, REQUESTS, POLICIES)]
             passes = {s.batch.pass_id for r in results for s in r.steps}
             spans = rx.wait_for(lambda got: sum(s["name"] == a.VERIFY_BATCH_SPAN_NAME for s in got) >= len(passes))
         finally:

@@ -26,10 +26,11 @@ POLICIES = [DraftPolicy(policy_id="plain"), DraftPolicy(Drafter.NGRAM, 4, policy
             DraftPolicy(Drafter.MODEL, 2, 0.5, policy_id="model-2")]
 
 
-def traced_requests(engine, telemetry, count: int):
-    """`count` concurrent requests, each inside its own request span -> [(result, request span id)]."""
+def traced_requests(engine, telemetry, count: int, policies: list[DraftPolicy] = POLICIES):
+    """`count` concurrent requests (policies in turn), each inside its own request span ->
+    [(result, its request observation)]."""
     def one(i: int):
-        policy = POLICIES[i % len(POLICIES)]
+        policy = policies[i % len(policies)]
         request = GenerationRequest(prompt=heldout_prompts(count)[i][-160:], max_new_tokens=12,
                                     sampling=SamplingParams(temperature=0.7, seed=i))
         with telemetry.request(engine.info, request, policy) as obs:
@@ -41,14 +42,20 @@ def traced_requests(engine, telemetry, count: int):
         return list(pool.map(one, range(count)))
 
 
+def receiver_telemetry(rx: OtlpTraceReceiver, engine, reader: InMemoryMetricReader, seed: int):
+    """Telemetry that sends every verify span (ratio 1, short batching delay) to `rx` and its metrics
+    to `reader`."""
+    environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint, "OTEL_METRICS_EXPORTER": "none",
+               "OTEL_BSP_SCHEDULE_DELAY": "20", "MOESPEC_VERIFY_SPAN_RATIO": "1"}
+    return build_telemetry_from_config(TelemetryConfig.from_environ(environ), engine.info, seed=seed,
+                                       extra_metric_readers=[reader])
+
+
 @pytest.fixture(scope="module")
 def exported(engine):
     reader = InMemoryMetricReader()
     with OtlpTraceReceiver() as rx:
-        environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint, "OTEL_METRICS_EXPORTER": "none",
-                   "OTEL_BSP_SCHEDULE_DELAY": "20", "MOESPEC_VERIFY_SPAN_RATIO": "1"}
-        telemetry = build_telemetry_from_config(TelemetryConfig.from_environ(environ), engine.info, seed=7,
-                                                extra_metric_readers=[reader])
+        telemetry = receiver_telemetry(rx, engine, reader, seed=7)
         try:
             runs = traced_requests(engine, telemetry, 6)
             passes = {s.batch.pass_id for result, _ in runs for s in result.steps}
