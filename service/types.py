@@ -271,3 +271,6 @@ class ModelInfo:
     # False unless a backend says so: a backend that fixes its policy at start-up cannot.
     concurrent_policies: bool = False
     device: str = ""  # where the backend computes ("cpu", "cuda"); "" = not reported
+    # Requests in flight together share target passes (continuous batching): each is charged its
+    # whole pass, so policies served at once pay for each other's windows.
+    shared_passes: bool = False

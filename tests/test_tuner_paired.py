@@ -153,6 +153,11 @@ def test_trial_mode_follows_model_info_and_the_objective(tmp_path):
     assert trial_mode(base, single) is TrialMode.INTERLEAVED
     assert trial_mode(TuneSettings("s", 1, "t", objective=Objective.MODELLED), concurrent) is TrialMode.SEQUENTIAL
     assert trial_mode(TuneSettings("s", 1, "t", trial_mode=TrialMode.PAIRED), single) is TrialMode.INTERLEAVED
+    # Requests sharing passes (continuous batching) would charge each arm the other's windows: the
+    # default compares in separate windows; asking for paired still gets paired.
+    batched = model_info(concurrent_policies=True, shared_passes=True)
+    assert trial_mode(base, batched) is TrialMode.INTERLEAVED
+    assert trial_mode(TuneSettings("s", 1, "t", trial_mode=TrialMode.PAIRED), batched) is TrialMode.PAIRED
 
 
 def _side_by_side_rig(slow_after_applies: int):

@@ -193,4 +193,5 @@ class Engine:
             expert_bytes=3 * cfg.hidden_size * cfg.moe_intermediate_size * bytes_per_param,
             decode_step_seconds=self.decode_step_seconds,
             concurrent_policies=True,  # the policy is a per-call argument: any mix of arms at once
+            shared_passes=self.config.max_batch > 1,  # continuous batching: one target pass serves them all
         )

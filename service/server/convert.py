@@ -222,6 +222,7 @@ def info_to_pb(info: ModelInfo) -> pb.ModelInfo:
         policy_switches=info.policy_switches,
         concurrent_policies=info.concurrent_policies,
         device=info.device,
+        shared_passes=info.shared_passes,
     )
 
 
@@ -245,4 +246,5 @@ def info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
         policy_switches=msg.policy_switches,
         concurrent_policies=msg.concurrent_policies,
         device=msg.device,
+        shared_passes=msg.shared_passes,
     )

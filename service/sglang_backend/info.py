@@ -26,5 +26,6 @@ def build_info(target: MoeGeometry, draft_name: str, spec: SpecConfig, max_conte
         expert_bytes=target.expert_bytes,
         decode_step_seconds=decode_step_seconds,
         concurrent_policies=False,  # speculation is fixed at engine start-up: one policy at a time
+        shared_passes=True,  # SGLang's scheduler batches the requests in flight into shared passes
         device=device,
     )
