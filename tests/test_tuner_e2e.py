@@ -316,6 +316,9 @@ def test_demo_runs_server_load_and_tuner_and_writes_the_report(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert [c["name"] for c in report["comparison"]] == ["best", "plain", "default"]
     assert report["comparison"][2]["policy"] == "model k=3 T=1.00"
+    # The embedded engine batches: the demo's trials run between control windows, and say so.
+    assert report["trial_mode"] == "interleaved"
+    assert "between control windows of the incumbent" in (out / "report.md").read_text()
     assert "optuna-dashboard" in report["open_dashboard"]
     assert "trial 0 [1/3]" in result.stderr  # live progress
     assert "winner:" in result.stdout

@@ -49,6 +49,7 @@ def test_report_folder_has_plots_json_and_markdown(tmp_path):
     assert "Winner" in md and "optuna-dashboard sqlite:///x.db" in md and "1.67x" in md  # 1.0 / 0.6 ms
     # Paired trials and the side-by-side ratios are shown with their intervals.
     assert "## Paired trials" in md and "candidate / control [95% interval]" in md
+    assert "in one traffic split" in md  # this fake backend runs policies at once in passes of their own
     paired = [t for t in data["trials"] if t["paired_ratio"] is not None]
     bounded = [t for t in paired if t["paired_ratio_high"] is not None]
     assert bounded and all(t["paired_ratio_low"] <= t["paired_ratio"] <= t["paired_ratio_high"] for t in bounded)

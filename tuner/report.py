@@ -346,14 +346,19 @@ def _markdown(data: dict, compared: Sequence[Compared], winner: PolicyScore | No
             lines.append("")
     paired = [t for t in data["trials"] if t.get("paired_ratio") is not None]
     if paired:
+        interleaved = data["trial_mode"] == "interleaved"
+        how = ("between control windows of the incumbent just before and after it (each window one policy, so "
+               "requests that share passes never mix policies)" if interleaved else
+               "beside a control (the incumbent) in the same window, in one traffic split")
         lines += ["## Paired trials", "",
-                  f"Trial mode `{data['trial_mode']}`: each candidate ran beside a control (the incumbent) in the "
-                  "same window; its value is the candidate/control cost ratio times the control's value, so a "
-                  "machine that slows down slows both arms and leaves the value alone.", "",
+                  f"Trial mode `{data['trial_mode']}`: each candidate ran {how}; its value is the candidate/control "
+                  "cost ratio times the control's value, so a machine that slows down slows both arms and leaves "
+                  "the value alone.", "",
                   "| # | role | state | candidate | control | share | candidate / control [95% interval] |",
                   "|---|---|---|---|---|---|---|"]
         for t in paired:
-            share = f"{t['candidate_share']:.2f}" if t.get("candidate_share") is not None else "-"
+            split = not interleaved and t.get("candidate_share") is not None
+            share = f"{t['candidate_share']:.2f}" if split else "-"
             lines.append(f"| {t['number']} | {t['role']} | {t['state']} | {t['policy']} | {t['control_policy']} | "
                          f"{share} | "
                          f"{_fmt_ratio(t['paired_ratio'], t['paired_ratio_low'], t['paired_ratio_high'])} |")
