@@ -179,6 +179,28 @@ MIXED = [DraftPolicy(), DraftPolicy(drafter=Drafter.NGRAM, draft_length=3),
          DraftPolicy(draft_length=1, draft_temperature=1.4), DraftPolicy(draft_length=3, draft_temperature=0)]
 
 
+def test_requests_sharing_a_pass_are_each_charged_the_whole_pass_and_model_info_says_so(engine):
+    """Why the tuner does not compare policies in one traffic split on this engine: a plain request
+    in a pass beside an n-gram k=8 window is charged that whole pass (ModelInfo.shared_passes)."""
+    prompts = [p[-200:] for p in heldout_prompts(2)]
+    jobs = [(GenerationRequest(prompt=p, max_new_tokens=24, sampling=GREEDY), policy)
+            for p, policy in zip(prompts, (DraftPolicy(), DraftPolicy(drafter=Drafter.NGRAM, draft_length=8)),
+                                 strict=True)]
+    plain, ngram = run_together(engine, jobs)
+    ngram_steps = {s.batch.pass_id: s for s in ngram.steps}
+    shared = [(s, ngram_steps[s.batch.pass_id]) for s in plain.steps if s.batch.pass_id in ngram_steps]
+    assert shared, "the two requests never shared a pass"
+    for mine, theirs in shared:
+        assert mine.window == 1 and mine.batch.positions == 1 + theirs.window
+        assert mine.verify_seconds == theirs.verify_seconds == mine.batch.verify_seconds
+    assert engine.info.shared_passes
+    alone = make_engine(max_batch=1)
+    try:
+        assert not alone.info.shared_passes
+    finally:
+        alone.close()
+
+
 def test_sampled_first_tokens_from_a_mixed_batch_follow_the_target_distribution(engine, spread_prompt):
     prompt, p, sampling = spread_prompt
     tokens = first_tokens(engine, prompt, sampling, MIXED, range(400))

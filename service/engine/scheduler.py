@@ -13,11 +13,12 @@ Contract:
   served; a longer prompt continues in the next iterations), then the step of the running
   sequences, newcomers whose prompt is now all in included; so a long prompt never stalls them for
   more than one bounded pass per token. With nobody decoding, one pass prefills every waiting prompt
-  whole. (Prompt chunks run in a pass of their own rather than beside the decode windows: attention
-  is one padded call per pass, and a long chunk beside 16 one-token windows cost more than the two
-  passes, measured; see the README.) A sequence whose `should_stop()` is true (cancel, deadline)
-  leaves before the next pass, with what it has; `should_stop` is polled once per scheduler
-  iteration the sequence is in (prefill included: a cancelled request stops prefilling too).
+  whole. (Prompt chunks run in a pass of their own rather than beside the decode windows: when
+  attention was one padded call per pass, a long chunk beside 16 one-token windows cost more than
+  the two passes, measured; not re-measured with the fused attention kernel; see the README.)
+  A sequence whose `should_stop()` is true (cancel, deadline) leaves before the next pass, with what
+  it has; `should_stop` is polled once per scheduler iteration the sequence is in (prefill included:
+  a cancelled request stops prefilling too).
 - Per-step work that does not need a request's own generator runs once per pass: one argmax over
   every row for the greedy requests, the per-request and batch unions in one scatter; sampled
   requests keep their own `target_probs` / `accept` calls (their random streams must not interleave).
@@ -193,7 +194,7 @@ class Scheduler:
     def _plan_prefill(self) -> list[PrefillChunk]:
         """This pass's prompt chunks: first come, first served, `prefill_chunk` tokens in all while
         anyone decodes; with nobody decoding there is no one to stall, so every waiting prompt goes
-        in whole (one bigger pass costs less per token than several small ones)."""
+        in whole."""
         chunks, budget = [], self.prefill_chunk if self._running else sum(s.prefill_left for s in self._prefilling)
         for seq in self._prefilling:
             if budget == 0:
