@@ -216,8 +216,9 @@ def step_fields(view: PassView) -> dict:
 
 
 def pass_fields(placement: Placement, routed_ids, bytes_per_token: int) -> dict:
-    """The EP fields of a whole batch pass from its routed ids [L, N, m] (every request's window, back
-    to back). Every position's home is rank 0, as in the request view (the embedded engine is one
-    attention rank), so the pass's dispatch bytes are the sum of its requests' and its ranks and
-    straggler per layer are at least any one request's: the pass runs all their pairs at once."""
+    """The EP fields of routed ids [L, w, m]: one request's window (a StepRecord), or a whole batch
+    pass, every request's window back to back (a BatchPassRecord). Every position's home is rank 0
+    (the embedded engine is one attention rank), so a pass's dispatch bytes are the sum of its
+    requests' and its ranks and straggler per layer are at least any one request's: the pass runs all
+    their pairs at once."""
     return step_fields(pass_view(placement, routed_ids, bytes_per_token))

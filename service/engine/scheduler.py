@@ -388,7 +388,7 @@ class Scheduler:
         E, m = cfg.num_experts, cfg.num_experts_per_tok
         ep = {}  # the optional expert-parallel fields, estimated only with an EP size
         if e.ep is not None:
-            ep = expert_parallel.step_fields(expert_parallel.pass_view(e.ep, routed, e.ep_token_bytes))
+            ep = expert_parallel.pass_fields(e.ep, routed, e.ep_token_bytes)
         return StepRecord(
             drafter=policy.drafter,
             draft_length=policy.draft_length,
