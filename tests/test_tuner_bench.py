@@ -23,18 +23,22 @@ def test_noise_picks_are_judged_on_their_paired_ratio_to_the_reference():
     table = {"reference": {"policy": "model k=5 T=0.00", "kind": "grid best"},
              "rows": [row("plain", 1.25, 1.1, 1.4), row("ngram k=3", 1.04, 0.97, 1.12),
                       row("ngram k=8", 1.06, 1.01, 1.11)]}
-    runs = [{"seed": 0, "mode": "paired", "pick": "model k=5 T=0.00", "load_on_fraction": 0.5, "seconds": 1},
-            {"seed": 1, "mode": "paired", "pick": "ngram k=3", "load_on_fraction": 0.5, "seconds": 1},
-            {"seed": 0, "mode": "sequential", "pick": "ngram k=8", "load_on_fraction": 0.5, "seconds": 1},
-            {"seed": 1, "mode": "sequential", "pick": "plain", "load_on_fraction": 0.5, "seconds": 1}]
+    runs = [{"seed": 0, "mode": "interleaved", "controlled": True, "pick": "model k=5 T=0.00", "load_on_fraction": 0.5,
+             "seconds": 1},
+            {"seed": 1, "mode": "interleaved", "controlled": True, "pick": "ngram k=3", "load_on_fraction": 0.5,
+             "seconds": 1},
+            {"seed": 0, "mode": "sequential", "controlled": False, "pick": "ngram k=8", "load_on_fraction": 0.5,
+             "seconds": 1},
+            {"seed": 1, "mode": "sequential", "controlled": False, "pick": "plain", "load_on_fraction": 0.5,
+             "seconds": 1}]
     result = {"runs": runs, "side_by_side": table}
     score(result, table)
     assert [r["within_5_percent"] for r in runs] == [True, True, False, False]
     assert runs[0]["over_reference"] == 1.0 and runs[1]["over_reference_interval"] == [0.97, 1.12]
     assert runs[1]["over_plain"] == pytest.approx(1.04 / 1.25)
-    assert result["paired_hits"] == "2/2" and result["sequential_hits"] == "0/2"
+    assert result["controlled_hits"] == "2/2" and result["sequential_hits"] == "0/2"
     text = noise_markdown(result)
-    assert "paired 2/2, sequential 0/2" in text and "0.970-1.120" in text
+    assert "controlled trials 2/2, sequential 0/2" in text and "0.970-1.120" in text
 
 
 class FakeRunning:

@@ -202,3 +202,22 @@ def test_paired_side_by_side_keeps_the_true_ratio_when_the_machine_slows_down():
     with SyntheticTraffic(server, collector.on_spans, cost, speed=speed, noise=0.05):
         absolute = {c.name: c.seconds_per_token for c in compare(measurer, {"plain": plain, "ngram": ngram}, 3, "a")}
     assert absolute["ngram"] / absolute["plain"] > 0.6 * 1.1  # the drift went into the absolute figure
+
+
+def test_back_to_back_side_by_side_cancels_a_linear_drift_without_mixing_arms_in_one_pass():
+    """Where requests share target passes (ModelInfo.shared_passes) the bench's final table runs each
+    arm in a window of its own, reference first in even rounds and second in odd ones. The machine
+    slows down linearly, window after window: n-gram k=4's true 0.6x plain survives the pooling
+    (mutation: always reference first -> 0.69), and no traffic split is ever set (a split would put
+    both arms in one pass)."""
+    from service.types import Drafter, DraftPolicy
+    from tuner.compare import compare_paired
+
+    plain, ngram = DraftPolicy(draft_length=0), DraftPolicy(Drafter.NGRAM, 4)
+    server, collector, measurer, _ = _side_by_side_rig(slow_after_applies=1)
+    with SyntheticTraffic(server, collector.on_spans, cost, speed=lambda: 1.0 + 0.25 * len(server.history), noise=0.02):
+        [row] = compare_paired(measurer, plain, {"ngram": ngram}, rounds=4, id_prefix="b", shared_passes=True)
+    assert not server.splits
+    assert [p.policy_id for p in server.history[:4]] == ["b/ngram-r0/ref", "b/ngram-r0", "b/ngram-r1", "b/ngram-r1/ref"]
+    assert row.ratio.ratio == pytest.approx(0.6, rel=0.04)
+    assert len(row.per_round) == 4

@@ -1,16 +1,20 @@
-"""`moespec bench tuner --scenario noise`: sequential vs paired trials on a machine whose speed changes.
+"""`moespec bench tuner --scenario noise`: sequential vs controlled (paired / interleaved) trials on a
+machine whose speed changes.
 
 1. One rig (server, receiver, closed-loop greedy load over the first --prompt-count prompts).
 2. Ground truth: the exhaustive grid, quiet machine, no pruning (skip with --skip-grid: then the
    best policy measured side by side in step 4 stands in for it).
 3. For each of --seeds: the same TPE study (--trials search trials, --remeasure) run sequentially
-   (the old way) and paired, each under a bench-owned background CPU load (tuner.cpuload) that
-   switches on and off every 10-30 s; the order of the two alternates between seeds.
-4. Quiet machine again: every distinct pick and plain decoding, each paired with the grid best in
-   one traffic split (same window, request by request), --compare-rounds rounds, order rotated.
-   A pick's score is its cost ratio to the grid best pooled over the rounds (with a 95% interval);
-   <= 1.05 counts as a hit (target: paired >= 4 of 5). Paired, because the absolute side-by-side
-   this replaced swung +-40% between rounds on this shared machine.
+   (the old way) and with the tuner's controlled trials (its own choice for the server: paired
+   traffic splits, or control/candidate/control windows where requests share target passes), each
+   under a bench-owned background CPU load (tuner.cpuload) that switches on and off every 10-30 s;
+   the order of the two alternates between seeds.
+4. Quiet machine again: every distinct pick and plain decoding, each against the grid best in the
+   same round (one traffic split request by request; back-to-back windows of their own, order
+   alternating, where requests share passes: a split would bias the ratio), --compare-rounds
+   rounds, order rotated. A pick's score is its cost ratio to the grid best pooled over the rounds
+   (with a 95% interval); <= 1.05 counts as a hit (target: controlled >= 4 of 5). Per round,
+   because the absolute side-by-side this replaced swung +-40% between rounds on this shared machine.
 Writes noise.json, noise.md and noise.png to --out and prints the table.
 """
 
@@ -69,14 +73,17 @@ def run_noise(args, prompts: list[str], out: Path) -> int:
                                           PruneRule(factor=0), args.seed)
             result["grid"] = {"points": size, "seconds": round(seconds, 1), "best": grid_best.key.label()}
         for i, seed in enumerate(seeds):
-            modes = [TrialMode.SEQUENTIAL, TrialMode.PAIRED]
+            # None: the tuner's own choice for this server (paired, or interleaved where requests share passes).
+            modes = [TrialMode.SEQUENTIAL, None]
             for mode in modes if i % 2 == 0 else modes[::-1]:
-                print(f"bench noise: seed {seed}, {mode.value}, background load on/off every 10-30 s ...",
+                name = mode.value if mode else "controlled"
+                print(f"bench noise: seed {seed}, {name}, background load on/off every 10-30 s ...",
                       file=err, flush=True)
-                with BackgroundLoad(seed * 7919 + (mode is TrialMode.PAIRED), workers=args.load_workers) as bg:
-                    built, pick, seconds = study(f"{mode.value}-{seed}", SamplerKind.TPE, args.trials, args.remeasure,
+                with BackgroundLoad(seed * 7919 + (mode is None), workers=args.load_workers) as bg:
+                    built, pick, seconds = study(f"{name}-{seed}", SamplerKind.TPE, args.trials, args.remeasure,
                                                  mode, PruneRule(), seed)
-                result["runs"].append({"seed": seed, "mode": mode.value, "pick": pick.key.label() if pick else None,
+                result["runs"].append({"seed": seed, "mode": built.mode.value, "controlled": mode is None,
+                                       "pick": pick.key.label() if pick else None,
                                        "pick_policy": pick.policy if pick else None, "seconds": round(seconds, 1),
                                        "trials": len(built.study.trials),
                                        "load_on_fraction": round(bg.on_fraction, 2)})
@@ -114,8 +121,9 @@ def side_by_side(args, rig: Rig, window: WindowSpec, grid_best: DraftPolicy | No
     label = policy_key(grid_best).label()
     print(f"bench noise: {len(policies)} policies each paired with {label}, {args.compare_rounds} rounds, "
           "quiet machine ...", file=err, flush=True)
-    paired = compare_paired(measurer, grid_best, policies, args.compare_rounds, "bench/noise")
-    return {"reference": {"policy": label, "kind": kind},
+    shared = rig.admin.model_info().shared_passes
+    paired = compare_paired(measurer, grid_best, policies, args.compare_rounds, "bench/noise", shared_passes=shared)
+    return {"reference": {"policy": label, "kind": kind}, "back_to_back": shared,
             "rows": [c.as_dict() for c in paired]}
 
 
@@ -134,9 +142,9 @@ def score(result: dict, table: dict) -> None:
                                         [row["paired_ratio_low"], row["paired_ratio_high"]] if row else None)
         r["within_5_percent"] = over is not None and over <= WITHIN
         r["over_plain"] = over / plain["paired_ratio"] if over and plain else None
-    for mode in ("sequential", "paired"):
-        runs = [r for r in result["runs"] if r["mode"] == mode]
-        result[f"{mode}_hits"] = f"{sum(r['within_5_percent'] for r in runs)}/{len(runs)}"
+    for arm, controlled in (("sequential", False), ("controlled", True)):
+        runs = [r for r in result["runs"] if r["controlled"] is controlled]
+        result[f"{arm}_hits"] = f"{sum(r['within_5_percent'] for r in runs)}/{len(runs)}"
 
 
 def _interval(pair: list | None) -> str:
@@ -145,8 +153,11 @@ def _interval(pair: list | None) -> str:
 
 def markdown(result: dict) -> str:
     ref = result["reference"]
-    lines = [f"Reference: {ref['policy']} ({ref['kind']}). Each pick and plain decoding ran beside it in one traffic "
-             "split per round (paired); cost ratios pooled over the rounds, 95% intervals.",
+    how = ("in back-to-back windows of its own per round, the order alternating (requests share target passes on "
+           "this server, so a traffic split would bias the ratio)" if ref.get("back_to_back")
+           else "in one traffic split per round")
+    lines = [f"Reference: {ref['policy']} ({ref['kind']}). Each pick and plain decoding ran beside it {how}; cost "
+             "ratios pooled over the rounds, 95% intervals.",
              "",
              "| seed | mode | pick | pick / reference | 95% interval | pick / plain | within 5% | load on | tuning s |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -156,7 +167,8 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['seed']} | {r['mode']} | {r['pick']} | {over} | {_interval(r['over_reference_interval'])} "
                      f"| {plain} | {'yes' if r['within_5_percent'] else 'no'} | {r['load_on_fraction']:.0%} "
                      f"| {r['seconds']} |")
-    lines += ["", f"within 5% of the reference (paired ratio <= 1.05): paired {result['paired_hits']}, "
+    lines += ["", f"within 5% of the reference (ratio <= 1.05): the tuner's controlled trials "
+              f"{result['controlled_hits']}, "
               f"sequential {result['sequential_hits']}", "",
               "| policy | / reference (pooled) | 95% interval | per round | ms / token (its arm) |",
               "|---|---|---|---|---|"]
@@ -176,14 +188,15 @@ def plot(result: dict, path: Path) -> None:
     fig = Figure(figsize=(7, 3.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for offset, (mode, color) in enumerate((("sequential", "tab:grey"), ("paired", "tab:green"))):
-        runs = [r for r in result["runs"] if r["mode"] == mode]
+    for offset, (controlled, color) in enumerate(((False, "tab:grey"), (True, "tab:green"))):
+        runs = [r for r in result["runs"] if r["controlled"] is controlled]
+        label = runs[0]["mode"] if runs else ("controlled" if controlled else "sequential")
         ax.bar([r["seed"] + (offset - 0.5) * 0.4 for r in runs], [r["over_reference"] or 0 for r in runs],
-               width=0.4, color=color, label=mode)
+               width=0.4, color=color, label=label)
     ax.axhline(WITHIN, color="tab:red", linestyle="--", linewidth=1, label="+5%")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xlabel("seed")
-    ax.set_ylabel("pick cost / reference (paired, pooled)")
+    ax.set_ylabel("pick cost / reference (pooled over rounds)")
     ax.set_title("Picks under a background load switching every 10-30 s")
     ax.legend()
     fig.tight_layout()

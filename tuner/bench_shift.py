@@ -6,8 +6,8 @@ Two runs, each on a fresh server, the continuous tuner (tuner/continuous.py) in 
   explored for --steady-seconds, the load switches to --shift-prompts (default
   `service/prompts/tables.jsonl`: literal tables whose rows repeat, where prompt lookup copies long
   spans and the draft model falls behind). Reported: seconds from the switch to the re-opened search
-  and to the new incumbent, and the new incumbent paired (same traffic split, per round) with the old
-  incumbent, plain decoding and each drafter at the longest length on the new workload.
+  and to the new incumbent, and the old incumbent, plain decoding and each drafter at the longest
+  length each measured against the new incumbent in the same rounds (tuner.compare.compare_paired).
 - no-shift: the same, the load never switches; reported: re-opened searches (should be 0) and
   promotions. Exploration cost: output tokens/s with the tuner exploring vs the incumbent alone in
   --exploration-pairs alternating pairs of --steady-seconds periods (see exploration_cost).
@@ -176,8 +176,8 @@ def exploration_cost(args, rig: Rig, running: _Running) -> dict[str, object]:
 
 def side_by_side(args, rig: Rig, window: WindowSpec, before: DraftPolicy | None, after: DraftPolicy):
     """The new incumbent against the old one, plain decoding and each drafter at the longest length,
-    every one paired with the new incumbent in one traffic split per round (ratios > 1: the new
-    incumbent is cheaper)."""
+    every one against the new incumbent in the same round (tuner.compare.compare_paired; ratios > 1:
+    the new incumbent is cheaper)."""
     k = rig.admin.model_info().max_draft_length
     policies = {"plain": DraftPolicy(draft_length=0), f"ngram k={k}": DraftPolicy(Drafter.NGRAM, k),
                 f"model k={k} T=0": DraftPolicy(Drafter.MODEL, k, 0.0)}
@@ -185,7 +185,8 @@ def side_by_side(args, rig: Rig, window: WindowSpec, before: DraftPolicy | None,
         policies["before"] = before
     measurer = Measurer(rig.admin, rig.collector, MeasureConfig(window=window, prune=PruneRule(factor=0),
                                                                 objective=Objective.MEASURED, cost=CostModel(0)))
-    rows = compare_paired(measurer, after, policies, args.compare_rounds, "bench/shift")
+    rows = compare_paired(measurer, after, policies, args.compare_rounds, "bench/shift",
+                          shared_passes=rig.admin.model_info().shared_passes)
     return [c.as_dict() for c in rows]
 
 

@@ -106,12 +106,20 @@ def compare_paired(
     rounds: int,
     id_prefix: str,
     share: float = 0.5,
+    shared_passes: bool = False,
 ) -> list[PairedCompared]:
-    """Each policy beside `reference` in one traffic split (interleaved request by request), `rounds`
-    windows each, the order rotated every round. The figure per policy is its cost relative to the
-    reference in the same windows, so a machine whose speed changes between (or during) windows
-    moves both arms and leaves the ratio alone, unlike `compare`, whose absolute per-round figures
-    carry the drift. A policy equal to the reference is not measured against itself."""
+    """Each policy beside `reference`, `rounds` windows each, the order rotated every round. The
+    figure per policy is its cost relative to the reference in the same rounds, so a machine whose
+    speed changes between rounds moves both arms and leaves the ratio alone, unlike `compare`, whose
+    absolute per-round figures carry the drift. A policy equal to the reference is not measured
+    against itself.
+
+    Where requests share target passes (`ModelInfo.shared_passes`: a batching server charges each
+    request its whole pass, so in one traffic split a short-window arm pays for the long windows
+    beside it and the ratio shrinks towards 1), each round measures the two arms in back-to-back
+    windows of their own instead, the order alternating by round (reference first in even rounds)
+    so a linear drift cancels over a pair of rounds. Otherwise both arms share one traffic split,
+    interleaved request by request."""
     names = [n for n in policies if policy_key(policies[n]) != policy_key(reference)]
     out = {n: PairedCompared(n, policies[n], WindowStats(f"{id_prefix}/{n}"), WindowStats(f"{id_prefix}/{n}/ref"), [])
            for n in names}
@@ -120,11 +128,24 @@ def compare_paired(
         for name in names[shift:] + names[:shift]:
             cand = replace(policies[name], policy_id=f"{id_prefix}/{name}-r{rnd}")
             ref = replace(reference, policy_id=f"{id_prefix}/{name}-r{rnd}/ref")
-            m = measurer.measure_paired(cand, ref, share, 1.0, prune=False)
+            if shared_passes:
+                candidate, control = _back_to_back(measurer, cand, ref, reference_first=rnd % 2 == 0)
+                ratio = PairedRatio.of(candidate.stats, control).ratio
+            else:
+                m = measurer.measure_paired(cand, ref, share, 1.0, prune=False)
+                candidate, control, ratio = m.candidate, m.control, m.ratio.ratio
             entry = out[name]
-            if m.candidate.outcome is Outcome.STARVED:
+            if candidate.outcome is Outcome.STARVED:
                 entry.starved += 1
-            entry.candidate.merge(m.candidate.stats)
-            entry.reference.merge(m.control)
-            entry.per_round.append(m.ratio.ratio)
+            entry.candidate.merge(candidate.stats)
+            entry.reference.merge(control)
+            entry.per_round.append(ratio)
     return [out[n] for n in names]
+
+
+def _back_to_back(measurer: Measurer, cand: DraftPolicy, ref: DraftPolicy,
+                  reference_first: bool) -> tuple[Measurement, WindowStats]:
+    """The candidate's and the reference's windows one after the other, each arm alone on the server."""
+    first, second = (ref, cand) if reference_first else (cand, ref)
+    measured = {p.policy_id: measurer.measure(p, incumbent_value=None) for p in (first, second)}
+    return measured[cand.policy_id], measured[ref.policy_id].stats
