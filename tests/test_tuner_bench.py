@@ -1,17 +1,13 @@
-"""The tuner benchmarks' judging logic, without a server: the noise bench scores a pick on its paired
-ratio to the reference, and the shift bench's exploration cost drops pairs whose incumbent changed."""
+"""The tuner benchmarks' judging logic, without a server: the noise bench scores a pick on its ratio
+to the reference, and the exploration cost recovers each challenge round's loss from a token trace."""
 
 from __future__ import annotations
-
-import threading
-import time
-from types import SimpleNamespace
 
 import pytest
 
 from tuner.bench_noise import markdown as noise_markdown
 from tuner.bench_noise import score
-from tuner.bench_shift import exploration_cost
+from tuner.exploration import Round, TokenTrace, back_off_rounds, round_costs, summarize
 
 
 def row(policy: str, ratio: float, low: float, high: float) -> dict:
@@ -41,48 +37,40 @@ def test_noise_picks_are_judged_on_their_paired_ratio_to_the_reference():
     assert "controlled trials 2/2, sequential 0/2" in text and "0.970-1.120" in text
 
 
-class FakeRunning:
-    """The continuous tuner as the exploration measurement sees it: while running it costs `cost`
-    of the throughput; `promote_on` lists the start numbers during which it changes the incumbent."""
-
-    def __init__(self, cost: float, promote_on: set[int]):
-        self.cost, self.promote_on, self.starts = cost, promote_on, 0
-        self.running = threading.Event()
-        self.tuner = SimpleNamespace(incumbent=SimpleNamespace(key="ngram k=3"))
-        self.rig: FakeRig | None = None
-
-    def start(self) -> None:
-        self.rig.output_tokens()  # settle the tokens served so far at the old rate
-        self.starts += 1
-        self.running.set()
-
-    def stop(self) -> None:
-        self.rig.output_tokens()
-        self.running.clear()
-        if self.starts in self.promote_on:
-            self.tuner.incumbent = SimpleNamespace(key=f"promoted {self.starts}")
+def drifting_trace(rounds: list[tuple[float, float]], round_cost: float, until: float) -> TokenTrace:
+    """Output tokens of a load whose speed drifts from 1000 to 600 tokens/s over `until` seconds
+    and drops by `round_cost` of it during each round, sampled every 0.2 s."""
+    trace, tokens, dt, t = TokenTrace(), 0.0, 0.01, 0.0
+    while t <= until:
+        if round(t / dt) % 20 == 0:
+            trace.add(t, tokens)
+        rate = 1000.0 - 400.0 * t / until
+        tokens += rate * dt * (1 - round_cost if any(a <= t < b for a, b in rounds) else 1)
+        t += dt
+    return trace
 
 
-class FakeRig:
-    """Output tokens accrue at 1000/s, less the tuner's cost while it runs."""
+def test_exploration_cost_recovers_each_rounds_loss_under_drift_and_projects_the_schedule():
+    """Six 6-s rounds, 20 s apart, each costing 30% of the throughput (1.8 s of incumbent time),
+    while the machine slows from 1000 to 600 tokens/s: every round's loss comes out at 1.8 s
+    (mutation: the alone rate from the gap before only -> 1.93 s: the drift goes into it). A round
+    that changed the incumbent is not used."""
+    spans = [(20.0 + 26.0 * i, 26.0 + 26.0 * i) for i in range(6)]
+    trace = drifting_trace(spans, 0.3, until=spans[-1][1] + 21.0)
+    rounds = [Round(a, b, floor=4.0, incumbent_changed=i == 3) for i, (a, b) in enumerate(spans)]
+    costs = round_costs(trace, rounds, first_gap_start=0.0, last_gap_end=spans[-1][1] + 21.0, settle=1.0)
+    assert [c.used for c in costs] == [True, True, True, False, True, True]
+    for c in costs:
+        assert c.lost_seconds == pytest.approx(1.8, abs=0.08)
+    summary = summarize(costs, rounds, idle_seconds=5.0, max_idle_seconds=300.0)
+    assert summary["lost_seconds_per_round_median"] == pytest.approx(1.8, abs=0.08)
+    assert summary["measured_cost_percent"] == pytest.approx(100 * 1.8 / 26.0, abs=0.4)
+    assert summary["steady_cost_percent"] == pytest.approx(100 * 1.8 / 306.0, abs=0.05)
+    assert summary["first_hour_rounds"] == back_off_rounds(3600.0, 6.0, 4.0, 5.0, 300.0)
 
-    def __init__(self, running: FakeRunning):
-        self.running, self.tokens, self.last = running, 0.0, time.monotonic()
-        running.rig = self
 
-    def output_tokens(self) -> int:
-        now = time.monotonic()
-        self.tokens += (now - self.last) * 1000.0 * ((1 - self.running.cost) if self.running.running.is_set() else 1)
-        self.last = now
-        return int(self.tokens)
-
-
-def test_exploration_cost_alternates_and_drops_pairs_whose_incumbent_changed():
-    running = FakeRunning(cost=0.04, promote_on={2})
-    args = SimpleNamespace(exploration_pairs=4, steady_seconds=0.2)
-    e = exploration_cost(args, FakeRig(running), running)
-    assert [p["order"][0] for p in e["pairs"]] == ["exploring", "alone", "exploring", "alone"]
-    assert [p["used"] for p in e["pairs"]] == [True, False, True, True]  # the second start promoted
-    assert e["used_pairs"] == 3
-    assert e["cost_percent_median"] == pytest.approx(4.0, abs=1.5)
-    assert e["cost_percent_min"] <= e["cost_percent_median"] <= e["cost_percent_max"]
+def test_back_off_schedule_counts_rounds_as_the_cli_spaces_them():
+    # rounds start at 0, 6, 17, 38, 59, 80 (idle 5, 10, 20, 20, ...; each round 1 s); the seventh would end past 100
+    assert back_off_rounds(100.0, round_seconds=1.0, floor=0.0, idle=5.0, max_idle=20.0) == 6
+    # an idle floor above the back-off spaces them by the floor instead
+    assert back_off_rounds(100.0, round_seconds=1.0, floor=30.0, idle=5.0, max_idle=20.0) == 4

@@ -72,8 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-workers", type=int, default=1,
                         help="--scenario noise: processes spinning a core each while the background load is on")
     parser.add_argument("--steady-seconds", type=float, default=30.0,
-                        help="--scenario shift: exploring before the shift, and each period of the exploration-cost "
-                             "alternation (default 30)")
+                        help="--scenario shift: exploring before the shift (or before the exploration cost in "
+                             "the no-shift run; default 30)")
     parser.add_argument("--shift-timeout", type=float, default=300.0,
                         help="--scenario shift: give up waiting for a decision after this long (default 300)")
     parser.add_argument("--exploration-share", type=float, default=0.1, help="--scenario shift (default 0.1)")
@@ -84,8 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--scenario shift: only the no-shift control and the exploration cost")
     parser.add_argument("--shift-only", action="store_true",
                         help="--scenario shift: only the run with the workload shift")
-    parser.add_argument("--exploration-pairs", type=int, default=6,
-                        help="--scenario shift: exploring / alone period pairs for the exploration cost (default 6)")
+    parser.add_argument("--exploration-rounds", type=int, default=6,
+                        help="--scenario shift: challenge rounds measured for the exploration cost (default 6)")
+    parser.add_argument("--exploration-gap", type=float, default=30.0,
+                        help="--scenario shift: seconds the incumbent serves alone between those rounds (default 30)")
     parser.add_argument("--prompt-count", type=int, default=8,
                         help="cycle the first N shipped prompts (default 8), so every window serves the same work")
     parser.add_argument("--min-tokens", type=int, default=None,

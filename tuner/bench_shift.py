@@ -9,18 +9,19 @@ Two runs, each on a fresh server, the continuous tuner (tuner/continuous.py) in 
   and to the new incumbent, and the old incumbent, plain decoding and each drafter at the longest
   length each measured against the new incumbent in the same rounds (tuner.compare.compare_paired).
 - no-shift: the same, the load never switches; reported: re-opened searches (should be 0) and
-  promotions. Exploration cost: output tokens/s with the tuner exploring vs the incumbent alone in
-  --exploration-pairs alternating pairs of --steady-seconds periods (see exploration_cost).
+  promotions. Then the exploration cost: --exploration-rounds challenge rounds --exploration-gap
+  seconds apart, each against the incumbent alone in the gaps around it, projected onto the CLI's
+  schedule (tuner/exploration.py).
 Writes shift.json / shift.md to --out and prints the table.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,14 +31,17 @@ from service.types import Drafter, DraftPolicy
 from tuner.assemble import TuneSettings, assemble
 from tuner.compare import compare_paired
 from tuner.continuous import ContinuousConfig, ContinuousTuner, Decision
+from tuner.exploration import Round, TokenTrace, round_costs, summarize
 from tuner.measure import MeasureConfig, Measurer
 from tuner.progress import ProgressPrinter
 from tuner.pruning import PruneRule
 from tuner.rig import Rig, RigSpec, open_rig
 from tuner.sampler import InitialDesign
-from tuner.space import policy_key
+from tuner.space import PolicyKey, policy_key
 from tuner.study import open_storage
 from tuner.window import CostModel, Objective, WindowSpec
+
+SETTLE_SECONDS = 1.0  # after a round: requests still in flight under the challenger's policy finish
 
 
 def run_shift(args, code: list[str], repeat: list[str], out: Path) -> int:
@@ -110,9 +114,11 @@ def one_run(args, rig: Rig, label: str, new_prompts: list[str] | None, out: Path
     if new_prompts is None:
         time.sleep(args.steady_seconds)
         running.stop()
-        r["exploration"] = exploration_cost(args, rig, running)
-        running.stop()
-        r["incumbent_after"] = running.tuner.incumbent.key.label()
+        r["exploration"], explorer = exploration_cost(
+            args, rig, lambda cfg, on_round: ContinuousTuner(root.study, make, cfg, args.trials, None, on_decision,
+                                                             on_round=on_round),
+            config, before.key if before else None)
+        r["incumbent_after"] = explorer.incumbent.key.label()
     else:
         time.sleep(args.steady_seconds)
         seen = len(decisions)
@@ -135,43 +141,49 @@ def one_run(args, rig: Rig, label: str, new_prompts: list[str] | None, out: Path
     return r
 
 
-def exploration_cost(args, rig: Rig, running: _Running) -> dict[str, object]:
-    """Output tokens/s of the whole load with the tuner exploring vs the incumbent alone, in
-    --exploration-pairs pairs of --steady-seconds periods, the order alternating (E A, A E, ...) so a
-    linear drift cancels. An exploring period ends when the tuner has stopped (its round in flight
-    finished), so it holds whole rounds and their full cost. A pair whose exploring period changed
-    the incumbent is discarded: "alone" must run the same incumbent as "exploring" did."""
-    pairs: list[dict[str, object]] = []
-    for i in range(args.exploration_pairs):
-        order = ("exploring", "alone") if i % 2 == 0 else ("alone", "exploring")
-        rate: dict[str, float] = {}
-        changed = False
-        for mode in order:
-            before = running.tuner.incumbent.key if running.tuner.incumbent else None
-            tokens, t = rig.output_tokens(), time.monotonic()
-            if mode == "exploring":
-                running.start()
-                time.sleep(args.steady_seconds)
-                running.stop()
-                changed = running.tuner.incumbent is None or running.tuner.incumbent.key != before
-            else:
-                time.sleep(args.steady_seconds)
-            rate[mode] = (rig.output_tokens() - tokens) / (time.monotonic() - t)
-        ratio = rate["exploring"] / rate["alone"] if rate["alone"] > 0 else None
-        pairs.append({"order": list(order), "tokens_per_second": rate, "exploring_over_alone": ratio,
-                      "incumbent_changed": changed, "used": ratio is not None and not changed})
-        print(f"bench exploration: pair {i + 1}/{args.exploration_pairs} {order[0]} first: exploring "
-              f"{rate['exploring']:.1f} tok/s, alone {rate['alone']:.1f} tok/s"
-              + (" (incumbent changed: discarded)" if changed else ""), file=sys.stderr, flush=True)
-    used = sorted(p["exploring_over_alone"] for p in pairs if p["used"])
-    summary: dict[str, object] = {"pairs": pairs, "used_pairs": len(used)}
-    if used:
-        costs = [(1 - x) * 100 for x in used]
-        summary.update({"cost_percent_median": round(statistics.median(costs), 1),
-                        "cost_percent_mean": round(statistics.fmean(costs), 1),
-                        "cost_percent_min": round(min(costs), 1), "cost_percent_max": round(max(costs), 1),
-                        "cost_percent_sd": round(statistics.stdev(costs), 1) if len(costs) > 1 else None})
-    return summary
+def exploration_cost(args, rig: Rig, new_tuner: Callable[..., ContinuousTuner], config: ContinuousConfig,
+                     incumbent: PolicyKey | None) -> tuple[dict[str, object], ContinuousTuner]:
+    """The continuous tuner's exploration cost (tuner.exploration): it runs --exploration-rounds
+    challenge rounds --exploration-gap seconds apart, without restarts, while the load's output
+    tokens are sampled; the incumbent serves alone for one gap before the first round and after the
+    last. `new_tuner(config, on_round)` builds the tuner on the run's study (it resumes the saved
+    incumbent, `incumbent`). Returns the summary and that tuner."""
+    gap = args.exploration_gap
+    rounds: list[Round] = []
+    trace = TokenTrace()
+    last = {"key": incumbent}
+
+    def on_round(start: float, end: float, floor: float) -> None:
+        key = tuner.incumbent.key if tuner.incumbent else None
+        rounds.append(Round(start, end, floor, incumbent_changed=key != last["key"]))
+        last["key"] = key
+
+    def sample_until(deadline: float, done=lambda: False) -> None:
+        while time.monotonic() < deadline and not done():
+            trace.add(time.monotonic(), rig.output_tokens())
+            time.sleep(0.2)
+        trace.add(time.monotonic(), rig.output_tokens())
+
+    tuner = new_tuner(replace(config, idle_seconds=gap, max_idle_seconds=gap), on_round)
+    first = time.monotonic()
+    sample_until(first + gap)
+    stop = threading.Event()
+    thread = threading.Thread(target=tuner.run, args=(stop,), daemon=True, name="continuous-exploration")
+    thread.start()
+    sample_until(time.monotonic() + args.shift_timeout, lambda: len(rounds) >= args.exploration_rounds)
+    stop.set()
+    thread.join(600)
+    tuner.restore()
+    end = (rounds[-1].end if rounds else time.monotonic()) + SETTLE_SECONDS + gap
+    sample_until(end)
+    costs = round_costs(trace, rounds, first, end, SETTLE_SECONDS)
+    summary = summarize(costs, rounds, ContinuousConfig().idle_seconds, ContinuousConfig().max_idle_seconds)
+    summary["gap_seconds"] = gap
+    for c in costs:
+        print(f"bench exploration: round {c.seconds:.1f} s, lost {c.lost_seconds:.2f} s against "
+              f"{c.alone_tokens_per_second:.1f} tok/s alone" + ("" if c.used else " (not used)"),
+              file=sys.stderr, flush=True)
+    return summary, tuner
 
 
 def side_by_side(args, rig: Rig, window: WindowSpec, before: DraftPolicy | None, after: DraftPolicy):
@@ -224,16 +236,18 @@ def markdown(result: dict) -> str:
         lines.append("")
     e = n.get("exploration")
     if e:
-        lines += ["Exploration cost (no-shift run): output tokens/s with the tuner exploring vs the incumbent alone, "
-                  "alternating periods:", "", "| pair | order | exploring tok/s | alone tok/s | cost | used |",
-                  "|---|---|---|---|---|---|"]
-        for i, p in enumerate(e["pairs"]):
-            r = p["tokens_per_second"]
-            cost = f"{(1 - p['exploring_over_alone']) * 100:.1f}%" if p["exploring_over_alone"] else "-"
-            lines.append(f"| {i + 1} | {' then '.join(p['order'])} | {r['exploring']:.1f} | {r['alone']:.1f} "
-                         f"| {cost} | {'yes' if p['used'] else 'no (incumbent changed)'} |")
-        if e["used_pairs"]:
-            lines += ["", f"Cost over {e['used_pairs']} pairs: median {e['cost_percent_median']}%, mean "
-                      f"{e['cost_percent_mean']}%, range {e['cost_percent_min']}% to {e['cost_percent_max']}%"
-                      + (f", sd {e['cost_percent_sd']}%" if e.get("cost_percent_sd") is not None else "")]
+        lines += [f"Exploration cost (no-shift run): {len(e['rounds'])} challenge rounds {e['gap_seconds']} s apart, "
+                  "each against the incumbent alone in the gaps around it:", "",
+                  "| round | seconds | lost seconds | alone tok/s | used |", "|---|---|---|---|---|"]
+        for i, c in enumerate(e["rounds"]):
+            lines.append(f"| {i + 1} | {c['seconds']} | {c['lost_seconds']} | {c['alone_tokens_per_second']} "
+                         f"| {'yes' if c['used'] else 'no (incumbent changed)'} |")
+        if e["used_rounds"]:
+            lines += ["", f"Lost per round: median {e['lost_seconds_per_round_median']} s (range "
+                      f"{e['lost_seconds_per_round_min']} to {e['lost_seconds_per_round_max']}) of "
+                      f"{e['round_seconds_median']} s rounds. Cost of the incumbent's throughput: "
+                      f"{e['measured_cost_percent']}% measured at the {e['gap_seconds']}-s gap; "
+                      f"{e['steady_cost_percent']}% in the CLI's steady state (a round every "
+                      f"{e['steady_spacing_seconds']:.0f} s); {e['first_hour_cost_percent']}% over the first hour "
+                      f"after a decision ({e['first_hour_rounds']} rounds while the back-off grows)."]
     return "\n".join(lines) + "\n"

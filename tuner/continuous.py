@@ -154,6 +154,7 @@ class ContinuousTuner:
         metrics: TunerMetrics | None = None,
         on_decision: Callable[[Decision], None] = lambda d: None,
         on_log: Callable[[str], None] = lambda line: None,
+        on_round: Callable[[float, float, float], None] = lambda start, end, floor: None,
     ):
         self._root = root
         self._make = make
@@ -162,6 +163,7 @@ class ContinuousTuner:
         self._metrics = metrics
         self._on_decision = on_decision
         self._on_log = on_log  # waiting for traffic / the server (not decisions: nothing was decided)
+        self._on_round = on_round  # each challenge round: monotonic start and end, its idle floor (s)
         self._stop = threading.Event()
         self.built: Assembled | None = None
         self.incumbent: st.PolicyScore | None = None
@@ -182,6 +184,7 @@ class ContinuousTuner:
             # The plain probe is never pruned: plain far worse than the incumbent is the normal case,
             # and its ratio is what the shift detector needs (its cost is bounded by the share).
             probe = challenger is not None and challenger.get("draft_length") == 0
+            started = time.monotonic()
             try:
                 result = self.built.tuner.challenge(challenger, self.incumbent, self._config.exploration_share,
                                                     prune=not probe)
@@ -193,8 +196,10 @@ class ContinuousTuner:
                 continue
             decided = self._judge(result) if result is not None else False
             self.restore()
+            floor = idle_floor(result, self._config.exploration_share)
+            self._on_round(started, time.monotonic(), floor)
             idle = self._config.idle_seconds if decided else min(self._config.max_idle_seconds, idle * 2)
-            stop.wait(max(idle, idle_floor(result, self._config.exploration_share)))
+            stop.wait(max(idle, floor))
 
     def _search(self) -> st.PolicyScore | None:
         """The epoch's search, resumed until it finishes. Starved windows (no traffic yet, or spans not
