@@ -221,3 +221,31 @@ def test_back_to_back_side_by_side_cancels_a_linear_drift_without_mixing_arms_in
     assert [p.policy_id for p in server.history[:4]] == ["b/ngram-r0/ref", "b/ngram-r0", "b/ngram-r1", "b/ngram-r1/ref"]
     assert row.ratio.ratio == pytest.approx(0.6, rel=0.04)
     assert len(row.per_round) == 4
+
+
+def test_interleaved_prune_is_rechecked_against_a_fresh_control_so_a_slowdown_does_not_kill_a_good_candidate(
+        tmp_path):
+    """Interleaved windows prune a candidate against the control window measured before it. The
+    machine slows 2.5x the moment n-gram k=3 (truly 0.65x plain) starts: against the fast lead window
+    it looks 1.6x plain and would be pruned for good (mutation: no recheck -> pruned, plain stays the
+    incumbent). A control window right after shows the slowdown; the candidate is measured again
+    against it and wins. The model drafter at T=1 (truly 3x plain) stays pruned after its recheck."""
+    server = FakeServer(model_info(concurrent_policies=False))
+    built, collector, _ = build(tmp_path, server, trials=3, remeasure_top=0,
+                                window=WindowSpec(min_tokens=160, min_steps=8, max_seconds=5))
+    assert built.mode is TrialMode.INTERLEAVED
+    slowed = {"yes": False}
+
+    def speed() -> float:
+        slowed["yes"] = slowed["yes"] or any(p.policy_id == "s/2" for p in server.history)
+        return SLOWDOWN if slowed["yes"] else 1.0
+
+    with SyntheticTraffic(server, collector.on_spans, cost, speed=speed):
+        built.tuner.run()
+    model, ngram = built.study.trials[1], built.study.trials[2]
+    assert model.state is TrialState.PRUNED
+    assert ngram.state is TrialState.COMPLETE and ngram.user_attrs["paired_ratio"] == pytest.approx(0.65, rel=0.05)
+    assert st.incumbent(built.study, built.space).key.label() == "ngram k=3"
+    ids = [p.policy_id for p in server.history]
+    assert ids.count("s/1/control-check") == 1 and ids.count("s/2/control-check") == 1
+    assert ids.index("s/2") < ids.index("s/2/control-check") < len(ids) - 1 - ids[::-1].index("s/2")

@@ -368,6 +368,8 @@ class Tuner:
                 return PairedMeasurement(m, before.stats, control.policy, PairedRatio.of(m.stats, before.stats), 0.5)
             lead = before.stats
         cand = measure(policy, lead.seconds_per_token if prune else None, progress, heartbeat, window)
+        if cand.outcome is Outcome.PRUNED:
+            cand, lead = self._recheck_prune(policy, control, cand, lead, progress, heartbeat, window)
         controls = lead.copy()
         if cand.outcome is Outcome.COMPLETE:
             after = measure(replace(control.policy, policy_id=f"{policy.policy_id}/control-after"), None, None,
@@ -378,6 +380,34 @@ class Tuner:
         ratio = PairedRatio.of(cand.stats, controls)
         m = replace(cand, value=ratio.ratio * control.mean) if cand.stats.committed else cand
         return PairedMeasurement(m, controls, control.policy, ratio, 0.5)
+
+    def _recheck_prune(
+        self,
+        policy: DraftPolicy,
+        control: st.PolicyScore,
+        cand: Measurement,
+        lead: WindowStats,
+        progress: Callable[[WindowStats], None],
+        heartbeat: Callable[[], None],
+        window: WindowSpec,
+    ) -> tuple[Measurement, WindowStats]:
+        """An interleaved prune compares the candidate with a control window measured before it: a
+        machine that slowed down in between (another tenant, a burst) prunes a good candidate, and a
+        pruned policy is never measured again (duplicates reuse its result). So a control window as
+        long as the candidate's runs right after it; the prune stands only if the candidate is still
+        over the factor against that one. Otherwise the candidate is measured once more from the
+        start against the fresh control, which becomes the lead window."""
+        measure = self._measurer.measure
+        size = replace(window, min_tokens=max(1, cand.stats.committed), min_steps=max(1, cand.stats.steps),
+                       min_seconds=0.0)
+        check = measure(replace(control.policy, policy_id=f"{policy.policy_id}/control-check"), None, None,
+                        heartbeat, size)
+        factor = self._measurer.prune.factor
+        if check.outcome is not Outcome.COMPLETE or \
+                cand.stats.seconds_per_token > factor * check.stats.seconds_per_token:
+            return cand, lead
+        again = measure(policy, check.stats.seconds_per_token, progress, heartbeat, window)
+        return again, check.stats
 
     def window(self) -> WindowSpec:
         """The trial window, stretched where a policy switch is expensive: every window lasts at
