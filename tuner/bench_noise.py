@@ -123,7 +123,7 @@ def side_by_side(args, rig: Rig, window: WindowSpec, grid_best: DraftPolicy | No
           "quiet machine ...", file=err, flush=True)
     shared = rig.admin.model_info().shared_passes
     paired = compare_paired(measurer, grid_best, policies, args.compare_rounds, "bench/noise", shared_passes=shared)
-    return {"reference": {"policy": label, "kind": kind}, "back_to_back": shared,
+    return {"reference": {"policy": label, "kind": kind, "back_to_back": shared},
             "rows": [c.as_dict() for c in paired]}
 
 
