@@ -19,7 +19,7 @@ from tuner import study as st
 from tuner.admin import PolicyAdmin
 from tuner.assemble import assemble
 from tuner.collector import SpanCollector
-from tuner.continuous import ContinuousConfig, ContinuousTuner, ShiftDetector, idle_floor
+from tuner.continuous import ContinuousConfig, ContinuousTuner, PromotionGate, ShiftDetector, idle_floor
 from tuner.metrics import TunerMetrics
 from tuner.spans import request_sample
 from tuner.window import WindowSpec, WindowStats
@@ -233,3 +233,42 @@ def test_negative_control_the_same_starvation_stops_a_one_shot_search(tmp_path):
         traffic.paused.set()
         with pytest.raises(NoTraffic):
             h.root.tuner.run()
+
+
+def test_a_challenger_is_promoted_only_after_winning_rounds_in_a_row():
+    """One confident win makes a challenger pending, not the incumbent: on a steady workload near-equal
+    policies each win a round now and then (the no-shift benchmark promoted n-gram k=2 -> 1 -> 3 with a
+    one-round rule). Negative control: confirmations=1 promotes on the first win."""
+    k2, k3 = DraftPolicy(Drafter.NGRAM, 2, 1.0, "a"), DraftPolicy(Drafter.NGRAM, 3, 1.0, "b")
+    gate = PromotionGate(confirmations=2)
+    assert not gate.observe(k2, better=True) and gate.pending == k2
+    assert not gate.observe(k2, better=False) and gate.pending is None  # lost its second look
+    assert not gate.observe(k2, better=True)
+    assert not gate.observe(k3, better=True) and gate.pending == k3 and gate.wins == 1  # another one starts over
+    assert not gate.observe(DraftPolicy(Drafter.NGRAM, 3, 1.0, "c"), better=False) and gate.pending is None
+    assert not gate.observe(k3, better=True)
+    assert gate.observe(DraftPolicy(Drafter.NGRAM, 3, 1.0, "d"), better=True) and gate.pending is None
+    assert PromotionGate(confirmations=1).observe(k2, better=True)
+
+
+def test_a_better_challenger_is_challenged_again_at_once_and_then_promoted(tmp_path):
+    """The saved incumbent is n-gram k=8 (0.8x plain on this workload); n-gram k=4 (0.6x) beats it. The
+    round after its first confident win challenges it again (no plain probe or runner-up in between),
+    and that second win promotes it."""
+    server = FakeServer()
+    h = Harness(tmp_path, server)
+    with SyntheticTraffic(server, h.collector.on_spans, code_workload, noise=0.05):
+        h.run_until(lambda: len(h.decisions) >= 1, timeout=60)
+    study = h.tuner.built.study
+    saved = study.user_attrs["continuous"]["incumbent"]
+    study.set_user_attr("continuous", {**study.user_attrs["continuous"], "incumbent": {
+        **saved, "params": {"draft_length": 8, "drafter": "ngram"}, "policy_id": "s/k8", "label": "ngram k=8"}})
+    again = Harness(tmp_path, server)
+    with SyntheticTraffic(server, again.collector.on_spans, code_workload, noise=0.05):
+        again.run_until(lambda: any(d.kind == "promote" for d in again.decisions), timeout=120)
+    promote = next(i for i, d in enumerate(again.decisions) if d.kind == "promote")
+    pending = again.decisions[promote - 1]
+    assert pending.kind == "kept" and "measured again next" in pending.reason, [d.reason for d in again.decisions]
+    challenger = pending.reason.split(" at ")[0].removeprefix("challenger ")
+    assert again.decisions[promote].policy == challenger and "2 rounds in a row" in again.decisions[promote].reason
+    assert again.tuner.incumbent.policy.draft_length < 8

@@ -117,7 +117,7 @@ def one_run(args, rig: Rig, label: str, new_prompts: list[str] | None, out: Path
         r["exploration"], explorer = exploration_cost(
             args, rig, lambda cfg, on_round: ContinuousTuner(root.study, make, cfg, args.trials, None, on_decision,
                                                              on_round=on_round),
-            config, before.key if before else None)
+            config, running.tuner.incumbent.key if running.tuner.incumbent else None)  # it may have moved since
         r["incumbent_after"] = explorer.incumbent.key.label()
     else:
         time.sleep(args.steady_seconds)

@@ -8,7 +8,8 @@ Contract:
 - Then, forever, rounds: one challenger beside the incumbent at `exploration_share` of the traffic
   (a paired trial of role "challenge"), chosen in rotation: plain decoding (the shift probe), the
   runners-up, a fresh TPE proposal. A challenger whose whole confidence interval of cost relative to
-  the incumbent lies below 1 - `min_gain` is promoted. Between rounds the incumbent serves alone for
+  the incumbent lies below 1 - `min_gain` is challenged again at once and promoted when that holds
+  in `promote_confirmations` rounds in a row (PromotionGate). Between rounds the incumbent serves alone for
   an idle time that doubles while nothing changes (cheap when the workload is steady) and resets
   after any decision. On a backend that runs one policy at a time the challenger's window had all
   the traffic, so the idle time is also at least window x (1 - share) / share.
@@ -48,6 +49,7 @@ from tuner.tuning import Challenge, NoTraffic
 class ContinuousConfig:
     exploration_share: float = 0.1  # of the requests, for the challenger
     min_gain: float = 0.02  # a challenger must be cheaper by at least this much, with confidence
+    promote_confirmations: int = 2  # ...in this many rounds in a row (it is re-challenged at once)
     reopen_trials: int = 12  # search trials when the search re-opens on a workload shift
     plain_shift: float = 0.25  # relative move of the incumbent's cost relative to plain decoding
     acceptance_shift: float = 0.15  # absolute move of the incumbent's acceptance rate
@@ -131,6 +133,35 @@ class ShiftDetector:
         return None
 
 
+@dataclass
+class PromotionGate:
+    """A challenger replaces the incumbent only after beating it with confidence in `confirmations`
+    challenge rounds in a row (the continuous loop re-challenges a pending one at once). Why: a
+    round's interval covers the requests' noise, not a machine whose speed moved between windows
+    (interleaved rounds) or a lucky draw among near-equal policies, and on a steady workload the
+    first version promoted back and forth between n-gram k=1, 2 and 3 (two promotions in one
+    no-shift benchmark run, each "with confidence"). A round in which the pending challenger is not
+    better clears it."""
+
+    confirmations: int = 2
+    pending: DraftPolicy | None = None
+    wins: int = 0
+
+    def observe(self, policy: DraftPolicy, better: bool) -> bool:
+        """True when `policy` is to be promoted now."""
+        same = self.pending is not None and policy_key(self.pending) == policy_key(policy)
+        if not better:
+            if same:
+                self.pending, self.wins = None, 0
+            return False
+        self.wins = self.wins + 1 if same else 1
+        self.pending = policy
+        if self.wins >= self.confirmations:
+            self.pending, self.wins = None, 0
+            return True
+        return False
+
+
 def idle_floor(c: Challenge | None, share: float) -> float:
     """Where the challenger had all the traffic for its window (a backend that runs one policy at a
     time: interleaved windows), the incumbent then serves alone long enough that the challenger got
@@ -169,6 +200,7 @@ class ContinuousTuner:
         self.incumbent: st.PolicyScore | None = None
         self.epoch = int(root.user_attrs.get("continuous", {}).get("epoch", 0))
         self.detector = ShiftDetector(config)
+        self.gate = PromotionGate(config.promote_confirmations)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -236,12 +268,19 @@ class ContinuousTuner:
         if shift is not None:
             self._reopen(shift)
             return True
-        if ratio.high < 1.0 - self._config.min_gain:
-            self._promote(c, f"cost {ratio.ratio:.3f}x the incumbent's (95% interval {ratio.low:.3f}-"
-                             f"{ratio.high:.3f}) over {ratio.candidate_requests} + {ratio.control_requests} requests")
+        better = ratio.high < 1.0 - self._config.min_gain
+        measured = (f"{ratio.ratio:.3f}x the incumbent's (95% interval {ratio.low:.3f}-{ratio.high:.3f}) over "
+                    f"{ratio.candidate_requests} + {ratio.control_requests} requests")
+        if self.gate.observe(c.policy, better):
+            self._promote(c, f"cost {measured}, better with confidence in {self.gate.confirmations} rounds in a row")
             return True
-        self._decide("kept", f"challenger {policy_key(c.policy).label()} at {ratio.ratio:.3f}x "
-                             f"({ratio.low:.3f}-{ratio.high:.3f}): not better with confidence")
+        label = policy_key(c.policy).label()
+        if better:  # pending: challenged again in the next round, which comes soon (the idle time resets)
+            self._decide("kept", f"challenger {label} at {measured}: better with confidence, "
+                                 f"{self.gate.wins} of {self.gate.confirmations} rounds; measured again next")
+            return True
+        self._decide("kept", f"challenger {label} at {ratio.ratio:.3f}x ({ratio.low:.3f}-{ratio.high:.3f}): "
+                             "not better with confidence")
         return False
 
     # -- decisions ---------------------------------------------------------------------------
@@ -257,6 +296,7 @@ class ContinuousTuner:
         saved = self._root.user_attrs.get("continuous", {})
         kept = saved.get("incumbent") if resumed and saved.get("epoch") == epoch else None
         self.detector = ShiftDetector(self._config)
+        self.gate = PromotionGate(self._config.promote_confirmations)
         if kept is not None:
             self.incumbent = self._score_from_saved(kept)
             self.detector.plain_ratio = saved.get("plain_ratio")
@@ -279,6 +319,7 @@ class ContinuousTuner:
     def _promote(self, c: Challenge, reason: str) -> None:
         value = c.measurement.value
         self.incumbent = st.PolicyScore(policy_key(c.policy), c.policy, value, (value,), (c.trial,))
+        self.gate = PromotionGate(self._config.promote_confirmations)
         # New incumbent, new baselines: the next probes measure against it.
         self.detector = ShiftDetector(self._config, acceptance=c.measurement.stats.acceptance_rate
                                       if c.measurement.stats.drafted >= self._config.min_drafted_for_acceptance
@@ -321,6 +362,8 @@ class ContinuousTuner:
     def _next_challenger(self, rounds: int) -> dict[str, object] | None:
         """Params of the next challenger, or None for a fresh TPE proposal."""
         space: SearchSpace = self.built.space
+        if self.gate.pending is not None:
+            return space.params_of(self.gate.pending)
         speculating = self.incumbent.policy.draft_length > 0
         if speculating and rounds % self._config.probe_plain_every == 0:
             return space.params_of(DraftPolicy(draft_length=0))

@@ -10,6 +10,10 @@ requests. Its variance comes from the per-request costs by the delta method,
 and the candidate / control ratio is taken on the log scale, where the two independent arms' relative
 variances add: Var(log Rc - log Rk) ~= Var(Rc)/Rc^2 + Var(Rk)/Rk^2. The interval is
 exp(log ratio +- z * sd): asymmetric, always positive, and it narrows as requests accumulate.
+
+Interleaved windows (control, candidate, control: one policy per window) add a term the requests
+cannot show: the machine's speed moving between windows. `drift_log_variance` estimates it from the
+two control windows and `PairedRatio.of(..., extra_log_variance=...)` adds it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,18 @@ def relative_variance(costs: list[tuple[float, int]]) -> float:
     return residual / tokens**2 * m / (m - 1) / r**2
 
 
+def drift_log_variance(before: WindowStats, after: WindowStats) -> float:
+    """The log-scale variance that a machine whose speed moves between windows adds to a candidate
+    window compared with the mean of the control windows before and after it. The two controls' log
+    costs differ by d; two samples estimate the between-window variance as d^2 / 2, and a window
+    against the mean of two carries it 1 + 1/2 times: 0.75 d^2 (one pair makes a rough estimate, but
+    it is zero only when the machine held still, and it widens the interval when it did not)."""
+    a, b = before.seconds_per_token, after.seconds_per_token
+    if not (math.isfinite(a) and math.isfinite(b)) or a <= 0 or b <= 0:
+        return 0.0
+    return 0.75 * math.log(a / b) ** 2
+
+
 @dataclass(frozen=True)
 class PairedRatio:
     ratio: float  # candidate cost / control cost (< 1: the candidate is cheaper)
@@ -43,12 +59,14 @@ class PairedRatio:
     control_requests: int
 
     @classmethod
-    def of(cls, candidate: WindowStats, control: WindowStats, z: float = Z_95) -> PairedRatio:
+    def of(cls, candidate: WindowStats, control: WindowStats, z: float = Z_95,
+           extra_log_variance: float = 0.0) -> PairedRatio:
         c, k = candidate.seconds_per_token, control.seconds_per_token
         if not (math.isfinite(c) and math.isfinite(k)) or k <= 0 or c <= 0:
             return cls(math.inf if k > 0 else math.nan, 0.0, math.inf, candidate.requests, control.requests)
         ratio = c / k
-        sd = math.sqrt(relative_variance(candidate.request_costs) + relative_variance(control.request_costs))
+        sd = math.sqrt(relative_variance(candidate.request_costs) + relative_variance(control.request_costs)
+                       + extra_log_variance)
         if not math.isfinite(sd):
             return cls(ratio, 0.0, math.inf, candidate.requests, control.requests)
         return cls(ratio, ratio * math.exp(-z * sd), ratio * math.exp(z * sd), candidate.requests,

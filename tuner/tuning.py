@@ -46,7 +46,7 @@ from tuner import study as st
 from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
 from tuner.collector import Traffic
 from tuner.measure import Measurement, Measurer, Outcome, PairedMeasurement, TrialMode
-from tuner.paired import PairedRatio
+from tuner.paired import PairedRatio, drift_log_variance
 from tuner.space import PolicyKey, SearchSpace, policy_key
 from tuner.whatif_hint import LengthHint, hint_from_prediction, prediction_attributes, replay_trial, user_attributes
 from tuner.window import WindowSpec, WindowStats
@@ -354,7 +354,8 @@ class Tuner:
         prune: bool,
     ) -> PairedMeasurement:
         """Control, candidate, control: three windows, two policy switches, and the trailing control
-        window is kept for the next trial's leading one (two switches per trial in a run)."""
+        window is kept for the next trial's leading one (two switches per trial in a run). The ratio's
+        interval also carries the drift the two control windows show (paired.drift_log_variance)."""
         measure = self._measurer.measure
         reused, self._last_control = self._last_control, None
         if reused is not None and reused[0] == control.key:
@@ -370,14 +371,15 @@ class Tuner:
         cand = measure(policy, lead.seconds_per_token if prune else None, progress, heartbeat, window)
         if cand.outcome is Outcome.PRUNED:
             cand, lead = self._recheck_prune(policy, control, cand, lead, progress, heartbeat, window)
-        controls = lead.copy()
+        controls, drift = lead.copy(), 0.0
         if cand.outcome is Outcome.COMPLETE:
             after = measure(replace(control.policy, policy_id=f"{policy.policy_id}/control-after"), None, None,
                             heartbeat, window)
             if after.outcome is Outcome.COMPLETE:
                 controls.merge(after.stats)
+                drift = drift_log_variance(lead, after.stats)
                 self._last_control = (control.key, after.stats)
-        ratio = PairedRatio.of(cand.stats, controls)
+        ratio = PairedRatio.of(cand.stats, controls, extra_log_variance=drift)
         m = replace(cand, value=ratio.ratio * control.mean) if cand.stats.committed else cand
         return PairedMeasurement(m, controls, control.policy, ratio, 0.5)
 
