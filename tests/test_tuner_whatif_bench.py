@@ -17,7 +17,7 @@ from tests.test_whatif import H, info
 from tests.tuner_fixtures import SyntheticTraffic, model_info
 from tuner import study as st
 from tuner.assemble import TuneSettings
-from tuner.bench_whatif import FirstMeasured, SwitchCountingAdmin, run_study, summarise
+from tuner.bench_whatif import FirstMeasured, SwitchCountingAdmin, predictions, run_study, summarise
 from tuner.collector import SpanCollector
 from tuner.sampler import InitialDesign
 from tuner.space import LengthOnly, SearchSpace, policy_key
@@ -153,3 +153,22 @@ def test_summary_pairs_the_seeds_counts_saved_cost_tied_and_censors_runs_that_ne
     assert e["target_from_hint"] == 3
     assert [x["start"] for x in summarise(runs + [dict(r, start="none") for r in runs[:2]], budget=9)] == \
         ["corners", "none"]
+
+
+def test_predictions_count_each_measured_trial_once_and_judge_the_predicted_length_against_the_target() -> None:
+    space = LengthOnly(Drafter.NGRAM).restrict(SearchSpace.from_model_info(model_info()))
+    dist = {"draft_length": optuna.distributions.IntDistribution(0, 8)}
+
+    def trial(k: int, **attrs) -> optuna.trial.FrozenTrial:
+        return optuna.trial.create_trial(params={"draft_length": k}, distributions=dist, value=1.0, user_attrs=attrs)
+
+    trials = [trial(0), trial(8, whatif_best_length=3), trial(3, whatif_best_length=3),
+              trial(8, whatif_best_length=3, duplicate_of=1),  # a reused result: not a second prediction
+              trial(5, whatif_best_length=2)]
+    for number, t in enumerate(trials):
+        t.number = number
+    made = predictions(trials, space, target={policy_key(DraftPolicy(Drafter.NGRAM, 3))})
+    assert made == [
+        {"trial": 1, "measured": "ngram k=8", "predicted_best": "ngram k=3", "hint": True, "in_target": True},
+        {"trial": 2, "measured": "ngram k=3", "predicted_best": "ngram k=3", "hint": False, "in_target": True},
+        {"trial": 4, "measured": "ngram k=5", "predicted_best": "ngram k=2", "hint": True, "in_target": False}]
