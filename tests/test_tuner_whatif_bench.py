@@ -17,7 +17,7 @@ from tests.test_whatif import H, info
 from tests.tuner_fixtures import SyntheticTraffic, model_info
 from tuner import study as st
 from tuner.assemble import TuneSettings
-from tuner.bench_whatif import FirstMeasured, SwitchCountingAdmin, predictions, run_study, summarise
+from tuner.bench_whatif import FirstMeasured, SwitchCountingAdmin, prediction_errors, predictions, run_study, summarise
 from tuner.collector import SpanCollector
 from tuner.sampler import InitialDesign
 from tuner.space import LengthOnly, SearchSpace, policy_key
@@ -164,11 +164,19 @@ def test_predictions_count_each_measured_trial_once_and_judge_the_predicted_leng
 
     trials = [trial(0), trial(8, whatif_best_length=3), trial(3, whatif_best_length=3),
               trial(8, whatif_best_length=3, duplicate_of=1),  # a reused result: not a second prediction
-              trial(5, whatif_best_length=2)]
+              trial(5, whatif_best_length=2, whatif_predicted={"0": 2.0, "2": 1.0, "1": 3.0})]
     for number, t in enumerate(trials):
         t.number = number
     made = predictions(trials, space, target={policy_key(DraftPolicy(Drafter.NGRAM, 3))})
-    assert made == [
+    assert [{k: v for k, v in p.items() if k != "predicted"} for p in made] == [
         {"trial": 1, "measured": "ngram k=8", "predicted_best": "ngram k=3", "hint": True, "in_target": True},
         {"trial": 2, "measured": "ngram k=3", "predicted_best": "ngram k=3", "hint": False, "in_target": True},
         {"trial": 4, "measured": "ngram k=5", "predicted_best": "ngram k=2", "hint": True, "in_target": False}]
+    assert made[2]["predicted"] == {"plain": 2.0, "ngram k=1": 3.0, "ngram k=2": 1.0}
+
+
+def test_prediction_errors_compare_each_predicted_length_with_its_own_reference_cost() -> None:
+    runs = [{"predictions": [{"predicted": {"plain": 2.0, "ngram k=1": 3.0}}, {"predicted": {"plain": 1.5}}]},
+            {"predictions": []}]
+    errors = prediction_errors(runs, {"ngram k=1": 2.0, "plain": 1.0, "ngram k=2": 1.0})
+    assert errors == {"ngram k=1": [0.5], "plain": [1.0, 0.5]}  # the reference's order; k=2 never predicted

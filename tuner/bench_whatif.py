@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -193,11 +194,26 @@ def predictions(trials: list[optuna.trial.FrozenTrial], space: SearchSpace, targ
             continue  # a reused result carries its original's prediction: count it once
         measured = space.policy_from_params(t.params, "")
         best = replace(measured, draft_length=int(t.user_attrs["whatif_best_length"]))
+        predicted = {int(k): v for k, v in t.user_attrs.get("whatif_predicted", {}).items()}
         out.append({"trial": t.number, "measured": policy_key(measured).label(),
                     "predicted_best": policy_key(best).label(),
                     "hint": best.draft_length < measured.draft_length,
-                    "in_target": any(matches(policy_key(best), k) for k in target)})
+                    "in_target": any(matches(policy_key(best), k) for k in target),
+                    "predicted": {policy_key(replace(measured, draft_length=k)).label(): v
+                                  for k, v in sorted(predicted.items())}})
     return out
+
+
+def prediction_errors(runs: list[dict], reference_cost: dict[str, float]) -> dict[str, list[float]]:
+    """Per policy: predicted / reference seconds per token - 1, over every prediction the hinted runs
+    made (the replay of one trial against the reference's own windows, measured at another time)."""
+    errors: dict[str, list[float]] = {}
+    for run in runs:
+        for made in run["predictions"]:
+            for label, seconds in made.get("predicted", {}).items():
+                if label in reference_cost:
+                    errors.setdefault(label, []).append(seconds / reference_cost[label] - 1)
+    return {label: errors[label] for label in reference_cost if label in errors}
 
 
 def run_study(admin: SwitchCountingAdmin, collector: SpanCollector, storage: optuna.storages.BaseStorage,
@@ -262,7 +278,8 @@ def run_whatif(args, prompts: list[str], out: Path) -> int:
                         runs.append({"start": start, "seed": seed, "hint": hinted,
                                      **run_study(admin, rig.collector, storage, settings, target, err)})
             result["cases"].append({"name": case.name, "budget": case.budget, "reference": reference, "runs": runs,
-                                    "summary": summarise(runs, case.budget)})
+                                    "summary": summarise(runs, case.budget),
+                                    "prediction_errors": prediction_errors(runs, reference["seconds_per_token"])})
     (out / "whatif.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     md = markdown(result)
     (out / "whatif.md").write_text(md)
@@ -350,5 +367,13 @@ def markdown(result: dict) -> str:
                          f"{_spread(e['saved_trials'])} (n={len(e['saved_trials'])}) | {_spread(e['saved_switches'])} "
                          f"| {e['seeds_saved']} / {e['seeds_cost']} / {e['seeds_tied']} | {e['target_from_hint']}/{n} "
                          f"| {e['hints_in_target']}/{e['hints']} | {e['predictions_in_target']}/{e['predictions']} |")
+        errors = case.get("prediction_errors", {})
+        if errors:
+            lines += ["", "The hinted runs' what-if predictions against the reference (predicted / reference - 1; "
+                      "every replayed trial predicts every length up to its own):", "",
+                      "| policy | predictions | median error | min..max |", "|---|---:|---:|---|"]
+            for label, errs in errors.items():
+                lines.append(f"| {label} | {len(errs)} | {statistics.median(errs):+.1%} | "
+                             f"{min(errs):+.1%}..{max(errs):+.1%} |")
         lines.append("")
     return "\n".join(lines)
