@@ -173,10 +173,11 @@ def cases(space: str, drafters: list[Drafter], info: ModelInfo, trials: int | No
     return out
 
 
-def reference_sweep(measurer: Measurer, policies: dict[str, DraftPolicy], rounds: int,
-                    prefix: str) -> dict[str, object]:
+def reference_sweep(measurer: Measurer, policies: dict[str, DraftPolicy], rounds: int, prefix: str,
+                    err: TextIO) -> dict[str, object]:
     """Every policy in windows of its own, order rotated per round: the reference pick and target."""
-    table = compare(measurer, policies, rounds, prefix)
+    table = compare(measurer, policies, rounds, prefix,
+                    on_measured=lambda n, r, v: print(f"  {n} round {r}: {v * 1e3:.3f} ms/tok", file=err, flush=True))
     cost = {c.name: c.seconds_per_token for c in table if c.stats.committed}
     best = min(cost, key=cost.get)
     target = sorted((n for n in cost if cost[n] <= WITHIN * cost[best]), key=cost.get)
@@ -260,7 +261,8 @@ def run_whatif(args, prompts: list[str], out: Path) -> int:
             print(f"bench whatif: {case.name}: reference, {len(case.policies)} policies in windows of their own, "
                   f"{args.compare_rounds} rounds ...", file=err, flush=True)
             slug = case.name.replace(" ", "-").replace("=", "")
-            reference = reference_sweep(measurer, case.policies, args.compare_rounds, f"bench/{slug}/reference")
+            reference = reference_sweep(measurer, case.policies, args.compare_rounds, f"bench/{slug}/reference",
+                                        err)
             keys = reference.pop("keys")
             target = {keys[n] for n in reference["target"]}
             runs = []
