@@ -5,19 +5,29 @@ and prediction accuracy over seeds."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import optuna
 import pytest
 
-from service.recording import StepRecorder
+from service.recording import StepRecorder, read_recording
 from service.types import Drafter, DraftPolicy
 from tests.test_tuner_whatif import RecordingServer, cost
-from tests.test_whatif import H, info
+from tests.test_whatif import H, info, synthetic_step
 from tests.tuner_fixtures import SyntheticTraffic, model_info
 from tuner import study as st
 from tuner.assemble import TuneSettings
-from tuner.bench_whatif import FirstMeasured, SwitchCountingAdmin, prediction_errors, predictions, run_study, summarise
+from tuner.bench_whatif import (
+    FirstMeasured,
+    SwitchCountingAdmin,
+    one_position_markdown,
+    one_position_passes,
+    prediction_errors,
+    predictions,
+    run_study,
+    summarise,
+)
 from tuner.collector import SpanCollector
 from tuner.sampler import InitialDesign
 from tuner.space import LengthOnly, SearchSpace, policy_key
@@ -180,3 +190,22 @@ def test_prediction_errors_compare_each_predicted_length_with_its_own_reference_
             {"predictions": []}]
     errors = prediction_errors(runs, {"ngram k=1": 2.0, "plain": 1.0, "ngram k=2": 1.0})
     assert errors == {"ngram k=1": [0.5], "plain": [1.0, 0.5]}  # the reference's order; k=2 never predicted
+
+
+def test_one_position_passes_are_grouped_by_the_recorded_policy_beside_the_startup_step(tmp_path) -> None:
+    def step(k: int, drafted: int, seconds: float, drafter: Drafter = Drafter.MODEL):
+        return dataclasses.replace(synthetic_step(max(k, 1), drafted, 0), draft_length=k, drafter=drafter,
+                                   verify_seconds=seconds)
+
+    path = tmp_path / "steps.jsonl"
+    recorder = StepRecorder(path, info(), hidden_size=H)
+    recorder.write([step(0, 0, 1.0), step(0, 0, 3.0), step(0, 0, 2.5)])  # plain: median 2.5
+    recorder.write([step(8, 8, 9.0), step(8, 0, 5.0), step(8, 0, 4.0)])  # one wide pass (not counted), two single
+    recorder.write([step(3, 0, 7.0, Drafter.NGRAM)])
+    recorder.close()
+    passes = one_position_passes(read_recording(path))
+    assert passes["median_verify_seconds"] == {"plain": 2.5, "model k=8": 4.5, "ngram k=3": 7.0}
+    assert passes["passes"] == {"plain": 3, "model k=8": 2, "ngram k=3": 1}
+    assert passes["startup_decode_step_seconds"] == info().decode_step_seconds
+    table = "\n".join(one_position_markdown(passes))
+    assert "| model k=8 | 2 | 4500.00 | 1.80 |" in table

@@ -40,6 +40,7 @@ from typing import TextIO
 
 import optuna
 
+from service.recording import Recording, read_recording
 from service.traffic import TrafficSplit
 from service.types import Drafter, DraftPolicy, ModelInfo
 from tuner.admin import PolicyAdmin
@@ -241,6 +242,22 @@ def run_study(admin: SwitchCountingAdmin, collector: SpanCollector, storage: opt
             "predictions": predictions(built.study.get_trials(deepcopy=False), built.space, target)}
 
 
+def one_position_passes(recording: Recording) -> dict[str, object]:
+    """The one-position passes of a recording, grouped by the recorded policy's drafter and length:
+    the what-if replay prices k' = 0 (plain decoding) from a speculative run's own one-position passes
+    (its anchor), while plain decoding itself runs only those. Median verify seconds per group,
+    beside the header's start-up `decode_step_seconds` (a quiet single-request forward pass)."""
+    groups: dict[str, list[float]] = {}
+    for step in recording.steps:
+        if step.window == 1:
+            label = "plain" if step.draft_length == 0 else f"{step.drafter.value} k={step.draft_length}"
+            groups.setdefault(label, []).append(step.verify_seconds)
+    order = sorted(groups, key=lambda x: (x != "plain", x.split(" ")[0], int(x.split("=")[-1]) if "=" in x else 0))
+    return {"startup_decode_step_seconds": recording.header.get("decode_step_seconds"),
+            "median_verify_seconds": {g: statistics.median(groups[g]) for g in order},
+            "passes": {g: len(groups[g]) for g in order}}
+
+
 def run_whatif(args, prompts: list[str], out: Path) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     err = sys.stderr
@@ -282,6 +299,7 @@ def run_whatif(args, prompts: list[str], out: Path) -> int:
             result["cases"].append({"name": case.name, "budget": case.budget, "reference": reference, "runs": runs,
                                     "summary": summarise(runs, case.budget),
                                     "prediction_errors": prediction_errors(runs, reference["seconds_per_token"])})
+    result["one_position_passes"] = one_position_passes(read_recording(recording))
     (out / "whatif.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     md = markdown(result)
     (out / "whatif.md").write_text(md)
@@ -378,4 +396,20 @@ def markdown(result: dict) -> str:
                 lines.append(f"| {label} | {len(errs)} | {statistics.median(errs):+.1%} | "
                              f"{min(errs):+.1%}..{max(errs):+.1%} |")
         lines.append("")
+    lines += one_position_markdown(result.get("one_position_passes"))
     return "\n".join(lines)
+
+
+def one_position_markdown(passes: dict | None) -> list[str]:
+    if not passes or "plain" not in passes["median_verify_seconds"]:
+        return []
+    medians, plain = passes["median_verify_seconds"], passes["median_verify_seconds"]["plain"]
+    startup = passes["startup_decode_step_seconds"]
+    lines = ["One-position passes in the recording (the what-if replay's k' = 0 anchor comes from a speculative "
+             "run's own), median verify ms and / plain decoding's:", "",
+             "| recorded policy | passes | median verify ms | / plain's |", "|---|---:|---:|---:|"]
+    for group, seconds in medians.items():
+        lines.append(f"| {group} | {passes['passes'][group]} | {_ms(seconds)} | {seconds / plain:.2f} |")
+    if startup:
+        lines.append(f"| (header: start-up decode step) | - | {_ms(startup)} | {startup / plain:.2f} |")
+    return lines + [""]
