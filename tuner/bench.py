@@ -3,7 +3,7 @@
     python -m tuner.bench [--out DIR] [--trials 27] [--remeasure 3] ...   (or `moespec bench tuner`)
     moespec bench tuner --scenario noise [--seeds 5] [--trials 10] ...  (tuner/bench_noise.py)
     moespec bench tuner --scenario shift [--steady-seconds 30] ...      (tuner/bench_shift.py)
-    moespec bench tuner --scenario whatif [--space length] [--seeds 8] ...  (tuner/bench_whatif.py)
+    moespec bench tuner --scenario whatif [--space length] [--seeds 16] ... (tuner/bench_whatif.py)
 
 The default scenario (`grid`):
 
