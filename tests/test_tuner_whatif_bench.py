@@ -129,8 +129,12 @@ def test_the_bench_stops_a_study_at_its_first_target_trial_and_counts_trials_and
     assert len(asked) == 4 and asked[-1].user_attrs.get("whatif_of") == 1
     assert run["switches"] >= 4  # every measured trial serves its candidate at least once
     made = {p["measured"]: p for p in run["predictions"]}
-    assert made["model k=8 T=0.00"] == {"trial": 1, "measured": "model k=8 T=0.00",
-                                        "predicted_best": "model k=1 T=0.00", "hint": True, "in_target": True}
+    long = made["model k=8 T=0.00"]
+    assert {k: v for k, v in long.items() if k != "predicted"} == {
+        "trial": 1, "measured": "model k=8 T=0.00", "predicted_best": "model k=1 T=0.00", "hint": True,
+        "in_target": True}
+    assert list(long["predicted"]) == ["plain"] + [f"model k={k} T=0.00" for k in range(1, 9)]
+    assert min(long["predicted"], key=long["predicted"].get) == "model k=1 T=0.00"
     assert made["model k=2 T=0.00"]["predicted_best"] == "model k=1 T=0.00"
 
 
