@@ -112,7 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-grid", action="store_true", help="tuner only (no ground truth)")
     parser.add_argument("--initial-design", choices=[d.value for d in InitialDesign],
                         default=InitialDesign.CORNERS.value,
-                        help="what each fresh TPE study measures first (as moespec tune; default corners)")
+                        help="what each fresh TPE study measures first (as moespec tune; default corners; "
+                             "--scenario whatif takes --starts instead)")
 
 
 def _drafters(text: str) -> list[Drafter]:
