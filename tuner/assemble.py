@@ -18,7 +18,7 @@ from tuner.collector import SpanCollector
 from tuner.measure import MeasureConfig, Measurer, TrialMode
 from tuner.pruning import PruneRule
 from tuner.sampler import InitialDesign, SamplerKind, initial_policies, make_sampler, rationale, temperature_step
-from tuner.space import SearchSpace
+from tuner.space import LengthOnly, SearchSpace
 from tuner.study import open_study
 from tuner.tuning import Tuner, TunerConfig, TunerEvent
 from tuner.window import CostModel, Objective, WindowSpec
@@ -48,6 +48,7 @@ class TuneSettings:
     switch_window_factor: float = 10.0
     max_consecutive_duplicates: int = 20
     whatif_recording: Path | None = None  # the server's --record-steps file (same machine): the what-if hint
+    restrict: LengthOnly | None = None  # search only one drafter's draft length (the what-if bench)
 
 
 def trial_mode(settings: TuneSettings, info: ModelInfo) -> TrialMode:
@@ -96,6 +97,8 @@ def assemble(
 ) -> Assembled:
     info = admin.model_info()
     space = SearchSpace.from_model_info(info, temperature_step=temperature_step(settings.sampler))
+    if settings.restrict is not None:
+        space = settings.restrict.restrict(space)
     sampler = make_sampler(settings.sampler, settings.seed, settings.trials)
     study = open_study(storage, settings.study_name, sampler, settings.objective.value)
     cost = cost_model(info, settings.fixed_bytes_per_pass, settings.ep_size)

@@ -3,7 +3,7 @@
     python -m tuner.bench [--out DIR] [--trials 27] [--remeasure 3] ...   (or `moespec bench tuner`)
     moespec bench tuner --scenario noise [--seeds 5] [--trials 10] ...  (tuner/bench_noise.py)
     moespec bench tuner --scenario shift [--steady-seconds 30] ...      (tuner/bench_shift.py)
-    moespec bench tuner --scenario whatif [--seeds 1] [--trials 8] ...  (tuner/bench_whatif.py)
+    moespec bench tuner --scenario whatif [--space length] [--seeds 16] ... (tuner/bench_whatif.py)
 
 The default scenario (`grid`):
 
@@ -34,7 +34,7 @@ import optuna
 
 from service.cli import UsageError
 from service.server.client import MoespecClient
-from service.types import DraftPolicy
+from service.types import Drafter, DraftPolicy
 from tuner.admin import PolicyAdmin
 from tuner.assemble import TuneSettings, assemble
 from tuner.collector import SpanCollector
@@ -60,15 +60,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a background CPU load switching every 10-30 s, several seeds (tuner/bench_noise.py); "
                              "shift: the continuous tuner under a workload shift, a no-shift control and the cost "
                              "of exploration (tuner/bench_shift.py); whatif: the same study with and without the "
-                             "what-if hint, trials / policy switches until each pick is first measured "
+                             "what-if hint, trials / policy switches until a target policy is first measured "
                              "(tuner/bench_whatif.py)")
     parser.add_argument("--trials", type=int, default=None,
-                        help="tuner search trials (default 27; 10 per study for --scenario noise)")
+                        help="tuner search trials (default 27; 10 per study for --scenario noise; for --scenario "
+                             "whatif the space size with --space length, 14 with --space full)")
     parser.add_argument("--remeasure", type=int, default=None,
                         help="tuner re-measurements (default 3, so 27+3 = 30; 1 for --scenario noise)")
     parser.add_argument("--seeds", type=int, default=5, help="--scenario noise: seeds, each a sequential and a "
                                                               "paired study (default 5); --scenario whatif: seeds, "
                                                               "each a study without and with the hint")
+    parser.add_argument("--space", choices=("length", "full"), default="length",
+                        help="--scenario whatif: search only the draft length of one drafter at T=0 (default), "
+                             "or the whole space")
+    parser.add_argument("--length-drafters", type=_drafters, default=[Drafter.MODEL, Drafter.NGRAM],
+                        help="--scenario whatif --space length: the drafters, comma-separated, each its own "
+                             "search (default model,ngram)")
+    parser.add_argument("--starts", type=_designs, default=[InitialDesign.CORNERS, InitialDesign.NONE],
+                        help="--scenario whatif: initial designs, comma-separated, each its own set of studies "
+                             "(default corners,none)")
     parser.add_argument("--load-workers", type=int, default=1,
                         help="--scenario noise: processes spinning a core each while the background load is on")
     parser.add_argument("--steady-seconds", type=float, default=30.0,
@@ -104,16 +114,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-grid", action="store_true", help="tuner only (no ground truth)")
     parser.add_argument("--initial-design", choices=[d.value for d in InitialDesign],
                         default=InitialDesign.CORNERS.value,
-                        help="what each fresh TPE study measures first (as moespec tune; default corners)")
+                        help="what each fresh TPE study measures first (as moespec tune; default corners; "
+                             "--scenario whatif takes --starts instead)")
+
+
+def _drafters(text: str) -> list[Drafter]:
+    try:
+        return [Drafter(x.strip()) for x in text.split(",") if x.strip()] or [Drafter.MODEL]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"drafters are {', '.join(d.value for d in Drafter)}, got {text!r}") from None
+
+
+def _designs(text: str) -> list[InitialDesign]:
+    try:
+        return [InitialDesign(x.strip()) for x in text.split(",") if x.strip()] or [InitialDesign.CORNERS]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"initial designs are {', '.join(d.value for d in InitialDesign)}, "
+                                         f"got {text!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
     from otel.receiver import OtlpTraceReceiver
 
     noise = args.scenario == "noise"
-    args.trials = args.trials if args.trials is not None else (10 if noise else 27)
+    if args.trials is None and args.scenario != "whatif":  # whatif: its own default per space (bench_whatif.py)
+        args.trials = 10 if noise else 27
     args.remeasure = args.remeasure if args.remeasure is not None else (1 if noise else 3)
-    if args.trials < 1 or args.remeasure < 0 or args.compare_rounds < 1 or args.seeds < 1 or args.load_workers < 1:
+    if ((args.trials is not None and args.trials < 1) or args.remeasure < 0 or args.compare_rounds < 1
+            or args.seeds < 1 or args.load_workers < 1):
         raise UsageError("--trials, --compare-rounds, --seeds and --load-workers >= 1 and --remeasure >= 0 please")
     out = args.out or Path("reports") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)

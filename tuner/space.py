@@ -5,13 +5,15 @@ Contract: the space is conditional, asked in this order so that equivalent polic
   drafter in ModelInfo.drafters                  (only when draft_length > 0 and "drafter" is tunable)
   draft_temperature in [0, max_temperature]      (only for the model drafter and when tunable)
 Knobs missing from ModelInfo.tunable keep the server's defaults. `temperature_step` makes the space
-discrete (for the exhaustive grid); without it the temperature is continuous.
+discrete (for the exhaustive grid); without it the temperature is continuous. `LengthOnly` narrows a
+space to the draft length of one drafter at a fixed draft temperature (the question the what-if hint
+answers; `moespec bench tuner --scenario whatif`), passed down explicitly (TuneSettings.restrict).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import optuna
 
@@ -56,6 +58,7 @@ class SearchSpace:
     tune_temperature: bool
     max_temperature: float = SEARCH_MAX_TEMPERATURE
     temperature_step: float | None = None
+    fixed_temperature: float = DEFAULT_TEMPERATURE  # the model drafter's temperature when it is not tuned
 
     @classmethod
     def from_model_info(
@@ -79,7 +82,7 @@ class SearchSpace:
         drafter = self.drafters[0]
         if self.tune_drafter:
             drafter = Drafter(trial.suggest_categorical("drafter", [d.value for d in self.drafters]))
-        temperature = DEFAULT_TEMPERATURE
+        temperature = self.fixed_temperature if drafter is Drafter.MODEL else DEFAULT_TEMPERATURE
         if drafter is Drafter.MODEL and self.tune_temperature:
             temperature = trial.suggest_float(
                 "draft_temperature", 0.0, self.max_temperature, step=self.temperature_step
@@ -92,7 +95,8 @@ class SearchSpace:
         if length == 0:
             return DraftPolicy(draft_length=0, policy_id=policy_id)
         drafter = Drafter(params.get("drafter", self.drafters[0].value))
-        temperature = float(params.get("draft_temperature", DEFAULT_TEMPERATURE))
+        default = self.fixed_temperature if drafter is Drafter.MODEL else DEFAULT_TEMPERATURE
+        temperature = float(params.get("draft_temperature", default))
         return DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=temperature, policy_id=policy_id)
 
     def params_of(self, policy: DraftPolicy) -> dict[str, object]:
@@ -130,7 +134,7 @@ class SearchSpace:
         if not self.tune_length or self.max_draft_length < 1:
             return out
         drafters = self.drafters if self.tune_drafter else self.drafters[:1]
-        temperature = 0.0 if self.tune_temperature else DEFAULT_TEMPERATURE
+        temperature = 0.0 if self.tune_temperature else self.fixed_temperature
         short = min(2, self.max_draft_length)
         for length in dict.fromkeys((self.max_draft_length, short)):
             for drafter in drafters:
@@ -149,5 +153,32 @@ class SearchSpace:
                 if drafter is Drafter.MODEL and self.tune_temperature:
                     for t in temperatures:
                         yield DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=t)
+                elif drafter is Drafter.MODEL:
+                    yield DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=self.fixed_temperature)
                 else:
                     yield DraftPolicy(drafter=drafter, draft_length=length)
+
+
+@dataclass(frozen=True)
+class LengthOnly:
+    """Search only the draft length (0 = plain decoding included) of one drafter, at a fixed draft
+    temperature (model drafter only). Why it exists: the what-if hint answers "which draft length for
+    this drafter"; in the full space its savings drown in TPE's drafter and temperature choices."""
+
+    drafter: Drafter
+    draft_temperature: float = 0.0
+
+    def restrict(self, space: SearchSpace) -> SearchSpace:
+        """`space` narrowed; ValueError when the server does not offer the drafter or cannot tune the length."""
+        if self.drafter not in space.drafters:
+            raise ValueError(f"drafter {self.drafter.value!r} is not offered by the server "
+                             f"({', '.join(d.value for d in space.drafters)})")
+        if not space.tune_length:
+            raise ValueError("the server does not let the draft length be tuned")
+        return replace(space, drafters=(self.drafter,), tune_drafter=False, tune_temperature=False,
+                       fixed_temperature=self.draft_temperature)
+
+    def label(self) -> str:
+        if self.drafter is Drafter.MODEL:
+            return f"{self.drafter.value} T={self.draft_temperature:g}"
+        return self.drafter.value
