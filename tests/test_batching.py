@@ -183,9 +183,11 @@ def test_requests_sharing_a_pass_are_each_charged_the_whole_pass_and_model_info_
     """Why the tuner does not compare policies in one traffic split on this engine: a plain request
     in a pass beside an n-gram k=8 window is charged that whole pass (ModelInfo.shared_passes)."""
     prompts = [p[-200:] for p in heldout_prompts(2)]
-    jobs = [(GenerationRequest(prompt=p, max_new_tokens=24, sampling=GREEDY), policy)
-            for p, policy in zip(prompts, (DraftPolicy(), DraftPolicy(drafter=Drafter.NGRAM, draft_length=8)),
-                                 strict=True)]
+    # The plain request is the long one, so the n-gram one starts while it runs even on a loaded
+    # machine (with 24 tokens each, one finished before the other started once).
+    policies = (DraftPolicy(), DraftPolicy(drafter=Drafter.NGRAM, draft_length=8))
+    jobs = [(GenerationRequest(prompt=p, max_new_tokens=n, sampling=GREEDY), policy)
+            for p, n, policy in zip(prompts, (96, 24), policies, strict=True)]
     plain, ngram = run_together(engine, jobs)
     ngram_steps = {s.batch.pass_id: s for s in ngram.steps}
     shared = [(s, ngram_steps[s.batch.pass_id]) for s in plain.steps if s.batch.pass_id in ngram_steps]
