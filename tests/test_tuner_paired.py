@@ -258,9 +258,9 @@ def test_interleaved_prune_is_rechecked_against_a_fresh_control_so_a_slowdown_do
 def test_interleaved_interval_carries_the_drift_between_windows_and_a_requests_only_one_does_not():
     """Three windows (control, candidate, control) on a machine whose speed moves from window to window
     (log-normal, sd 0.15) while requests vary too (sd 0.3). The interval with the drift the two control
-    windows show covers the true 0.8 in about 84% of 400 runs (one pair of controls estimates the drift
+    windows show covers the true 0.8 in 84.5% of 400 runs (one pair of controls estimates the drift
     roughly); the requests-only interval (the negative control: what interleaved rounds used before)
-    in about 55%. On a machine that holds still the drift term costs little (>= 93% either way)."""
+    in 51%. On a machine that holds still the drift term costs little (96.8%)."""
     rng = random.Random(11)
 
     def covered(with_drift: bool, drift_sd: float) -> float:

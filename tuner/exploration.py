@@ -43,7 +43,6 @@ class RoundCost:
     alone_tokens_per_second: float
     used: bool
 
-    @property
     def as_dict(self) -> dict[str, object]:
         return {"seconds": round(self.seconds, 2), "lost_seconds": round(self.lost_seconds, 2),
                 "alone_tokens_per_second": round(self.alone_tokens_per_second, 1), "used": self.used}
@@ -103,15 +102,16 @@ def back_off_rounds(horizon: float, round_seconds: float, floor: float, idle: fl
 def summarize(costs: list[RoundCost], rounds: list[Round], idle_seconds: float, max_idle_seconds: float) -> dict:
     """Measured cost over the rounds as they ran, and the projections onto the CLI's schedule."""
     used = [(c, r) for c, r in zip(costs, rounds, strict=True) if c.used]
-    summary: dict[str, object] = {"rounds": [c.as_dict for c in costs], "used_rounds": len(used)}
+    summary: dict[str, object] = {"rounds": [c.as_dict() for c in costs], "used_rounds": len(used)}
     if not used:
         return summary
     lost = statistics.median(c.lost_seconds for c, _ in used)
     seconds = statistics.median(c.seconds for c, _ in used)
     floor = statistics.median(r.floor for _, r in used)
-    cycles = [(c, (rounds[i + 1].start if i + 1 < len(rounds) else None)) for i, c in enumerate(costs)]
-    measured_cycle = sum(nxt - r.start for (c, nxt), r in zip(cycles, rounds, strict=True) if c.used and nxt)
-    measured_lost = sum(c.lost_seconds for (c, nxt) in cycles if c.used and nxt)
+    # A used round that has a next one: its cycle runs from its start to the next round's start.
+    pairs = zip(costs[:-1], rounds[:-1], rounds[1:], strict=True)
+    cycles = [(c.lost_seconds, nxt.start - r.start) for c, r, nxt in pairs if c.used]
+    measured_lost, measured_cycle = sum(lost for lost, _ in cycles), sum(cycle for _, cycle in cycles)
     steady_spacing = max(max_idle_seconds, floor)
     hour = back_off_rounds(3600.0, seconds, floor, idle_seconds, max_idle_seconds)
     summary.update({

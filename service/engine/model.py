@@ -503,8 +503,8 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)  # [N, H]
         where = cos = sin = None
         # Fused attention at every pass size: on a 16 x 95-token prefill it took ~0.6 of the padded
-        # SDPA path's time per layer (measured in-process), and a prompt's keys come out bitwise the
-        # same prefilled alone or beside others. The MoE block keeps its kernel_window_max limit.
+        # SDPA path's time per layer (measured in-process, loaded machine). The MoE block keeps its
+        # kernel_window_max limit (its kernel on 128-token chunks of that prefill was slower).
         if self.fused_attention and x.is_cpu and not torch.is_grad_enabled():
             where = AttentionPass(batch.positions, batch.token_slot, cache.k, cache.v, self.rope_cos, self.rope_sin)
         else:
