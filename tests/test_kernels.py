@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from service.engine import kernels
+from service.engine.packed import PackedWeight
 
 # Sizes that are not multiples of the SIMD width, so the remainder loops run too.
 E, H, I, M = 10, 40, 24, 3
@@ -51,11 +52,11 @@ def reference(x, ids, weights, gate_up, down) -> torch.Tensor:
 
 def run(k, x, ids, weights, gate_up, down, out=None, accumulate=False) -> torch.Tensor:
     out = torch.zeros_like(x) if out is None else out
-    k.swiglu_experts(x, gate_up[:, :I], gate_up[:, I:], down, ids, weights, out, accumulate)
+    k.swiglu_experts(x, PackedWeight.pack(gate_up), PackedWeight.pack(down), ids, weights, out, accumulate)
     return out
 
 
-@pytest.mark.parametrize("w", [1, 3, 16])
+@pytest.mark.parametrize("w", [1, 3, 16, 70])  # 70: ~21 positions an expert, past one 16-row chunk
 def test_fused_experts_match_a_per_position_reference(k, experts, w):
     x, ids, weights = window(w, seed=w)
     torch.testing.assert_close(run(k, x, ids, weights, *experts), reference(x, ids, weights, *experts),
@@ -63,9 +64,9 @@ def test_fused_experts_match_a_per_position_reference(k, experts, w):
 
 
 def test_each_position_is_bitwise_the_same_alone_or_in_a_window(k, experts):
-    x, ids, weights = window(9, seed=1)
+    x, ids, weights = window(70, seed=1)  # experts take several 16-row chunks, in tiles of 4 and 1 rows
     together = run(k, x, ids, weights, *experts)
-    for p in range(9):
+    for p in range(70):
         alone = run(k, x[p:p + 1], ids[p:p + 1], weights[p:p + 1], *experts)
         assert torch.equal(alone[0], together[p]), f"position {p} depends on the rest of the window"
 
@@ -92,9 +93,9 @@ def test_ids_outside_the_experts_are_ignored(k, experts):
 def test_linear_matches_torch_and_is_row_independent(k):
     g = torch.Generator().manual_seed(4)
     weight, x = torch.randn(70, H, generator=g), torch.randn(6, H, generator=g)
-    got = k.linear(x, weight)
+    got = k.linear(x, PackedWeight.pack(weight))
     torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
-    assert all(torch.equal(k.linear(x[p:p + 1], weight)[0], got[p]) for p in range(6))
+    assert all(torch.equal(k.linear(x[p:p + 1], PackedWeight.pack(weight))[0], got[p]) for p in range(6))
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -102,13 +103,13 @@ def test_linear_matches_torch_and_is_row_independent(k):
     ("double_x", "float32"),
     ("int32_ids", "int64"),
     ("short_weights", "shapes disagree"),
-    ("strided_rows", "rows must be contiguous"),
+    ("down_for_other_experts", "gate_up must be"),
 ])
 def test_tensors_the_kernel_cannot_read_safely_are_refused_with_the_reason(k, experts, bad, message):
     gate_up, down = experts
     x, ids, weights = window(3, seed=5)
     out = torch.zeros(3, H)
-    gate, up = gate_up[:, :I], gate_up[:, I:]
+    packed_down = PackedWeight.pack(down)
     if bad == "transposed_x":
         x = torch.randn(H, 3).t()
     elif bad == "double_x":
@@ -117,10 +118,22 @@ def test_tensors_the_kernel_cannot_read_safely_are_refused_with_the_reason(k, ex
         ids = ids.int()
     elif bad == "short_weights":
         weights = weights[:2]
-    elif bad == "strided_rows":
-        gate, up = gate_up[:, :I, ::2], gate_up[:, I:, ::2]
+    elif bad == "down_for_other_experts":
+        packed_down = PackedWeight.pack(down[:-1])
     with pytest.raises(ValueError, match=message):
-        k.swiglu_experts(x, gate, up, down, ids, weights, out, False)
+        k.swiglu_experts(x, PackedWeight.pack(gate_up), packed_down, ids, weights, out, False)
+
+
+def test_a_packed_weight_holds_the_transposed_weight_in_64_column_panels_and_refuses_other_layouts():
+    weight = torch.arange(70 * 3, dtype=torch.float32).view(70, 3)  # [out 70, in 3]: one full panel, one of 6
+    packed = PackedWeight.pack(weight)
+    assert packed.tensor.shape == (2, 3, 64) and (packed.out_features, packed.in_features) == (70, 3)
+    assert torch.equal(packed.tensor[0], weight[:64].t()) and torch.equal(packed.tensor[1, :, :6], weight[64:].t())
+    assert not packed.tensor[1, :, 6:].any()  # the padding is zero
+    with pytest.raises(ValueError, match="contiguous"):
+        PackedWeight(packed.tensor.transpose(0, 1), 70)
+    with pytest.raises(ValueError, match="does not hold 200 output columns"):
+        PackedWeight(packed.tensor, 200)
 
 
 IS = 32  # shared expert intermediate

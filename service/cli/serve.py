@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (torch backend); default: the fastest of 1, 2, 4, ... and all "
                              "cores, measured at start-up, and printed")
+    parser.add_argument("--kernel-threads", type=int, default=None,
+                        help="torch backend: threads the fused kernels split a big pass over (prefills, batched "
+                             "steps); default: every usable core, printed")
     parser.add_argument("--max-batch", type=int, default=32,
                         help="torch backend: requests verified together in one pass (KV-cache slots)")
     parser.add_argument("--prefill-chunk", type=int, default=2048,
@@ -106,6 +109,8 @@ def server_config(args: argparse.Namespace, env_token: str | None) -> ServerConf
         raise UsageError("--workers must be >= 1 and --max-queue >= 0")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if args.kernel_threads is not None and args.kernel_threads < 1:
+        raise UsageError(f"--kernel-threads must be >= 1, got {args.kernel_threads}")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
     if args.max_message_bytes < 1024:
@@ -142,10 +147,14 @@ def create_backend(args: argparse.Namespace) -> Backend:
     if args.record_steps is not None and not args.record_steps.resolve().parent.is_dir():
         raise UsageError(f"--record-steps: no folder {args.record_steps.resolve().parent}")
     try:
-        return Engine(EngineConfig(threads=args.threads or default_threads(), ep=ep, record_steps=args.record_steps,
-                                   max_batch=args.max_batch, prefill_chunk=args.prefill_chunk))
+        engine = Engine(EngineConfig(threads=args.threads or default_threads(), kernel_threads=args.kernel_threads,
+                                     ep=ep, record_steps=args.record_steps, max_batch=args.max_batch,
+                                     prefill_chunk=args.prefill_chunk))
     except expert_parallel.PlacementError as e:  # a placement that does not fit the model
         raise UsageError(f"--ep-placement: {e}") from None
+    if engine.step_kind == "fast":
+        print(f"moespec: {engine.kernel_threads.describe()}", file=sys.stderr, flush=True)
+    return engine
 
 
 def ep_spec(args: argparse.Namespace):

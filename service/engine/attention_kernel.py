@@ -6,7 +6,8 @@ transposes and o_proj are ~20 small torch ops per layer, each a few microseconds
 few microseconds of arithmetic. Here the whole sub-block is one call per layer and needs no padding,
 no mask tensor and no gathers: every token carries its own cache slot and absolute position.
 
-Contract of `attention_block` (C, compiled into the same library as kernels.py's source):
+Contract of `attention_block` (C, compiled into the same library as kernels.py's source, whose `dot`,
+`matmul_t` and `rms_norm` it uses):
 - x [N, H]: the tokens of one pass (any mix of windows of any sequences); token t sits at position
   positions[t] of cache slot slots[t]. For each token:
   h = rms_norm(x[t]) * norm_w; [q | k | v] = W_qkv h + b_qkv (A query heads, K kv heads of D);
@@ -29,65 +30,9 @@ from __future__ import annotations
 
 import torch
 
+from service.engine.packed import PackedWeight
+
 SOURCE = r"""
-/* out[t, c] = sum over k ascending of x[t, k] * wt[k, c] (one fused multiply-add per term, from 0),
-   then + bias[c]: x [N, Kd], wt [Kd, C] (a weight stored transposed), out [N, C]. Every element takes
-   the same arithmetic whatever N is and wherever it falls in a tile, so a row's result never depends
-   on the other rows; tiles of 4 rows x 64 columns reuse each loaded weight vector for 4 rows. */
-#if defined(__AVX512F__)
-/* A ROWS x (16 VECS) tile of out, its accumulators in registers (constant sizes, so loops unroll). */
-#define MATMUL_TILE(NAME, ROWS, VECS)                                                                   \
-static void NAME(const float *x, int64_t Kd, const float *wt, int64_t C, int64_t c0, const float *bias, \
-                 float *out) {                                                                          \
-    __m512 acc[ROWS][VECS];                                                                             \
-    for (int i = 0; i < ROWS; i++)                                                                      \
-        for (int v = 0; v < VECS; v++) acc[i][v] = _mm512_setzero_ps();                                \
-    for (int64_t k = 0; k < Kd; k++) {                                                                  \
-        __m512 wv[VECS];                                                                                \
-        for (int v = 0; v < VECS; v++) wv[v] = _mm512_loadu_ps(wt + k * C + c0 + 16 * v);              \
-        for (int i = 0; i < ROWS; i++) {                                                                \
-            const __m512 xb = _mm512_set1_ps(x[i * Kd + k]);                                            \
-            for (int v = 0; v < VECS; v++) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);           \
-        }                                                                                               \
-    }                                                                                                   \
-    for (int i = 0; i < ROWS; i++)                                                                      \
-        for (int v = 0; v < VECS; v++) {                                                                \
-            __m512 b = bias ? _mm512_loadu_ps(bias + c0 + 16 * v) : _mm512_setzero_ps();                \
-            _mm512_storeu_ps(out + i * C + c0 + 16 * v, _mm512_add_ps(acc[i][v], b));                   \
-        }                                                                                               \
-}
-MATMUL_TILE(tile_4x4, 4, 4)
-MATMUL_TILE(tile_1x4, 1, 4)
-MATMUL_TILE(tile_4x1, 4, 1)
-MATMUL_TILE(tile_1x1, 1, 1)
-#endif
-
-static void matmul_t(const float *x, int64_t N, int64_t Kd, const float *wt, int64_t C, const float *bias,
-                     float *out) {
-    int64_t c0 = 0;
-#if defined(__AVX512F__)
-    for (; c0 + 64 <= C; c0 += 64) {
-        int64_t t = 0;
-        for (; t + 4 <= N; t += 4) tile_4x4(x + t * Kd, Kd, wt, C, c0, bias, out + t * C);
-        for (; t < N; t++) tile_1x4(x + t * Kd, Kd, wt, C, c0, bias, out + t * C);
-    }
-    for (; c0 + 16 <= C; c0 += 16) {
-        int64_t t = 0;
-        for (; t + 4 <= N; t += 4) tile_4x1(x + t * Kd, Kd, wt, C, c0, bias, out + t * C);
-        for (; t < N; t++) tile_1x1(x + t * Kd, Kd, wt, C, c0, bias, out + t * C);
-    }
-#endif
-    for (int64_t t = 0; t < N; t++) {  /* columns left over (all of them without AVX-512) */
-        float *o = out + t * C;
-        for (int64_t c = c0; c < C; c++) o[c] = 0.0f;
-        for (int64_t k = 0; k < Kd; k++) {
-            const float xk = x[t * Kd + k], *w = wt + k * C;
-            for (int64_t c = c0; c < C; c++) o[c] = fmaf(xk, w[c], o[c]);
-        }
-        for (int64_t c = c0; c < C; c++) o[c] = o[c] + (bias ? bias[c] : 0.0f);
-    }
-}
-
 /* Rotate one head in place: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. */
 static void rope(float *x, const float *c, const float *s, int64_t half) {
     for (int64_t d = 0; d < half; d++) {
@@ -121,37 +66,63 @@ static void attend(const float *q, const float *keys, const float *values, int64
     for (int64_t d = 0; d < D; d++) o[d] *= inv;
 }
 
-/* See attention_kernel.py. qkv_wt [H, R] and o_wt [A D, H]: the projections stored transposed (matmul_t);
-   k_cache / v_cache: this layer's [slots, K, S, D]; scratch: N * (H + R + A D) + S floats; out [N, H]
-   must not alias x. */
+struct attention_args {
+    const float *x; int64_t H; const float *norm_w; float eps; const float *qkv_wt, *qkv_b; int64_t A, K, D;
+    const float *rope_cos, *rope_sin; const int64_t *positions, *slots; float *k_cache, *v_cache; int64_t S;
+    const float *o_wt; float *hn, *qkv, *att, *out;
+};
+
+/* Phase 1 for tokens [begin, end): norm, q/k/v, rope, and k and v into the cache. */
+static void attention_project_rows(const void *ctx, int64_t begin, int64_t end) {
+    const struct attention_args *a = ctx;
+    const int64_t H = a->H, D = a->D, K = a->K, Q = a->A * D, R = (a->A + 2 * K) * D, n = end - begin;
+    rms_norm(a->x + begin * H, n, H, a->norm_w, a->eps, a->hn + begin * H);
+    matmul_p(a->hn + begin * H, n, H, a->qkv_wt, R, a->qkv_b, a->qkv + begin * R);
+    for (int64_t t = begin; t < end; t++) {
+        const int64_t pos = a->positions[t];
+        float *row = a->qkv + t * R;
+        for (int64_t h = 0; h < a->A + K; h++)  /* the A query heads, then the K key heads */
+            rope(row + h * D, a->rope_cos + pos * D, a->rope_sin + pos * D, D / 2);
+        for (int64_t kh = 0; kh < K; kh++) {
+            const int64_t at = ((a->slots[t] * K + kh) * a->S + pos) * D;
+            memcpy(a->k_cache + at, row + Q + kh * D, (size_t)D * sizeof(float));
+            memcpy(a->v_cache + at, row + Q + (K + kh) * D, (size_t)D * sizeof(float));
+        }
+    }
+}
+
+/* Phase 2 for tokens [begin, end), once every token's keys and values are in: attention, o_proj and
+   the residual. */
+static void attention_attend_rows(const void *ctx, int64_t begin, int64_t end) {
+    const struct attention_args *a = ctx;
+    const int64_t H = a->H, D = a->D, K = a->K, Q = a->A * D, R = (a->A + 2 * K) * D, group = a->A / K;
+    const float scale = 1.0f / sqrtf((float)D);
+    float scores[a->S];
+    for (int64_t t = begin; t < end; t++)
+        for (int64_t h = 0; h < a->A; h++) {
+            const int64_t head = (a->slots[t] * K + h / group) * a->S * D;
+            attend(a->qkv + t * R + h * D, a->k_cache + head, a->v_cache + head, a->positions[t], D, scale, scores,
+                   a->att + t * Q + h * D);
+        }
+    matmul_p(a->att + begin * Q, end - begin, Q, a->o_wt, H, NULL, a->out + begin * H);
+    for (int64_t j = begin * H; j < end * H; j++) a->out[j] = a->x[j] + a->out[j];
+}
+
+/* See attention_kernel.py. qkv_wt and o_wt: the [R, H] and [H, A D] projections packed (matmul_p);
+   k_cache / v_cache: this layer's [slots, K, S, D]; scratch: N * (H + R + A D) floats; out [N, H] must
+   not alias x; threads: how many each phase's tokens are split over (the phases are joined in between,
+   so every key is written before any token attends). */
 void attention_block(const float *x, int64_t N, int64_t H, const float *norm_w, float eps,
                      const float *qkv_wt, const float *qkv_b, int64_t A, int64_t K, int64_t D,
                      const float *rope_cos, const float *rope_sin, const int64_t *positions, const int64_t *slots,
-                     float *k_cache, float *v_cache, int64_t S, const float *o_wt, float *scratch, float *out) {
-    const int64_t Q = A * D, R = (A + 2 * K) * D, group = A / K;
-    float *hn = scratch, *qkv = hn + N * H, *att = qkv + N * R, *scores = att + N * Q;  /* [N,H] [N,R] [N,Q] [S] */
-    rms_norm(x, N, H, norm_w, eps, hn);
-    matmul_t(hn, N, H, qkv_wt, R, qkv_b, qkv);
-    for (int64_t t = 0; t < N; t++) {
-        const int64_t pos = positions[t];
-        float *row = qkv + t * R;
-        for (int64_t h = 0; h < A + K; h++)  /* the A query heads, then the K key heads */
-            rope(row + h * D, rope_cos + pos * D, rope_sin + pos * D, D / 2);
-        for (int64_t kh = 0; kh < K; kh++) {
-            const int64_t at = ((slots[t] * K + kh) * S + pos) * D;
-            memcpy(k_cache + at, row + Q + kh * D, (size_t)D * sizeof(float));
-            memcpy(v_cache + at, row + Q + (K + kh) * D, (size_t)D * sizeof(float));
-        }
-    }
-    const float scale = 1.0f / sqrtf((float)D);
-    for (int64_t t = 0; t < N; t++)
-        for (int64_t a = 0; a < A; a++) {
-            const int64_t head = (slots[t] * K + a / group) * S * D;
-            attend(qkv + t * R + a * D, k_cache + head, v_cache + head, positions[t], D, scale, scores,
-                   att + t * Q + a * D);
-        }
-    matmul_t(att, N, Q, o_wt, H, NULL, out);
-    for (int64_t j = 0; j < N * H; j++) out[j] = x[j] + out[j];
+                     float *k_cache, float *v_cache, int64_t S, const float *o_wt, float *scratch, float *out,
+                     int64_t threads) {
+    const int64_t R = (A + 2 * K) * D;
+    float *hn = scratch, *qkv = hn + N * H, *att = qkv + N * R;  /* [N, H] [N, R] [N, A D] */
+    const struct attention_args a = {x, H, norm_w, eps, qkv_wt, qkv_b, A, K, D, rope_cos, rope_sin, positions, slots,
+                                     k_cache, v_cache, S, o_wt, hn, qkv, att, out};
+    parallel_rows(attention_project_rows, &a, N, threads);
+    parallel_rows(attention_attend_rows, &a, N, threads);
 }
 """
 
@@ -175,16 +146,16 @@ class AttentionWeights:
             if tuple(t.shape) != expected[name] or t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
                 raise ValueError(f"attention_block: {name} must be a contiguous float32 CPU tensor {expected[name]}")
         self.H, self.A, self.K, self.D, self.R = H, n_heads, n_kv, head_dim, R
-        # Transposed copies for matmul_t (which streams weight rows k across output columns); they and
-        # the tensors given stay referenced while the pointers below are in use.
-        qkv_t, o_t = qkv_weight.t().contiguous(), o_weight.t().contiguous()  # [H, R], [A D, H]
-        self.tensors = dict(given, qkv_t=qkv_t, o_t=o_t)
-        self.args = (norm_weight.data_ptr(), float(eps), qkv_t.data_ptr(), qkv_bias.data_ptr(), n_heads, n_kv,
+        # Packed copies for matmul_p (which streams each weight panel in order); they and the tensors
+        # given stay referenced while the pointers below are in use.
+        qkv_p, o_p = PackedWeight.pack(qkv_weight), PackedWeight.pack(o_weight)  # [R, H], [H, A D] packed
+        self.tensors = dict(given, qkv_p=qkv_p, o_p=o_p)
+        self.args = (norm_weight.data_ptr(), float(eps), qkv_p.data_ptr(), qkv_bias.data_ptr(), n_heads, n_kv,
                      head_dim)
-        self.o_ptr = o_t.data_ptr()
+        self.o_ptr = o_p.data_ptr()
 
-    def scratch_floats(self, n: int, cache_len: int) -> int:
-        return n * (self.H + self.R + self.A * self.D) + cache_len
+    def scratch_floats(self, n: int) -> int:
+        return n * (self.H + self.R + self.A * self.D)
 
 
 class AttentionPass:

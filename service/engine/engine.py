@@ -31,10 +31,12 @@ import torch
 from tokenizers import Tokenizer
 
 from service import expert_parallel
+from service.engine.kernels import KernelThreads
 from service.engine.kernels import build as build_kernels
 from service.engine.model import KERNEL_WINDOW_MAX, KVCache
 from service.engine.scheduler import Scheduler, unique_experts_per_layer
 from service.engine.sequence import Sequence
+from service.engine.threads import usable_cores
 from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_for_inference
 from service.recording import StepRecorder
 from service.types import (
@@ -57,6 +59,9 @@ class EngineConfig:
     draft_dir: Path | None = DEFAULT_DRAFT_DIR  # None: only the n-gram drafter is offered
     max_context: int | None = None  # default: the target's max_position_embeddings
     threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    # Threads the fused kernels split a big pass's positions over (KernelThreads says from how many
+    # positions on; a decode step of one request never splits); None: every usable core.
+    kernel_threads: int | None = None
     ngram_min: int = 2
     ngram_max: int = 4
     capture_topk: bool = False  # keep [L, w, m] routed ids in every StepRecord
@@ -81,8 +86,11 @@ class Engine:
         self.config = config
         kernels = build_kernels() if config.fast_step else None  # None also when no C compiler is found
         self.step_kind = "fast" if kernels else "reference"
+        if config.kernel_threads is not None and config.kernel_threads < 1:
+            raise ValueError(f"kernel_threads must be >= 1, got {config.kernel_threads}")
+        self.kernel_threads = KernelThreads(config.kernel_threads or usable_cores())
         self.target = load_for_inference(config.target_dir, kernels=kernels, kernel_window_max=config.kernel_window_max,
-                                         fused_attention=config.fused_attention)
+                                         fused_attention=config.fused_attention, kernel_threads=self.kernel_threads)
         self.draft = load_for_inference(config.draft_dir, kernels=kernels, fused_attention=config.fused_attention) \
             if config.draft_dir else None
         self.tokenizer = Tokenizer.from_file(str(Path(config.target_dir) / "tokenizer.json"))

@@ -1,26 +1,33 @@
-"""Fused CPU kernels for short windows (decode steps, verify passes), built from C source at first use.
+"""Fused CPU kernels for the passes of the embedded engine, built from C source at first use.
 
 Why: a decode step of the shipped MoE spends more time moving expert weights than computing with
 them, and eager PyTorch moves them three times (index_select copies the touched experts, the matmul
-reads the copy) in ~15 small ops per layer. This kernel reads each touched expert's weights once,
-in place, for every window position that picked it, and does gate/up, SiLU * up, the routing weight
-and down in one call.
+reads the copy) in ~15 small ops per layer. This kernel reads each touched expert's weights once per
+call, for every position that picked it, and does gate/up, SiLU * up, the routing weight and down in
+one call. Every product is `matmul_p`: register tiles of 4 positions x 64 output columns over a
+weight packed in 64-column panels (`PackedWeight`: transposed, each panel contiguous), so there is no
+horizontal sum per output, each weight streams in order, and the positions that share an expert
+share each loaded weight vector (a batched pass of many requests, a long prompt).
 
-Contract of `swiglu_experts(x, gate, up, down, ids, weights, out, accumulate)`:
-- x [w, H]; gate and up are the expert-major [E, I, H] halves of the stacked gate/up projections
-  (views with any stride between experts), down [E, H, I]; ids [w, n] int64 expert ids per position
-  (distinct within a row), weights [w, n] float32 routing weights; out [w, H] float32.
+Contract of `swiglu_experts(x, gate_up, down, ids, weights, out, accumulate)`:
+- x [w, H]; gate_up: the experts' stacked gate and up projections [E, 2I, H] (gate rows, then up) and
+  down [E, H, I], both as `PackedWeight`s; ids [w, n] int64 expert ids per position (distinct within a
+  row), weights [w, n] float32 routing weights; out [w, H] float32.
 - out[p] (+)= sum over the experts e picked by position p, in ascending e, of
   weights[p, j] * down[e] @ (silu(gate[e] @ x[p]) * (up[e] @ x[p])).
-- Each position's result depends only on its own row: it is bitwise the same whatever else is in the
-  window, so a verify pass and a plain decode step of the same token agree exactly.
-- Experts are visited in ascending id, each read once per call (cost follows the window's union).
+- Each position's result depends only on its own row: every element is a sum over k ascending of
+  fused multiply-adds from zero, whatever else is in the window and wherever the position falls in a
+  tile, so it is bitwise the same alone or in any pass (a verify pass and a plain decode step of the
+  same token agree exactly).
+- Experts are visited in ascending id, each read once per 16 positions that picked it (its weights
+  stay in L2 across the chunks; cost follows the window's union).
 
-`linear(x, weight)`: x [w, H] @ weight [V, H]^T with the same row independence (the output layer).
+`linear(x, weight)`: x [w, H] @ weight^T for a packed [V, H] weight, with the same row independence
+(the output layer).
 
 `attention_block(weights, pass, layer, x)`: a layer's whole attention sub-block for the tokens of a
 ragged pass; its C source, contract and argument checks are in attention_kernel.py, compiled into the
-same library (it uses `dot` and `rms_norm` from here).
+same library (it uses `dot`, `matmul_p` and `rms_norm` from here).
 
 The library is compiled with the system C compiler into a cache folder keyed by the source, the
 flags and this CPU's feature flags (so a shared home folder never serves code for another CPU), and
@@ -37,21 +44,56 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from service.engine import attention_kernel
 from service.engine.attention_kernel import AttentionPass, AttentionWeights
+from service.engine.packed import PackedWeight
 
-__all__ = ["AttentionPass", "AttentionWeights", "Kernels", "MoeBlock", "build"]
+__all__ = ["AttentionPass", "AttentionWeights", "KernelThreads", "Kernels", "MoeBlock", "PackedWeight", "build"]
 
 log = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* Rows [0, n) of a pass split into `threads` contiguous ranges, one per thread, the caller taking the
+   first: for work whose every row is computed on its own (the kernels' contract), so the split changes
+   no bit of the result. Threads are started per call and joined (no pool spinning between calls: the
+   server's other threads need the cores then); callers split only passes big enough to pay for it.
+   A thread that cannot be started leaves its range to the caller. */
+typedef void (*rows_fn)(const void *ctx, int64_t begin, int64_t end);
+struct rows_part { rows_fn fn; const void *ctx; int64_t begin, end; };
+
+static void *run_rows_part(void *arg) {
+    const struct rows_part *part = arg;
+    part->fn(part->ctx, part->begin, part->end);
+    return NULL;
+}
+
+static void parallel_rows(rows_fn fn, const void *ctx, int64_t n, int64_t threads) {
+    if (threads > n) threads = n;
+    if (threads <= 1) { if (n > 0) fn(ctx, 0, n); return; }
+    pthread_t tid[threads];
+    struct rows_part parts[threads];
+    int started[threads];
+    for (int64_t t = 0; t < threads; t++) {
+        parts[t] = (struct rows_part){fn, ctx, n * t / threads, n * (t + 1) / threads};
+        started[t] = t > 0 && pthread_create(&tid[t], NULL, run_rows_part, &parts[t]) == 0;
+    }
+    fn(ctx, parts[0].begin, parts[0].end);
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(tid[t], NULL);
+        else fn(ctx, parts[t].begin, parts[t].end);
+    }
+}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -84,51 +126,148 @@ static float dot(const float *a, const float *b, int64_t n) {
 }
 #endif
 
-void swiglu_experts(const float *x, int64_t w, int64_t H, int64_t I,
-                    const float *gate, const float *up, int64_t gate_up_stride,
-                    const float *down, int64_t down_stride, int64_t num_experts,
-                    const int64_t *ids, const float *weights, int64_t n, float *out, int accumulate) {
-    unsigned char touched[num_experts];
-    float act[I];
-    memset(touched, 0, (size_t)num_experts);
-    if (!accumulate) memset(out, 0, (size_t)(w * H) * sizeof(float));
-    for (int64_t j = 0; j < w * n; j++)
-        if (ids[j] >= 0 && ids[j] < num_experts) touched[ids[j]] = 1;  /* others are ignored */
-    for (int64_t e = 0; e < num_experts; e++) {
-        if (!touched[e]) continue;
-        const float *g = gate + e * gate_up_stride, *u = up + e * gate_up_stride, *d = down + e * down_stride;
-        for (int64_t p = 0; p < w; p++) {
-            float r = 0.0f;
-            int picked = 0;
-            for (int64_t j = 0; j < n; j++)
-                if (ids[p * n + j] == e) { r = weights[p * n + j]; picked = 1; }
-            if (!picked) continue;
-            const float *xp = x + p * H;
-            for (int64_t i = 0; i < I; i++) {
-                float gi = dot(g + i * H, xp, H);
-                act[i] = r * (gi / (1.0f + expf(-gi))) * dot(u + i * H, xp, H);
+/* Weights for the products below are packed in panels (`pack_panels`): a [Kd, C] matrix (a weight
+   stored transposed) as ceil(C / 64) panels of [Kd, 64], columns past C zero. A tile then streams one
+   contiguous panel (a row-major [Kd, C] read 64 columns at a time jumps C floats per k: for the output
+   layer 16 KB, a new page every step, which the hardware prefetchers do not follow).
+
+   out[t, c] = sum over k ascending of x[t, k] * w[k, c] (one fused multiply-add per term, from 0),
+   then + bias[c]: x [N, Kd], out [N, C]. Every element takes the same arithmetic whatever N is and
+   wherever it falls in a tile, so a row's result never depends on the other rows; tiles of 4 rows x 64
+   columns reuse each loaded weight vector for 4 rows. */
+#define PANEL 64
+#if defined(__AVX512F__)
+/* A ROWS x 64 tile of out from one panel, its accumulators in registers; only the `valid` first
+   columns are stored (the last panel of a C that is not a multiple of 64). */
+#define MATMUL_TILE(NAME, ROWS)                                                                        \
+static void NAME(const float *x, int64_t Kd, const float *panel, int64_t C, int64_t c0, int64_t valid,  \
+                 const float *bias, float *out) {                                                      \
+    __m512 acc[ROWS][4];                                                                               \
+    for (int i = 0; i < ROWS; i++)                                                                     \
+        for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();                                  \
+    for (int64_t k = 0; k < Kd; k++) {                                                                 \
+        __m512 wv[4];                                                                                  \
+        for (int v = 0; v < 4; v++) wv[v] = _mm512_loadu_ps(panel + k * PANEL + 16 * v);              \
+        for (int i = 0; i < ROWS; i++) {                                                               \
+            const __m512 xb = _mm512_set1_ps(x[i * Kd + k]);                                           \
+            for (int v = 0; v < 4; v++) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);             \
+        }                                                                                              \
+    }                                                                                                  \
+    for (int v = 0; v < 4; v++) {                                                                      \
+        const int64_t left = valid - 16 * v;                                                           \
+        if (left <= 0) break;                                                                          \
+        const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);         \
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + c0 + 16 * v) : _mm512_setzero_ps(); \
+        for (int i = 0; i < ROWS; i++)                                                                 \
+            _mm512_mask_storeu_ps(out + i * C + c0 + 16 * v, keep, _mm512_add_ps(acc[i][v], b));       \
+    }                                                                                                  \
+}
+MATMUL_TILE(tile_4x64, 4)
+MATMUL_TILE(tile_1x64, 1)
+#endif
+
+/* Panels [p_begin, p_end) of the product: out's columns 64 p_begin .. min(64 p_end, C). */
+static void matmul_panels(const float *x, int64_t N, int64_t Kd, const float *packed, int64_t C, int64_t p_begin,
+                          int64_t p_end, const float *bias, float *out) {
+    for (int64_t p = p_begin; p < p_end; p++) {
+        const float *panel = packed + p * Kd * PANEL;
+        const int64_t c0 = p * PANEL, valid = C - c0 < PANEL ? C - c0 : PANEL;
+#if defined(__AVX512F__)
+        int64_t t = 0;
+        for (; t + 4 <= N; t += 4) tile_4x64(x + t * Kd, Kd, panel, C, c0, valid, bias, out + t * C);
+        for (; t < N; t++) tile_1x64(x + t * Kd, Kd, panel, C, c0, valid, bias, out + t * C);
+#else
+        for (int64_t t = 0; t < N; t++) {
+            float *o = out + t * C + c0;
+            for (int64_t c = 0; c < valid; c++) o[c] = 0.0f;
+            for (int64_t k = 0; k < Kd; k++) {
+                const float xk = x[t * Kd + k], *w = panel + k * PANEL;
+                for (int64_t c = 0; c < valid; c++) o[c] = fmaf(xk, w[c], o[c]);
             }
-            float *o = out + p * H;
-            for (int64_t h = 0; h < H; h++) o[h] += dot(d + h * I, act, I);
+            for (int64_t c = 0; c < valid; c++) o[c] = o[c] + (bias ? bias[c0 + c] : 0.0f);
         }
+#endif
     }
 }
 
-/* A whole Qwen2-MoE block for a short window: router (E rows) and shared-expert gate (row E) in one
-   pass, softmax over the E router logits, the top m by logit (largest first; softmax keeps the order),
-   routing weights = their probabilities (renormalised if norm_topk), the routed experts, then the
-   shared expert scaled by sigmoid(its gate). Writes logits [w, E+1], ids [w, m], weights [w, m], out. */
-void moe_block(const float *x, int64_t w, int64_t H, const float *router, int64_t E, int64_t m, int norm_topk,
-               const float *gate, const float *up, int64_t gate_up_stride, const float *down, int64_t down_stride,
-               int64_t I, const float *shared_gate, const float *shared_up, const float *shared_down, int64_t Is,
-               float *logits, int64_t *ids, float *weights, float *out) {
+/* out [N, C] = x [N, Kd] @ the packed [Kd, C] weight (+ bias [C] unless NULL). */
+static void matmul_p(const float *x, int64_t N, int64_t Kd, const float *packed, int64_t C, const float *bias,
+                     float *out) {
+    matmul_panels(x, N, Kd, packed, C, 0, (C + PANEL - 1) / PANEL, bias, out);
+}
+
+/* Positions per tile pass through one expert: the scratch below lives on the stack (~80 KB for the
+   shipped model's shared expert), and an expert's weights stay in L2 across the chunks of a long pass. */
+#define ROW_CHUNK 16
+
+/* One expert over up to ROW_CHUNK gathered positions: out[rows[q]] += down^T (r[q] silu(g) * u),
+   [g | u] = x_q gate_up^T. Every product is matmul_p's, so each row's arithmetic is its own. */
+static void expert_rows(const float *x, int64_t H, int64_t I, const float *gate_up_t, const float *down_t,
+                        const int64_t *rows, const float *r, int64_t np, float *out) {
+    float xs[ROW_CHUNK * H], gu[ROW_CHUNK * 2 * I], act[ROW_CHUNK * I], y[ROW_CHUNK * H];
+    for (int64_t q = 0; q < np; q++) memcpy(xs + q * H, x + rows[q] * H, (size_t)H * sizeof(float));
+    matmul_p(xs, np, H, gate_up_t, 2 * I, NULL, gu);
+    for (int64_t q = 0; q < np; q++)
+        for (int64_t i = 0; i < I; i++) {
+            const float g = gu[q * 2 * I + i], u = gu[q * 2 * I + I + i];
+            act[q * I + i] = r[q] * (g / (1.0f + expf(-g))) * u;
+        }
+    matmul_p(act, np, I, down_t, H, NULL, y);
+    for (int64_t q = 0; q < np; q++) {
+        float *o = out + rows[q] * H;
+        for (int64_t h = 0; h < H; h++) o[h] += y[q * H + h];
+    }
+}
+
+void swiglu_experts(const float *x, int64_t w, int64_t H, int64_t I, const float *gate_up_t,
+                    int64_t gate_up_stride, const float *down_t, int64_t down_stride, int64_t num_experts,
+                    const int64_t *ids, const float *weights, int64_t n, float *out, int accumulate) {
+    int64_t count[num_experts + 1];
+    int64_t *rows = malloc((size_t)(w * n + 1) * sizeof(int64_t));
+    float *r = malloc((size_t)(w * n + 1) * sizeof(float));
+    if (!rows || !r) { free(rows); free(r); return; }  /* (the Python side allocates far more than this) */
+    if (!accumulate) memset(out, 0, (size_t)(w * H) * sizeof(float));
+    /* Counting sort of the (position, weight) pairs by expert, positions ascending within an expert. */
+    memset(count, 0, (size_t)(num_experts + 1) * sizeof(int64_t));
+    for (int64_t j = 0; j < w * n; j++)
+        if (ids[j] >= 0 && ids[j] < num_experts) count[ids[j] + 1]++;  /* others are ignored */
+    for (int64_t e = 0; e < num_experts; e++) count[e + 1] += count[e];
+    for (int64_t j = 0; j < w * n; j++)
+        if (ids[j] >= 0 && ids[j] < num_experts) {
+            const int64_t at = count[ids[j]]++;
+            rows[at] = j / n;
+            r[at] = weights[j];
+        }
+    for (int64_t e = 0, first = 0; e < num_experts; first = count[e], e++)  /* count[e] is now e's end */
+        for (int64_t c = first; c < count[e]; c += ROW_CHUNK)
+            expert_rows(x, H, I, gate_up_t + e * gate_up_stride, down_t + e * down_stride, rows + c, r + c,
+                        count[e] - c < ROW_CHUNK ? count[e] - c : ROW_CHUNK, out);
+    free(rows);
+    free(r);
+}
+
+/* A whole Qwen2-MoE block: router (E rows) and shared-expert gate (row E) in one pass, softmax over
+   the E router logits, the top m by logit (largest first; softmax keeps the order), routing weights =
+   their probabilities (renormalised if norm_topk), the routed experts, then the shared expert scaled by
+   sigmoid(its gate). Writes logits [w, E+1], ids [w, m], weights [w, m], out [w, H]. */
+struct moe_args {
+    const float *x; int64_t H; const float *router; int64_t E, m; int norm_topk;
+    const float *gate_up_t; int64_t gate_up_stride; const float *down_t; int64_t down_stride, I;
+    const float *shared_gate_up_t, *shared_down_t; int64_t Is;
+    float *logits; int64_t *ids; float *weights, *out;
+};
+
+static void moe_rows(const void *ctx, int64_t begin, int64_t end) {
+    const struct moe_args *a = ctx;
+    const int64_t H = a->H, E = a->E, m = a->m, w = end - begin;
     float scale[w];
     int64_t zero[w];
     unsigned char taken[E];
-    for (int64_t p = 0; p < w; p++) {
-        const float *xp = x + p * H;
-        float *l = logits + p * (E + 1);
-        for (int64_t e = 0; e <= E; e++) l[e] = dot(router + e * H, xp, H);
+    for (int64_t p = begin; p < end; p++) {
+        const float *xp = a->x + p * H;
+        float *l = a->logits + p * (E + 1), *weights = a->weights + p * m;
+        int64_t *ids = a->ids + p * m;
+        for (int64_t e = 0; e <= E; e++) l[e] = dot(a->router + e * H, xp, H);
         float top = l[0];
         for (int64_t e = 1; e < E; e++) if (l[e] > top) top = l[e];
         float total = 0.0f;
@@ -140,17 +279,30 @@ void moe_block(const float *x, int64_t w, int64_t H, const float *router, int64_
             for (int64_t e = 0; e < E; e++)
                 if (!taken[e] && (best < 0 || l[e] > l[best])) best = e;
             taken[best] = 1;
-            ids[p * m + j] = best;
-            weights[p * m + j] = expf(l[best] - top) / total;
-            picked += weights[p * m + j];
+            ids[j] = best;
+            weights[j] = expf(l[best] - top) / total;
+            picked += weights[j];
         }
-        if (norm_topk)
-            for (int64_t j = 0; j < m; j++) weights[p * m + j] /= picked;
-        scale[p] = 1.0f / (1.0f + expf(-l[E]));
-        zero[p] = 0;
+        if (a->norm_topk)
+            for (int64_t j = 0; j < m; j++) weights[j] /= picked;
+        scale[p - begin] = 1.0f / (1.0f + expf(-l[E]));
+        zero[p - begin] = 0;
     }
-    swiglu_experts(x, w, H, I, gate, up, gate_up_stride, down, down_stride, E, ids, weights, m, out, 0);
-    swiglu_experts(x, w, H, Is, shared_gate, shared_up, 0, shared_down, 0, 1, zero, scale, 1, out, 1);
+    const float *x = a->x + begin * H;
+    float *out = a->out + begin * H;
+    swiglu_experts(x, w, H, a->I, a->gate_up_t, a->gate_up_stride, a->down_t, a->down_stride, E, a->ids + begin * m,
+                   a->weights + begin * m, m, out, 0);
+    swiglu_experts(x, w, H, a->Is, a->shared_gate_up_t, 0, a->shared_down_t, 0, 1, zero, scale, 1, out, 1);
+}
+
+/* threads: how many the rows are split over (1: this thread alone). */
+void moe_block(const float *x, int64_t w, int64_t H, const float *router, int64_t E, int64_t m, int norm_topk,
+               const float *gate_up_t, int64_t gate_up_stride, const float *down_t, int64_t down_stride, int64_t I,
+               const float *shared_gate_up_t, const float *shared_down_t, int64_t Is,
+               float *logits, int64_t *ids, float *weights, float *out, int64_t threads) {
+    const struct moe_args a = {x, H, router, E, m, norm_topk, gate_up_t, gate_up_stride, down_t, down_stride, I,
+                               shared_gate_up_t, shared_down_t, Is, logits, ids, weights, out};
+    parallel_rows(moe_rows, &a, w, threads);
 }
 
 /* out [rows, H] = weight * x / sqrt(mean(x^2) + eps), row by row. */
@@ -162,16 +314,24 @@ void rms_norm(const float *x, int64_t rows, int64_t H, const float *weight, floa
     }
 }
 
-/* out [w, V] = x [w, H] @ W [V, H]^T, each weight row read once for every position. */
-void linear(const float *x, int64_t w, int64_t H, const float *W, int64_t V, float *out) {
-    for (int64_t v = 0; v < V; v++)
-        for (int64_t p = 0; p < w; p++) out[p * V + v] = dot(W + v * H, x + p * H, H);
+/* out [w, V] = x [w, H] @ the packed [H, V] weight Wt, rows independent (matmul_p); the panels split
+   over `threads` threads (each reads its own part of the weight). */
+struct linear_args { const float *x; int64_t w, H; const float *Wt; int64_t V; float *out; };
+
+static void linear_blocks(const void *ctx, int64_t begin, int64_t end) {
+    const struct linear_args *a = ctx;
+    matmul_panels(a->x, a->w, a->H, a->Wt, a->V, begin, end, NULL, a->out);
+}
+
+void linear(const float *x, int64_t w, int64_t H, const float *Wt, int64_t V, float *out, int64_t threads) {
+    const struct linear_args a = {x, w, H, Wt, V, out};
+    parallel_rows(linear_blocks, &a, (V + PANEL - 1) / PANEL, threads);
 }
 """
 
 _SOURCE += attention_kernel.SOURCE  # uses dot and rms_norm above
 
-_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
+_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-pthread")
 
 
 class Kernels:
@@ -182,46 +342,48 @@ class Kernels:
         lib = ctypes.CDLL(str(library_path))
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._swiglu = lib.swiglu_experts
-        self._swiglu.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+        self._swiglu.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
         self._swiglu.restype = None
         self._linear = lib.linear
-        self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+        self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64]
         self._linear.restype = None
         self._moe = lib.moe_block
-        self._moe.argtypes = [ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, ptr, i64, ptr, i64, i64,
-                              ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
+        self._moe.argtypes = [ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ptr, i64, i64,
+                              ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
         self._moe.restype = None
         self._rms_norm = lib.rms_norm
         self._rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
         self._rms_norm.restype = None
         self._attention = lib.attention_block
         self._attention.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr, i64, i64, i64,
-                                    ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+                                    ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
         self._attention.restype = None
 
-    def swiglu_experts(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                       ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
-        """See the module docstring. gate/up [E, I, H] (rows contiguous), down [E, H, I] contiguous per
-        expert; x, out [w, H], ids [w, n] int64, weights [w, n], all contiguous; float32 throughout."""
-        E, I, H = gate.shape
+    def swiglu_experts(self, x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight, ids: torch.Tensor,
+                       weights: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+        """See the module docstring. gate_up: packed [E, 2I, H], down: packed [E, H, I]; x, out [w, H],
+        ids [w, n] int64, weights [w, n], all contiguous; float32 throughout."""
+        (E,), H, I = gate_up.lead, gate_up.in_features, down.in_features
         w, n = ids.shape
         # The C code trusts its pointers: check what would make it read or write out of bounds.
         if not (x.is_contiguous() and out.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()):
             raise ValueError("swiglu_experts: x, out, ids and weights must be contiguous")
-        if gate.stride()[1:] != (H, 1) or up.stride() != gate.stride() or down.stride()[1:] != (I, 1):
-            raise ValueError("swiglu_experts: expert rows must be contiguous")
-        if x.shape != (w, H) or out.shape != (w, H) or weights.shape != (w, n) or down.shape != (E, H, I):
+        if gate_up.out_features != 2 * I or down.lead != (E,) or down.out_features != H:
+            raise ValueError(f"swiglu_experts: gate_up must be [E, 2I, H] and down [E, H, I], got {gate_up} and {down}")
+        if x.shape != (w, H) or out.shape != (w, H) or weights.shape != (w, n):
             raise ValueError("swiglu_experts: shapes disagree")
-        if any(t.dtype != torch.float32 for t in (x, gate, up, down, weights, out)) or ids.dtype != torch.int64:
+        if any(t.dtype != torch.float32 for t in (x, weights, out)) or ids.dtype != torch.int64:
             raise ValueError("swiglu_experts: float32 tensors and int64 ids only")
-        if not all(t.is_cpu for t in (x, gate, up, down, ids, weights, out)):
+        if not all(t.is_cpu for t in (x, ids, weights, out)):
             raise ValueError("swiglu_experts: CPU tensors only")
-        self._swiglu(x.data_ptr(), w, H, I, gate.data_ptr(), up.data_ptr(), gate.stride(0), down.data_ptr(),
-                     down.stride(0), E, ids.data_ptr(), weights.data_ptr(), n, out.data_ptr(), int(accumulate))
+        self._swiglu(x.data_ptr(), w, H, I, gate_up.data_ptr(), gate_up.stride, down.data_ptr(), down.stride, E,
+                     ids.data_ptr(), weights.data_ptr(), n, out.data_ptr(), int(accumulate))
 
-    def moe_block(self, block: MoeBlock, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def moe_block(self, block: MoeBlock, x: torch.Tensor,
+                  threads: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [w, H] -> (out [w, H], router logits [w, E], routed ids [w, m]) of the block's layer: the
-        router, softmax, top-k and both kinds of expert in one call (see the C source)."""
+        router, softmax, top-k and both kinds of expert in one call (see the C source), its positions
+        split over `threads` threads (bitwise the same result)."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != block.H or not x.is_contiguous() \
                 or not x.is_cpu:
             raise ValueError(f"moe_block: x must be a contiguous float32 CPU tensor [w, {block.H}]")
@@ -232,23 +394,24 @@ class Kernels:
         out = torch.empty_like(x)
         a = block.args
         self._moe(x.data_ptr(), w, block.H, *a, logits.data_ptr(), ids.data_ptr(), weights.data_ptr(),
-                  out.data_ptr())
+                  out.data_ptr(), _threads(threads))
         return out, logits[:, :-1], ids
 
     def attention_block(self, weights: AttentionWeights, where: AttentionPass, layer: int,
-                        x: torch.Tensor) -> torch.Tensor:
+                        x: torch.Tensor, threads: int = 1) -> torch.Tensor:
         """x [N, H] (the residual stream) -> x + attention(rms_norm(x)) of one layer, writing the pass's
-        keys and values into that layer's cache (see attention_kernel.py)."""
+        keys and values into that layer's cache (see attention_kernel.py); its tokens split over
+        `threads` threads (bitwise the same result)."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape != (where.n, weights.H) or not x.is_contiguous() \
                 or not x.is_cpu:
             raise ValueError(f"attention_block: x must be a contiguous float32 CPU tensor [{where.n}, {weights.H}]")
         if (weights.K, weights.D) != (where.K, where.D):
             raise ValueError(f"attention_block: the cache holds {where.K} kv heads of {where.D}, the layer "
                              f"{weights.K} of {weights.D}")
-        scratch = x.new_empty(weights.scratch_floats(where.n, where.S))
+        scratch = x.new_empty(weights.scratch_floats(where.n))
         out = torch.empty_like(x)
         self._attention(x.data_ptr(), where.n, weights.H, *weights.args, *where.args(layer), weights.o_ptr,
-                        scratch.data_ptr(), out.data_ptr())
+                        scratch.data_ptr(), out.data_ptr(), _threads(threads))
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -261,19 +424,62 @@ class Kernels:
         self._rms_norm(x.data_ptr(), x.numel() // H, H, weight.data_ptr(), eps, out.data_ptr())
         return out
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [w, H] @ weight [V, H]^T -> [w, V], float32, contiguous; each row of out is bitwise the
-        same whatever else is in x (MKL's sgemm blocks differently by w)."""
-        V, H = weight.shape
-        if weight.dtype != torch.float32 or not weight.is_contiguous():
-            raise ValueError("linear: weight must be contiguous float32")
+    def linear(self, x: torch.Tensor, weight: PackedWeight, threads: int = 1) -> torch.Tensor:
+        """x [w, H] @ weight^T (a packed [V, H] weight) -> [w, V], float32, contiguous; each row of out
+        is bitwise the same whatever else is in x (MKL's sgemm blocks differently by w); the output
+        columns split over `threads` threads (bitwise the same result)."""
+        H, V = weight.in_features, weight.out_features
+        if weight.lead:
+            raise ValueError(f"linear: weight must be one packed [V, H] matrix, got {weight}")
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != H or not x.is_contiguous():
             raise ValueError(f"linear: x must be contiguous float32 [w, {H}]")
-        if not (x.is_cpu and weight.is_cpu):
+        if not x.is_cpu:
             raise ValueError("linear: CPU tensors only")
         out = x.new_empty(x.shape[0], V)
-        self._linear(x.data_ptr(), x.shape[0], H, weight.data_ptr(), V, out.data_ptr())
+        self._linear(x.data_ptr(), x.shape[0], H, weight.data_ptr(), V, out.data_ptr(), _threads(threads))
         return out
+
+
+@dataclass(frozen=True)
+class KernelThreads:
+    """How many threads a kernel call splits its positions over: `threads` once a pass has a kernel's
+    minimum number of positions, else 1. Splitting never changes a bit of the result (every position
+    is computed on its own); it pays only where the work outweighs starting a thread (~60 us per split
+    here). The minimums are where 2 threads beat 1 on the 2-core development machine (AMD EPYC,
+    in-process, shipped model): the MoE block at 4 positions (0.56 -> 0.43 ms: it waits on expert
+    weights, and two threads wait in parallel), the output layer at 8 (0.28 -> 0.24 ms), attention at
+    32 (0.53 -> 0.45 ms; it splits twice: keys are all written before any position attends)."""
+
+    threads: int = 1
+    moe_min_positions: int = 4
+    linear_min_positions: int = 8
+    attention_min_positions: int = 32
+
+    def __post_init__(self):
+        _threads(self.threads)
+
+    def moe(self, positions: int) -> int:
+        return self.threads if positions >= self.moe_min_positions else 1
+
+    def linear(self, positions: int) -> int:
+        return self.threads if positions >= self.linear_min_positions else 1
+
+    def attention(self, positions: int) -> int:
+        return self.threads if positions >= self.attention_min_positions else 1
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        if self.threads == 1:
+            return "kernel threads: 1 (no pass is split)"
+        return (f"kernel threads: {self.threads} (a pass's positions split over them from {self.moe_min_positions} "
+                f"positions in the MoE block, {self.linear_min_positions} in the output layer, "
+                f"{self.attention_min_positions} in attention)")
+
+
+def _threads(threads: int) -> int:
+    if not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"kernel threads must be an int >= 1, got {threads!r}")
+    return threads
 
 
 class MoeBlock:
@@ -296,11 +502,14 @@ class MoeBlock:
         if not 1 <= top_k <= E:
             raise ValueError(f"moe_block: top_k must be in [1, {E}], got {top_k}")
         self.E, self.H, self.I, self.Is, self.top_k, self.norm_topk = E, H, I, Is, top_k, norm_topk
-        self.tensors = given  # keeps the storage alive while the pointers below are in use
-        row = I * H  # elements between an expert's gate rows and its up rows
-        self.args = (router_and_gate.data_ptr(), E, top_k, int(norm_topk), gate_up.data_ptr(),
-                     gate_up.data_ptr() + row * 4, gate_up.stride(0), down.data_ptr(), down.stride(0), I,
-                     shared_gate.data_ptr(), shared_up.data_ptr(), shared_down.data_ptr(), Is)
+        # The kernel's layout (packed copies); these and the tensors given stay referenced while the
+        # pointers below are in use.
+        packed = dict(gate_up=PackedWeight.pack(gate_up), down=PackedWeight.pack(down),
+                      shared_gate_up=PackedWeight.pack(torch.cat([shared_gate, shared_up])), shared_down=PackedWeight.pack(shared_down))
+        self.tensors = dict(given, **packed)
+        self.args = (router_and_gate.data_ptr(), E, top_k, int(norm_topk), packed["gate_up"].data_ptr(),
+                     packed["gate_up"].stride, packed["down"].data_ptr(), packed["down"].stride, I,
+                     packed["shared_gate_up"].data_ptr(), packed["shared_down"].data_ptr(), Is)
 
 
 def build(cache_dir: Path | None = None, compiler: str | None = None,

@@ -34,16 +34,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from service.engine.attention_kernel import AttentionPass, AttentionWeights
-from service.engine.kernels import Kernels, MoeBlock
+from service.engine.kernels import KernelThreads, Kernels, MoeBlock
+from service.engine.packed import PackedWeight
 
 # Windows up to this many positions run every expert of the union on every position (a few
 # batched matmuls, cost ~ U), or the fused kernel (kernels.py) when the model has one; longer ones
 # (prefill, training) gather the tokens of each expert.
 UNION_WINDOW_MAX = 16
 # The fused MoE block reads each touched expert once per call and computes every position on its own,
-# so it also serves batched passes of many clients: measured 2-3x faster than the grouped path at
-# 24-64 positions and 1.6x at 96 (one thread). Longer passes (long prompts) keep the grouped matmuls.
-KERNEL_WINDOW_MAX = 128
+# so it serves every pass: batched passes of many clients and prefills too. With its tiled matmuls it
+# beat the grouped path on a 16 x 95-token prefill (150 vs 168 ms for the whole prefill, one thread);
+# the bound is kept to compare against the grouped path (`moespec bench kernel-window`).
+KERNEL_WINDOW_MAX = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -130,13 +132,15 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.kernels: Kernels | None = None  # see use_kernels
-        self.kernel_weights: tuple[torch.Tensor, ...] = ()
+        self.kernel_weights: tuple[PackedWeight, ...] = ()
 
     def use_kernels(self, kernels: Kernels | None) -> None:
         """Inference only: short windows run in the fused kernel."""
         self.kernels = kernels
-        # [1, I, H] x2 and [1, H, I]: this MLP as the only "expert" (views, no copies)
-        self.kernel_weights = (self.gate_proj.weight[None], self.up_proj.weight[None], self.down_proj.weight[None])
+        # [1, 2I, H] and [1, H, I] packed: this MLP as the only "expert", in the kernel's layout (copies)
+        gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight])[None]
+        self.kernel_weights = () if kernels is None else (PackedWeight.pack(gate_up),
+                                                          PackedWeight.pack(self.down_proj.weight[None]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.dim() == 2 and x.shape[0] <= UNION_WINDOW_MAX and x.is_cpu \
@@ -222,15 +226,18 @@ class SparseMoE(nn.Module):
         self.kernels: Kernels | None = None
         self.block: MoeBlock | None = None
         self.kernel_window_max = KERNEL_WINDOW_MAX
+        self.kernel_threads = KernelThreads()
 
-    def fuse(self, kernels: Kernels | None = None, kernel_window_max: int = KERNEL_WINDOW_MAX) -> None:
+    def fuse(self, kernels: Kernels | None = None, kernel_window_max: int = KERNEL_WINDOW_MAX,
+             kernel_threads: KernelThreads = KernelThreads()) -> None:
         """Inference only: router + shared-expert gate in one matmul, shared gate/up in another;
-        with kernels, short windows run the whole block in one kernel call (which keeps pointers to
-        these weights: they must not move or be replaced afterwards)."""
+        with kernels, passes up to kernel_window_max positions run the whole block in one kernel call
+        (which keeps pointers to these weights: they must not move or be replaced afterwards)."""
         self.fused = (torch.cat([self.gate.weight, self.shared_expert_gate.weight]),  # [E+1, H]
                       torch.cat([self.shared_expert.gate_proj.weight, self.shared_expert.up_proj.weight]))
         self.kernels = kernels
         self.kernel_window_max = kernel_window_max
+        self.kernel_threads = kernel_threads
         if kernels is not None:
             shared = self.shared_expert
             self.block = MoeBlock(self.fused[0], self.gate.top_k, self.gate.norm_topk_prob, self.experts.gate_up_proj,
@@ -257,8 +264,8 @@ class SparseMoE(nn.Module):
         return routed + shared, logits, ids
 
     def forward_kernel(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Short windows, fused: router, top-k, routed and shared experts in one kernel call."""
-        return self.kernels.moe_block(self.block, x)  # [w, H], [w, E], [w, m]
+        """Fused: router, top-k, routed and shared experts in one kernel call."""
+        return self.kernels.moe_block(self.block, x, self.kernel_threads.moe(x.shape[0]))  # [w, H], [w, E], [w, m]
 
 
 class Attention(nn.Module):
@@ -437,38 +444,42 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
         self.kernels: Kernels | None = None  # see fuse_for_inference
+        self.lm_head_packed: PackedWeight | None = None  # the output layer in the kernels' layout
         self.kernel_window_max = KERNEL_WINDOW_MAX
+        self.kernel_threads = KernelThreads()
         self.fused_attention = False
 
     def fuse_for_inference(self, kernels: Kernels | None = None, kernel_window_max: int = KERNEL_WINDOW_MAX,
-                           fused_attention: bool = True) -> None:
+                           fused_attention: bool = True, kernel_threads: KernelThreads = KernelThreads()) -> None:
         """Concatenate projections that read the same input, for fewer matmuls per step; with kernels
         (kernels.build()), also the fast step: passes up to `kernel_window_max` positions run each
         layer's attention sub-block (unless `fused_attention` is False: the previous fast step, kept
-        to measure against) and MoE block in one kernel call each, short windows the MLPs and the
-        output layer, every norm its own call. Without kernels, the previous eager step.
+        to measure against) and MoE block in one kernel call each, the output layer too, short windows
+        the MLPs, every norm its own call; `kernel_threads` says when a call splits its positions over
+        threads. Without kernels, the previous eager step.
 
         The fused tensors are copies: call after the weights are final (training never fuses).
         """
         for layer in self.layers:
             layer.self_attn.fuse(layer.input_layernorm if kernels is not None and fused_attention else None)
             if self.cfg.is_moe:
-                layer.mlp.fuse(kernels, kernel_window_max)
+                layer.mlp.fuse(kernels, kernel_window_max, kernel_threads)
             else:
                 layer.mlp.use_kernels(kernels)
         for norm in self.modules():
             if isinstance(norm, RMSNorm):
                 norm.kernels = kernels
         self.kernels = kernels
+        self.lm_head_packed = None if kernels is None else PackedWeight.pack(self.lm_head.weight)
         self.kernel_window_max = kernel_window_max
+        self.kernel_threads = kernel_threads
         self.fused_attention = kernels is not None and fused_attention
 
     def output_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [w, H] -> logits [w, V]; short windows in the kernel (the largest single
-        weight of a decode step; a plain loop of dot products reads it about twice as fast as sgemm
-        does for one row, measured)."""
-        if self.kernels is not None and h.shape[0] <= UNION_WINDOW_MAX and h.is_cpu and not torch.is_grad_enabled():
-            return self.kernels.linear(h.contiguous(), self.lm_head.weight)
+        """Final hidden states [w, H] -> logits [w, V]; in the kernel up to kernel_window_max rows (the
+        largest single weight of a decode step; the kernel keeps rows independent, which sgemm does not)."""
+        if self.kernels is not None and h.shape[0] <= self.kernel_window_max and h.is_cpu and not torch.is_grad_enabled():
+            return self.kernels.linear(h.contiguous(), self.lm_head_packed, self.kernel_threads.linear(h.shape[0]))
         return self.lm_head(h)
 
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, slot: int = 0) -> ForwardOutput:
@@ -503,16 +514,16 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)  # [N, H]
         where = cos = sin = None
         # Fused attention at every pass size: on a 16 x 95-token prefill it took ~0.6 of the padded
-        # SDPA path's time per layer (measured in-process, loaded machine). The MoE block keeps its
-        # kernel_window_max limit (its kernel on 128-token chunks of that prefill was slower).
+        # SDPA path's time per layer (measured in-process, loaded machine).
         if self.fused_attention and x.is_cpu and not torch.is_grad_enabled():
             where = AttentionPass(batch.positions, batch.token_slot, cache.k, cache.v, self.rope_cos, self.rope_sin)
+            threads = self.kernel_threads.attention(x.shape[0])
         else:
             cos, sin = self._rope(batch)
         ids = []
         for i, layer in enumerate(self.layers):
             if where is not None:  # norm, q/k/v, rope, cache write, attention, o_proj and the residual
-                x = self.kernels.attention_block(layer.self_attn.block, where, i, x)
+                x = self.kernels.attention_block(layer.self_attn.block, where, i, x, threads)
             else:
                 x = x + layer.self_attn.forward_ragged(layer.input_layernorm(x), cos, sin, cache, i, batch)
             if not last_mlp and i == len(self.layers) - 1:
