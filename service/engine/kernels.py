@@ -53,7 +53,8 @@ from service.engine import attention_kernel
 from service.engine.attention_kernel import AttentionPass, AttentionWeights
 from service.engine.packed import PackedWeight
 
-__all__ = ["AttentionPass", "AttentionWeights", "KernelThreads", "Kernels", "MoeBlock", "PackedWeight", "build"]
+__all__ = ["AttentionPass", "AttentionWeights", "KernelThreads", "Kernels", "MoeBlock", "ONE_THREAD", "PackedWeight",
+           "build"]
 
 log = logging.getLogger(__name__)
 
@@ -476,6 +477,9 @@ class KernelThreads:
                 f"{self.attention_min_positions} in attention)")
 
 
+ONE_THREAD = KernelThreads()  # no call is split (frozen: a safe default)
+
+
 def _threads(threads: int) -> int:
     if not isinstance(threads, int) or threads < 1:
         raise ValueError(f"kernel threads must be an int >= 1, got {threads!r}")
@@ -505,7 +509,8 @@ class MoeBlock:
         # The kernel's layout (packed copies); these and the tensors given stay referenced while the
         # pointers below are in use.
         packed = dict(gate_up=PackedWeight.pack(gate_up), down=PackedWeight.pack(down),
-                      shared_gate_up=PackedWeight.pack(torch.cat([shared_gate, shared_up])), shared_down=PackedWeight.pack(shared_down))
+                      shared_gate_up=PackedWeight.pack(torch.cat([shared_gate, shared_up])),
+                      shared_down=PackedWeight.pack(shared_down))
         self.tensors = dict(given, **packed)
         self.args = (router_and_gate.data_ptr(), E, top_k, int(norm_topk), packed["gate_up"].data_ptr(),
                      packed["gate_up"].stride, packed["down"].data_ptr(), packed["down"].stride, I,

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from service.engine.attention_kernel import AttentionPass, AttentionWeights
-from service.engine.kernels import KernelThreads, Kernels, MoeBlock
+from service.engine.kernels import ONE_THREAD, Kernels, KernelThreads, MoeBlock
 from service.engine.packed import PackedWeight
 
 # Windows up to this many positions run every expert of the union on every position (a few
@@ -226,10 +226,10 @@ class SparseMoE(nn.Module):
         self.kernels: Kernels | None = None
         self.block: MoeBlock | None = None
         self.kernel_window_max = KERNEL_WINDOW_MAX
-        self.kernel_threads = KernelThreads()
+        self.kernel_threads = ONE_THREAD
 
     def fuse(self, kernels: Kernels | None = None, kernel_window_max: int = KERNEL_WINDOW_MAX,
-             kernel_threads: KernelThreads = KernelThreads()) -> None:
+             kernel_threads: KernelThreads = ONE_THREAD) -> None:
         """Inference only: router + shared-expert gate in one matmul, shared gate/up in another;
         with kernels, passes up to kernel_window_max positions run the whole block in one kernel call
         (which keeps pointers to these weights: they must not move or be replaced afterwards)."""
@@ -446,11 +446,11 @@ class Transformer(nn.Module):
         self.kernels: Kernels | None = None  # see fuse_for_inference
         self.lm_head_packed: PackedWeight | None = None  # the output layer in the kernels' layout
         self.kernel_window_max = KERNEL_WINDOW_MAX
-        self.kernel_threads = KernelThreads()
+        self.kernel_threads = ONE_THREAD
         self.fused_attention = False
 
     def fuse_for_inference(self, kernels: Kernels | None = None, kernel_window_max: int = KERNEL_WINDOW_MAX,
-                           fused_attention: bool = True, kernel_threads: KernelThreads = KernelThreads()) -> None:
+                           fused_attention: bool = True, kernel_threads: KernelThreads = ONE_THREAD) -> None:
         """Concatenate projections that read the same input, for fewer matmuls per step; with kernels
         (kernels.build()), also the fast step: passes up to `kernel_window_max` positions run each
         layer's attention sub-block (unless `fused_attention` is False: the previous fast step, kept
@@ -478,7 +478,8 @@ class Transformer(nn.Module):
     def output_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [w, H] -> logits [w, V]; in the kernel up to kernel_window_max rows (the
         largest single weight of a decode step; the kernel keeps rows independent, which sgemm does not)."""
-        if self.kernels is not None and h.shape[0] <= self.kernel_window_max and h.is_cpu and not torch.is_grad_enabled():
+        in_window = h.shape[0] <= self.kernel_window_max and h.is_cpu and not torch.is_grad_enabled()
+        if self.kernels is not None and in_window:
             return self.kernels.linear(h.contiguous(), self.lm_head_packed, self.kernel_threads.linear(h.shape[0]))
         return self.lm_head(h)
 

@@ -24,14 +24,16 @@ class PackedWeight:
         t = self.tensor
         if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
             raise ValueError("PackedWeight: the tensor must be contiguous float32 on the CPU")
-        if t.dim() < 3 or t.shape[-1] != PANEL or self.out_features < 1 or t.shape[-3] != -(-self.out_features // PANEL):
+        panels = -(-self.out_features // PANEL)
+        if t.dim() < 3 or t.shape[-1] != PANEL or self.out_features < 1 or t.shape[-3] != panels:
             raise ValueError(f"PackedWeight: a tensor {tuple(t.shape)} does not hold {self.out_features} output "
                              f"columns in panels of {PANEL}")
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> PackedWeight:
         if weight.dim() < 2 or weight.dtype != torch.float32 or not weight.is_cpu:
-            raise ValueError(f"pack: need a float32 CPU weight [..., out, in], got {weight.dtype} {tuple(weight.shape)}")
+            raise ValueError(f"pack: need a float32 CPU weight [..., out, in], got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
         *lead, C, Kd = weight.shape
         panels = -(-C // PANEL)
         padded = weight.detach().new_zeros(*lead, panels * PANEL, Kd)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from service.engine.kernels import KernelThreads, Kernels
+from service.engine.kernels import ONE_THREAD, Kernels, KernelThreads
 from service.engine.model import KERNEL_WINDOW_MAX, ModelConfig, Transformer
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -98,7 +98,7 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32) -> Transform
 
 def load_for_inference(directory: Path, dtype: torch.dtype = torch.float32,
                        kernels: Kernels | None = None, kernel_window_max: int = KERNEL_WINDOW_MAX,
-                       fused_attention: bool = True, kernel_threads: KernelThreads = KernelThreads()) -> Transformer:
+                       fused_attention: bool = True, kernel_threads: KernelThreads = ONE_THREAD) -> Transformer:
     """load_model with the projections fused for decoding (not for training: the copies would drift);
     with kernels (float32 only), the fast step (see Transformer.fuse_for_inference)."""
     model = load_model(directory, dtype)
