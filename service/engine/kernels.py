@@ -477,13 +477,13 @@ class KernelThreads:
                 f"{self.attention_min_positions} in attention)")
 
 
-ONE_THREAD = KernelThreads()  # no call is split (frozen: a safe default)
-
-
 def _threads(threads: int) -> int:
     if not isinstance(threads, int) or threads < 1:
         raise ValueError(f"kernel threads must be an int >= 1, got {threads!r}")
     return threads
+
+
+ONE_THREAD = KernelThreads()  # no call is split (frozen: a safe default)
 
 
 class MoeBlock:
