@@ -175,6 +175,32 @@ def test_the_moe_block_matches_the_textbook_block(k, block_weights, norm_topk):
         assert torch.equal(k.moe_block(block, x[p:p + 1])[0][0], out[p])
 
 
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_splitting_a_pass_over_threads_changes_no_bit(k, block_weights, threads):
+    """Positions (the MoE block) and output columns (the output layer) split over threads give bitwise
+    the one-thread result, also with more threads than positions or panels."""
+    bw = block_weights
+    block = kernels.MoeBlock(bw["router_and_gate"], M, False, bw["gate_up"], bw["down"], bw["shared_gate"],
+                             bw["shared_up"], bw["shared_down"])
+    x, _, _ = window(70, seed=15)
+    alone = k.moe_block(block, x, threads=1)
+    for got, want in zip(k.moe_block(block, x, threads=threads), alone, strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(k.moe_block(block, x[:2], threads=threads)[0], alone[0][:2])
+    weight = PackedWeight.pack(torch.randn(200, H, generator=torch.Generator().manual_seed(16)))  # 4 panels
+    assert torch.equal(k.linear(x[:10], weight, threads=threads), k.linear(x[:10], weight, threads=1))
+
+
+def test_kernel_threads_split_only_passes_past_each_kernels_minimum():
+    split = kernels.KernelThreads(4, moe_min_positions=4, linear_min_positions=8, attention_min_positions=32)
+    assert [split.moe(n) for n in (1, 3, 4, 100)] == [1, 1, 4, 4]
+    assert [split.linear(n) for n in (7, 8)] == [1, 4] and [split.attention(n) for n in (31, 32)] == [1, 4]
+    assert "from 4 positions in the MoE block, 8 in the output layer, 32 in attention" in split.describe()
+    assert kernels.ONE_THREAD.moe(1000) == 1 and "no pass is split" in kernels.ONE_THREAD.describe()
+    with pytest.raises(ValueError, match="kernel threads must be an int >= 1, got 0"):
+        kernels.KernelThreads(0)
+
+
 def test_a_moe_block_with_wrong_weights_is_refused_naming_the_tensor(block_weights):
     bad = dict(block_weights, down=block_weights["down"].transpose(1, 2))
     with pytest.raises(ValueError, match="down must be"):
@@ -290,12 +316,12 @@ def ragged_pass(windows: list[tuple[int, int, int]], seed: int):
     return torch.randn(positions.shape[0], AHID, generator=g), positions, slots, *caches
 
 
-def run_attention(ka, w, x, positions, slots, k_cache, v_cache):
+def run_attention(ka, w, x, positions, slots, k_cache, v_cache, threads=1):
     """The kernel on the given caches (written in place) -> out [N, AHID]."""
     weights = kernels.AttentionWeights(w["norm_weight"], 1e-6, w["qkv_weight"], w["qkv_bias"], w["o_weight"],
                                        AH, AK, AD)
     where = kernels.AttentionPass(positions, slots, k_cache, v_cache, *rope_tables(S, AD))
-    return ka.attention_block(weights, where, 0, x)
+    return ka.attention_block(weights, where, 0, x, threads)
 
 
 # A window at position 0, one at position 1, a verify window after a long prefix, and a ragged pass of
@@ -325,6 +351,18 @@ def test_each_token_of_a_ragged_pass_is_bitwise_the_same_alone(ka, attention_wei
         alone = run_attention(ka, attention_weights, x[t:t + 1], positions[t:t + 1], slots[t:t + 1], k_cache, v_cache)
         assert torch.equal(alone[0], together[t]), f"token {t} depends on the rest of the pass"
         assert torch.equal(k_cache, after_k) and torch.equal(v_cache, after_v)  # rewrote the same key/value
+
+
+@pytest.mark.parametrize("threads", [2, 3, 16])
+def test_a_pass_split_over_threads_is_bitwise_the_one_thread_pass(ka, attention_weights, threads):
+    """Split, a prefill window's later tokens run on another thread than the keys they attend to: every
+    key must be in the cache before any token attends (the kernel joins its threads in between)."""
+    windows = [(2, 7, 3), (0, 0, 12), (1, 15, 1)]
+    x, positions, slots, k_cache, v_cache = ragged_pass(windows, seed=17)
+    one_k, one_v = k_cache.clone(), v_cache.clone()
+    one = run_attention(ka, attention_weights, x, positions, slots, one_k, one_v, threads=1)
+    split = run_attention(ka, attention_weights, x, positions, slots, k_cache, v_cache, threads=threads)
+    assert torch.equal(split, one) and torch.equal(k_cache, one_k) and torch.equal(v_cache, one_v)
 
 
 def test_a_rejected_draft_is_overwritten_and_never_read_past_its_position(ka, attention_weights):

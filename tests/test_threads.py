@@ -106,3 +106,11 @@ def test_serve_without_threads_prints_its_pick_and_serves():
     assert match, err
     picked, cores = int(match.group(1)), int(match.group(2))
     assert cores == threads.usable_cores() and picked in threads.candidates(cores)
+    # The kernels split big passes over every usable core by default, and it says so.
+    assert re.search(rf"kernel threads: {cores} \(|kernel threads: 1 \(no pass is split\)", err), err
+
+
+def test_kernel_threads_below_one_exit_2_naming_the_flag():
+    done = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--port", "0", "--kernel-threads", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--kernel-threads must be >= 1, got 0" in done.stderr, done.stderr
