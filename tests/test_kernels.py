@@ -175,30 +175,59 @@ def test_the_moe_block_matches_the_textbook_block(k, block_weights, norm_topk):
         assert torch.equal(k.moe_block(block, x[p:p + 1])[0][0], out[p])
 
 
-@pytest.mark.parametrize("threads", [2, 3, 8])
-def test_splitting_a_pass_over_threads_changes_no_bit(k, block_weights, threads):
-    """Positions (the MoE block) and output columns (the output layer) split over threads give bitwise
-    the one-thread result, also with more threads than positions or panels."""
+@pytest.fixture(scope="module", params=[2, 3, 8])
+def pool(request, k):
+    """A started pool of 2, 3 and 8 threads (8: more than most passes here have panels or positions)."""
+    started = k.pool(request.param)
+    yield started
+    started.close()
+
+
+def test_splitting_a_pass_over_threads_changes_no_bit(k, block_weights, pool):
+    """Positions (the MoE block) and output columns (the output layer) split over a pool's threads
+    give bitwise the one-thread result, also with more threads than positions or panels."""
     bw = block_weights
     block = kernels.MoeBlock(bw["router_and_gate"], M, False, bw["gate_up"], bw["down"], bw["shared_gate"],
                              bw["shared_up"], bw["shared_down"])
     x, _, _ = window(70, seed=15)
-    alone = k.moe_block(block, x, threads=1)
-    for got, want in zip(k.moe_block(block, x, threads=threads), alone, strict=True):
+    alone = k.moe_block(block, x)
+    for got, want in zip(k.moe_block(block, x, pool), alone, strict=True):
         assert torch.equal(got, want)
-    assert torch.equal(k.moe_block(block, x[:2], threads=threads)[0], alone[0][:2])
+    assert torch.equal(k.moe_block(block, x[:2], pool)[0], alone[0][:2])
     weight = PackedWeight.pack(torch.randn(200, H, generator=torch.Generator().manual_seed(16)))  # 4 panels
-    assert torch.equal(k.linear(x[:10], weight, threads=threads), k.linear(x[:10], weight, threads=1))
+    assert torch.equal(k.linear(x[:10], weight, pool), k.linear(x[:10], weight))
 
 
-def test_kernel_threads_split_only_passes_past_each_kernels_minimum():
-    split = kernels.KernelThreads(4, moe_min_positions=4, linear_min_positions=8, attention_min_positions=32)
-    assert [split.moe(n) for n in (1, 3, 4, 100)] == [1, 1, 4, 4]
-    assert [split.linear(n) for n in (7, 8)] == [1, 4] and [split.attention(n) for n in (31, 32)] == [1, 4]
+def test_a_pool_serves_one_caller_at_a_time_and_runs_alone_once_closed(k, block_weights):
+    """Two threads calling one pool at once both get the right rows (the second runs its call alone);
+    a closed pool's calls run on the calling thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bw = block_weights
+    block = kernels.MoeBlock(bw["router_and_gate"], M, True, bw["gate_up"], bw["down"], bw["shared_gate"],
+                             bw["shared_up"], bw["shared_down"])
+    inputs = [window(64, seed=s)[0] for s in range(8)]
+    want = [k.moe_block(block, x)[0] for x in inputs]
+    shared = k.pool(2)
+    with ThreadPoolExecutor(4) as callers:
+        for _ in range(5):
+            got = list(callers.map(lambda x: k.moe_block(block, x, shared)[0], inputs))
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    shared.close()
+    assert shared.handle is None and torch.equal(k.moe_block(block, inputs[0], shared)[0], want[0])
+
+
+def test_kernel_threads_split_only_passes_past_each_kernels_minimum(k):
+    started = k.pool(4)
+    split = kernels.KernelThreads(started, moe_min_positions=4, linear_min_positions=8, attention_min_positions=32)
+    assert split.threads == 4
+    assert [split.moe(n) for n in (1, 3, 4, 100)] == [None, None, started, started]
+    assert [split.linear(n) for n in (7, 8)] == [None, started] and [split.attention(n) for n in (31, 32)] == [None, started]
     assert "from 4 positions in the MoE block, 8 in the output layer, 32 in attention" in split.describe()
-    assert kernels.ONE_THREAD.moe(1000) == 1 and "no pass is split" in kernels.ONE_THREAD.describe()
+    assert kernels.ONE_THREAD.moe(1000) is None and "no pass is split" in kernels.ONE_THREAD.describe()
+    started.close()
     with pytest.raises(ValueError, match="kernel threads must be an int >= 1, got 0"):
-        kernels.KernelThreads(0)
+        k.pool(0)
 
 
 def test_a_moe_block_with_wrong_weights_is_refused_naming_the_tensor(block_weights):
@@ -316,12 +345,12 @@ def ragged_pass(windows: list[tuple[int, int, int]], seed: int):
     return torch.randn(positions.shape[0], AHID, generator=g), positions, slots, *caches
 
 
-def run_attention(ka, w, x, positions, slots, k_cache, v_cache, threads=1):
+def run_attention(ka, w, x, positions, slots, k_cache, v_cache, pool=None):
     """The kernel on the given caches (written in place) -> out [N, AHID]."""
     weights = kernels.AttentionWeights(w["norm_weight"], 1e-6, w["qkv_weight"], w["qkv_bias"], w["o_weight"],
                                        AH, AK, AD)
     where = kernels.AttentionPass(positions, slots, k_cache, v_cache, *rope_tables(S, AD))
-    return ka.attention_block(weights, where, 0, x, threads)
+    return ka.attention_block(weights, where, 0, x, pool)
 
 
 # A window at position 0, one at position 1, a verify window after a long prefix, and a ragged pass of
@@ -360,8 +389,10 @@ def test_a_pass_split_over_threads_is_bitwise_the_one_thread_pass(ka, attention_
     windows = [(2, 7, 3), (0, 0, 12), (1, 15, 1)]
     x, positions, slots, k_cache, v_cache = ragged_pass(windows, seed=17)
     one_k, one_v = k_cache.clone(), v_cache.clone()
-    one = run_attention(ka, attention_weights, x, positions, slots, one_k, one_v, threads=1)
-    split = run_attention(ka, attention_weights, x, positions, slots, k_cache, v_cache, threads=threads)
+    one = run_attention(ka, attention_weights, x, positions, slots, one_k, one_v)
+    pool = ka.pool(threads)
+    split = run_attention(ka, attention_weights, x, positions, slots, k_cache, v_cache, pool)
+    pool.close()
     assert torch.equal(split, one) and torch.equal(k_cache, one_k) and torch.equal(v_cache, one_v)
 
 

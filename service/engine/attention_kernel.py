@@ -110,19 +110,19 @@ static void attention_attend_rows(const void *ctx, int64_t begin, int64_t end) {
 
 /* See attention_kernel.py. qkv_wt and o_wt: the [R, H] and [H, A D] projections packed (matmul_p);
    k_cache / v_cache: this layer's [slots, K, S, D]; scratch: N * (H + R + A D) floats; out [N, H] must
-   not alias x; threads: how many each phase's tokens are split over (the phases are joined in between,
-   so every key is written before any token attends). */
+   not alias x; pool: the threads each phase's tokens are split over (NULL: this thread alone; the phases
+   are joined in between, so every key is written before any token attends). */
 void attention_block(const float *x, int64_t N, int64_t H, const float *norm_w, float eps,
                      const float *qkv_wt, const float *qkv_b, int64_t A, int64_t K, int64_t D,
                      const float *rope_cos, const float *rope_sin, const int64_t *positions, const int64_t *slots,
                      float *k_cache, float *v_cache, int64_t S, const float *o_wt, float *scratch, float *out,
-                     int64_t threads) {
+                     struct kernel_pool *pool) {
     const int64_t R = (A + 2 * K) * D;
     float *hn = scratch, *qkv = hn + N * H, *att = qkv + N * R;  /* [N, H] [N, R] [N, A D] */
     const struct attention_args a = {x, H, norm_w, eps, qkv_wt, qkv_b, A, K, D, rope_cos, rope_sin, positions, slots,
                                      k_cache, v_cache, S, o_wt, hn, qkv, att, out};
-    parallel_rows(attention_project_rows, &a, N, threads);
-    parallel_rows(attention_attend_rows, &a, N, threads);
+    pool_rows(pool, attention_project_rows, &a, N);
+    pool_rows(pool, attention_attend_rows, &a, N);
 }
 """
 

@@ -31,7 +31,8 @@ import torch
 from tokenizers import Tokenizer
 
 from service import expert_parallel
-from service.engine.kernels import KernelThreads
+from service.engine.kernel_pool import KernelPool
+from service.engine.kernels import ONE_THREAD, KernelThreads
 from service.engine.kernels import build as build_kernels
 from service.engine.model import KERNEL_WINDOW_MAX, KVCache
 from service.engine.scheduler import Scheduler, unique_experts_per_layer
@@ -88,7 +89,8 @@ class Engine:
         self.step_kind = "fast" if kernels else "reference"
         if config.kernel_threads is not None and config.kernel_threads < 1:
             raise ValueError(f"kernel_threads must be >= 1, got {config.kernel_threads}")
-        self.kernel_threads = KernelThreads(config.kernel_threads or usable_cores())
+        threads = config.kernel_threads or usable_cores()
+        self.kernel_threads = KernelThreads(kernels.pool(threads)) if kernels and threads > 1 else ONE_THREAD
         self.target = load_for_inference(config.target_dir, kernels=kernels, kernel_window_max=config.kernel_window_max,
                                          fused_attention=config.fused_attention, kernel_threads=self.kernel_threads)
         self.draft = load_for_inference(config.draft_dir, kernels=kernels, fused_attention=config.fused_attention) \
@@ -117,9 +119,10 @@ class Engine:
         self.recorder = StepRecorder(config.record_steps, self.info, cfg.hidden_size) if config.record_steps else None
         self.max_batch = config.max_batch  # the Backend protocol's batch slots: the server runs this many callers
         self._scheduler = Scheduler(self, config.max_batch, config.prefill_chunk)  # owns the models from here on
-        # Stop the scheduler thread when the engine is collected or the interpreter exits, if nobody
-        # called close() (a thread still parked in torch at exit aborts the process).
-        self._finalizer = weakref.finalize(self, self._scheduler.close)
+        # Stop the scheduler thread (then the kernels' workers, which it calls) when the engine is collected
+        # or the interpreter exits, if nobody called close() (a thread still parked in torch at exit aborts
+        # the process).
+        self._finalizer = weakref.finalize(self, _shut_down, self._scheduler, self.kernel_threads.pool)
 
     # ----------------------------------------------------------------- public API
     def generate(
@@ -147,7 +150,7 @@ class Engine:
         return result
 
     def close(self) -> None:
-        """Requests still running or waiting end CANCELLED; the scheduler thread exits."""
+        """Requests still running or waiting end CANCELLED; the scheduler thread and the kernels' workers exit."""
         self._finalizer()
         if self.recorder is not None:
             self.recorder.close()
@@ -203,3 +206,9 @@ class Engine:
             concurrent_policies=True,  # the policy is a per-call argument: any mix of arms at once
             shared_passes=self.config.max_batch > 1,  # continuous batching: one target pass serves them all
         )
+
+
+def _shut_down(scheduler: Scheduler, pool: KernelPool | None) -> None:
+    scheduler.close()  # after this no kernel call runs, so the pool can go
+    if pool is not None:
+        pool.close()

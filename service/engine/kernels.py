@@ -49,8 +49,9 @@ from pathlib import Path
 
 import torch
 
-from service.engine import attention_kernel
+from service.engine import attention_kernel, kernel_pool
 from service.engine.attention_kernel import AttentionPass, AttentionWeights
+from service.engine.kernel_pool import KernelPool
 from service.engine.packed import PackedWeight
 
 __all__ = ["AttentionPass", "AttentionWeights", "KernelThreads", "Kernels", "MoeBlock", "ONE_THREAD", "PackedWeight",
@@ -58,43 +59,11 @@ __all__ = ["AttentionPass", "AttentionWeights", "KernelThreads", "Kernels", "Moe
 
 log = logging.getLogger(__name__)
 
-_SOURCE = r"""
+_SOURCE = kernel_pool.SOURCE + r"""
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* Rows [0, n) of a pass split into `threads` contiguous ranges, one per thread, the caller taking the
-   first: for work whose every row is computed on its own (the kernels' contract), so the split changes
-   no bit of the result. Threads are started per call and joined (no pool spinning between calls: the
-   server's other threads need the cores then); callers split only passes big enough to pay for it.
-   A thread that cannot be started leaves its range to the caller. */
-typedef void (*rows_fn)(const void *ctx, int64_t begin, int64_t end);
-struct rows_part { rows_fn fn; const void *ctx; int64_t begin, end; };
-
-static void *run_rows_part(void *arg) {
-    const struct rows_part *part = arg;
-    part->fn(part->ctx, part->begin, part->end);
-    return NULL;
-}
-
-static void parallel_rows(rows_fn fn, const void *ctx, int64_t n, int64_t threads) {
-    if (threads > n) threads = n;
-    if (threads <= 1) { if (n > 0) fn(ctx, 0, n); return; }
-    pthread_t tid[threads];
-    struct rows_part parts[threads];
-    int started[threads];
-    for (int64_t t = 0; t < threads; t++) {
-        parts[t] = (struct rows_part){fn, ctx, n * t / threads, n * (t + 1) / threads};
-        started[t] = t > 0 && pthread_create(&tid[t], NULL, run_rows_part, &parts[t]) == 0;
-    }
-    fn(ctx, parts[0].begin, parts[0].end);
-    for (int64_t t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(tid[t], NULL);
-        else fn(ctx, parts[t].begin, parts[t].end);
-    }
-}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -296,14 +265,14 @@ static void moe_rows(const void *ctx, int64_t begin, int64_t end) {
     swiglu_experts(x, w, H, a->Is, a->shared_gate_up_t, 0, a->shared_down_t, 0, 1, zero, scale, 1, out, 1);
 }
 
-/* threads: how many the rows are split over (1: this thread alone). */
+/* pool: the threads the positions are split over (NULL: this thread alone). */
 void moe_block(const float *x, int64_t w, int64_t H, const float *router, int64_t E, int64_t m, int norm_topk,
                const float *gate_up_t, int64_t gate_up_stride, const float *down_t, int64_t down_stride, int64_t I,
                const float *shared_gate_up_t, const float *shared_down_t, int64_t Is,
-               float *logits, int64_t *ids, float *weights, float *out, int64_t threads) {
+               float *logits, int64_t *ids, float *weights, float *out, struct kernel_pool *pool) {
     const struct moe_args a = {x, H, router, E, m, norm_topk, gate_up_t, gate_up_stride, down_t, down_stride, I,
                                shared_gate_up_t, shared_down_t, Is, logits, ids, weights, out};
-    parallel_rows(moe_rows, &a, w, threads);
+    pool_rows(pool, moe_rows, &a, w);
 }
 
 /* out [rows, H] = weight * x / sqrt(mean(x^2) + eps), row by row. */
@@ -316,7 +285,7 @@ void rms_norm(const float *x, int64_t rows, int64_t H, const float *weight, floa
 }
 
 /* out [w, V] = x [w, H] @ the packed [H, V] weight Wt, rows independent (matmul_p); the panels split
-   over `threads` threads (each reads its own part of the weight). */
+   over the pool's threads (each reads its own part of the weight). */
 struct linear_args { const float *x; int64_t w, H; const float *Wt; int64_t V; float *out; };
 
 static void linear_blocks(const void *ctx, int64_t begin, int64_t end) {
@@ -324,15 +293,15 @@ static void linear_blocks(const void *ctx, int64_t begin, int64_t end) {
     matmul_panels(a->x, a->w, a->H, a->Wt, a->V, begin, end, NULL, a->out);
 }
 
-void linear(const float *x, int64_t w, int64_t H, const float *Wt, int64_t V, float *out, int64_t threads) {
+void linear(const float *x, int64_t w, int64_t H, const float *Wt, int64_t V, float *out, struct kernel_pool *pool) {
     const struct linear_args a = {x, w, H, Wt, V, out};
-    parallel_rows(linear_blocks, &a, (V + PANEL - 1) / PANEL, threads);
+    pool_rows(pool, linear_blocks, &a, (V + PANEL - 1) / PANEL);
 }
 """
 
 _SOURCE += attention_kernel.SOURCE  # uses dot and rms_norm above
 
-_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11", "-pthread")
+_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-pthread")
 
 
 class Kernels:
@@ -341,23 +310,25 @@ class Kernels:
     def __init__(self, library_path: Path):
         self.path = library_path
         lib = ctypes.CDLL(str(library_path))
+        kernel_pool.bind(lib)
+        self._lib = lib
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._swiglu = lib.swiglu_experts
         self._swiglu.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
         self._swiglu.restype = None
         self._linear = lib.linear
-        self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64]
+        self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr]
         self._linear.restype = None
         self._moe = lib.moe_block
         self._moe.argtypes = [ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ptr, i64, i64,
-                              ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
+                              ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr]
         self._moe.restype = None
         self._rms_norm = lib.rms_norm
         self._rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
         self._rms_norm.restype = None
         self._attention = lib.attention_block
         self._attention.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr, i64, i64, i64,
-                                    ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
+                                    ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
         self._attention.restype = None
 
     def swiglu_experts(self, x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight, ids: torch.Tensor,
@@ -381,10 +352,10 @@ class Kernels:
                      ids.data_ptr(), weights.data_ptr(), n, out.data_ptr(), int(accumulate))
 
     def moe_block(self, block: MoeBlock, x: torch.Tensor,
-                  threads: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  pool: KernelPool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [w, H] -> (out [w, H], router logits [w, E], routed ids [w, m]) of the block's layer: the
         router, softmax, top-k and both kinds of expert in one call (see the C source), its positions
-        split over `threads` threads (bitwise the same result)."""
+        split over the pool's threads if one is given (bitwise the same result)."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != block.H or not x.is_contiguous() \
                 or not x.is_cpu:
             raise ValueError(f"moe_block: x must be a contiguous float32 CPU tensor [w, {block.H}]")
@@ -395,14 +366,14 @@ class Kernels:
         out = torch.empty_like(x)
         a = block.args
         self._moe(x.data_ptr(), w, block.H, *a, logits.data_ptr(), ids.data_ptr(), weights.data_ptr(),
-                  out.data_ptr(), _threads(threads))
+                  out.data_ptr(), _handle(pool))
         return out, logits[:, :-1], ids
 
     def attention_block(self, weights: AttentionWeights, where: AttentionPass, layer: int,
-                        x: torch.Tensor, threads: int = 1) -> torch.Tensor:
+                        x: torch.Tensor, pool: KernelPool | None = None) -> torch.Tensor:
         """x [N, H] (the residual stream) -> x + attention(rms_norm(x)) of one layer, writing the pass's
-        keys and values into that layer's cache (see attention_kernel.py); its tokens split over
-        `threads` threads (bitwise the same result)."""
+        keys and values into that layer's cache (see attention_kernel.py); its tokens split over the
+        pool's threads if one is given (bitwise the same result)."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape != (where.n, weights.H) or not x.is_contiguous() \
                 or not x.is_cpu:
             raise ValueError(f"attention_block: x must be a contiguous float32 CPU tensor [{where.n}, {weights.H}]")
@@ -412,8 +383,12 @@ class Kernels:
         scratch = x.new_empty(weights.scratch_floats(where.n))
         out = torch.empty_like(x)
         self._attention(x.data_ptr(), where.n, weights.H, *weights.args, *where.args(layer), weights.o_ptr,
-                        scratch.data_ptr(), out.data_ptr(), _threads(threads))
+                        scratch.data_ptr(), out.data_ptr(), _handle(pool))
         return out
+
+    def pool(self, threads: int) -> KernelPool:
+        """Start `threads - 1` workers for this library's calls to split over (see kernel_pool.py)."""
+        return KernelPool(self._lib, threads)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """weight * x / sqrt(mean(x^2, -1) + eps) over the last dim of a contiguous float32 CPU x."""
@@ -425,10 +400,10 @@ class Kernels:
         self._rms_norm(x.data_ptr(), x.numel() // H, H, weight.data_ptr(), eps, out.data_ptr())
         return out
 
-    def linear(self, x: torch.Tensor, weight: PackedWeight, threads: int = 1) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: PackedWeight, pool: KernelPool | None = None) -> torch.Tensor:
         """x [w, H] @ weight^T (a packed [V, H] weight) -> [w, V], float32, contiguous; each row of out
         is bitwise the same whatever else is in x (MKL's sgemm blocks differently by w); the output
-        columns split over `threads` threads (bitwise the same result)."""
+        columns split over the pool's threads if one is given (bitwise the same result)."""
         H, V = weight.in_features, weight.out_features
         if weight.lead:
             raise ValueError(f"linear: weight must be one packed [V, H] matrix, got {weight}")
@@ -437,36 +412,38 @@ class Kernels:
         if not x.is_cpu:
             raise ValueError("linear: CPU tensors only")
         out = x.new_empty(x.shape[0], V)
-        self._linear(x.data_ptr(), x.shape[0], H, weight.data_ptr(), V, out.data_ptr(), _threads(threads))
+        self._linear(x.data_ptr(), x.shape[0], H, weight.data_ptr(), V, out.data_ptr(), _handle(pool))
         return out
 
 
 @dataclass(frozen=True)
 class KernelThreads:
-    """How many threads a kernel call splits its positions over: `threads` once a pass has a kernel's
-    minimum number of positions, else 1. Splitting never changes a bit of the result (every position
-    is computed on its own); it pays only where the work outweighs starting a thread (~60 us per split
-    here). The minimums are where 2 threads beat 1 on the 2-core development machine (AMD EPYC,
-    in-process, shipped model): the MoE block at 4 positions (0.56 -> 0.43 ms: it waits on expert
-    weights, and two threads wait in parallel), the output layer at 8 (0.28 -> 0.24 ms), attention at
-    32 (0.53 -> 0.45 ms; it splits twice: keys are all written before any position attends)."""
+    """When a kernel call splits its work over the pool's threads: from a kernel's minimum number of
+    positions in the pass on (no pool: never). Splitting never changes a bit of the result (every
+    position and output column is computed on its own). The MoE block and attention split positions,
+    so they need 2; the output layer splits its columns, so even one position pays. Measured on the
+    2-core development machine (AMD EPYC, in-process, shipped model, a warm pool of 2, ms per call,
+    1 -> 2 threads): MoE block 0.36 -> 0.21 at 2 positions and 1.14 -> 0.81 at 16; attention 0.076 ->
+    0.049 at 2 and 0.30 -> 0.20 at 16; output layer 0.077 -> 0.046 at 1 and 0.45 -> 0.34 at 16; one
+    position alone in the MoE block or attention 0.198 -> 0.194 and 0.047 -> 0.049 (nothing to split)."""
 
-    threads: int = 1
-    moe_min_positions: int = 4
-    linear_min_positions: int = 8
-    attention_min_positions: int = 32
+    pool: KernelPool | None = None
+    moe_min_positions: int = 2
+    linear_min_positions: int = 1
+    attention_min_positions: int = 2
 
-    def __post_init__(self):
-        _threads(self.threads)
+    @property
+    def threads(self) -> int:
+        return self.pool.threads if self.pool is not None else 1
 
-    def moe(self, positions: int) -> int:
-        return self.threads if positions >= self.moe_min_positions else 1
+    def moe(self, positions: int) -> KernelPool | None:
+        return self.pool if positions >= self.moe_min_positions else None
 
-    def linear(self, positions: int) -> int:
-        return self.threads if positions >= self.linear_min_positions else 1
+    def linear(self, positions: int) -> KernelPool | None:
+        return self.pool if positions >= self.linear_min_positions else None
 
-    def attention(self, positions: int) -> int:
-        return self.threads if positions >= self.attention_min_positions else 1
+    def attention(self, positions: int) -> KernelPool | None:
+        return self.pool if positions >= self.attention_min_positions else None
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -477,10 +454,8 @@ class KernelThreads:
                 f"{self.attention_min_positions} in attention)")
 
 
-def _threads(threads: int) -> int:
-    if not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"kernel threads must be an int >= 1, got {threads!r}")
-    return threads
+def _handle(pool: KernelPool | None) -> int | None:
+    return None if pool is None else pool.handle
 
 
 ONE_THREAD = KernelThreads()  # no call is split (frozen: a safe default)

@@ -518,13 +518,13 @@ class Transformer(nn.Module):
         # SDPA path's time per layer (measured in-process, loaded machine).
         if self.fused_attention and x.is_cpu and not torch.is_grad_enabled():
             where = AttentionPass(batch.positions, batch.token_slot, cache.k, cache.v, self.rope_cos, self.rope_sin)
-            threads = self.kernel_threads.attention(x.shape[0])
+            pool = self.kernel_threads.attention(x.shape[0])
         else:
             cos, sin = self._rope(batch)
         ids = []
         for i, layer in enumerate(self.layers):
             if where is not None:  # norm, q/k/v, rope, cache write, attention, o_proj and the residual
-                x = self.kernels.attention_block(layer.self_attn.block, where, i, x, threads)
+                x = self.kernels.attention_block(layer.self_attn.block, where, i, x, pool)
             else:
                 x = x + layer.self_attn.forward_ragged(layer.input_layernorm(x), cos, sin, cache, i, batch)
             if not last_mlp and i == len(self.layers) - 1:

@@ -1,0 +1,198 @@
+"""Worker threads the fused kernels split a big pass over, started once per engine.
+
+Why: a batched decode step of 16 requests makes ~9 kernel calls of 0.1-0.8 ms each; starting a thread
+per call cost ~85 us on the 2-core development machine (a fresh stack to fault in every time), more
+than splitting saved for attention. A pool's workers stay warm: after a task a worker spins for
+`spin_us` (the next call of the same step usually comes within that), then sleeps on a condition
+variable until the next task, so between steps and while one request decodes alone it leaves the core
+to the server's other threads.
+
+Contract of `pool_rows(pool, fn, ctx, n)` (C, compiled into the kernels' library ahead of their source):
+- Runs fn(ctx, begin, end) over rows [0, n) split into up to workers + 1 contiguous ranges, the caller
+  taking the first; returns when every range is done. fn must compute each row on its own (the
+  kernels' contract), so the split changes no bit of the result.
+- pool NULL, one row, or a pool already running another caller's task: the caller runs all rows
+  alone (two engines may share a library, never a task).
+- A worker that could not be started is simply not there (fewer ranges).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+SOURCE = r"""
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SPIN_PAUSE() _mm_pause()
+#else
+#define SPIN_PAUSE() ((void)0)
+#endif
+
+typedef void (*rows_fn)(const void *ctx, int64_t begin, int64_t end);
+
+struct kernel_pool;
+struct pool_worker { struct kernel_pool *pool; int64_t part; };
+
+struct kernel_pool {
+    int64_t workers, spin_ns;
+    pthread_t *threads;
+    struct pool_worker *args;
+    pthread_mutex_t busy;  /* held by the caller whose task runs */
+    pthread_mutex_t mu;    /* with `wake`: sleeping workers */
+    pthread_cond_t wake;
+    atomic_long generation;  /* one more per task (and at shutdown) */
+    atomic_long remaining;   /* workers that have not finished the current task */
+    atomic_int stop;
+    rows_fn fn;  /* the current task, written before `generation` moves */
+    const void *ctx;
+    int64_t n, parts;
+};
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* Wait until `generation` moves past `seen`: spin up to spin_ns, then sleep. Returns the new value. */
+static long pool_wait(struct kernel_pool *p, long seen) {
+    const int64_t until = now_ns() + p->spin_ns;
+    long g;
+    for (int64_t spins = 1; (g = atomic_load_explicit(&p->generation, memory_order_acquire)) == seen; spins++) {
+        SPIN_PAUSE();
+        if (spins % 64 == 0 && now_ns() > until) {
+            pthread_mutex_lock(&p->mu);
+            while ((g = atomic_load_explicit(&p->generation, memory_order_acquire)) == seen)
+                pthread_cond_wait(&p->wake, &p->mu);
+            pthread_mutex_unlock(&p->mu);
+            break;
+        }
+    }
+    return g;
+}
+
+static void *pool_worker_main(void *arg) {
+    const struct pool_worker *w = arg;
+    struct kernel_pool *p = w->pool;
+    long seen = 0;
+    for (;;) {
+        seen = pool_wait(p, seen);
+        if (atomic_load(&p->stop)) return NULL;
+        if (w->part < p->parts) p->fn(p->ctx, p->n * w->part / p->parts, p->n * (w->part + 1) / p->parts);
+        atomic_fetch_sub_explicit(&p->remaining, 1, memory_order_acq_rel);
+    }
+}
+
+static void pool_signal(struct kernel_pool *p) {
+    atomic_fetch_add_explicit(&p->generation, 1, memory_order_release);
+    pthread_mutex_lock(&p->mu);
+    pthread_cond_broadcast(&p->wake);
+    pthread_mutex_unlock(&p->mu);
+}
+
+static void pool_rows(struct kernel_pool *p, rows_fn fn, const void *ctx, int64_t n) {
+    if (p == NULL || p->workers == 0 || n < 2 || pthread_mutex_trylock(&p->busy) != 0) {
+        if (n > 0) fn(ctx, 0, n);
+        return;
+    }
+    const int64_t parts = n < p->workers + 1 ? n : p->workers + 1;
+    p->fn = fn;
+    p->ctx = ctx;
+    p->n = n;
+    p->parts = parts;
+    atomic_store_explicit(&p->remaining, p->workers, memory_order_relaxed);
+    pool_signal(p);
+    fn(ctx, 0, n / parts);
+    /* Spin while the workers finish their (equal) parts; past spin_ns yield the core, in case a worker
+       waits for it (on 2 cores the server's threads may hold the other). */
+    const int64_t until = now_ns() + p->spin_ns;
+    for (int64_t spins = 1; atomic_load_explicit(&p->remaining, memory_order_acquire) > 0; spins++) {
+        SPIN_PAUSE();
+        if (spins % 64 == 0 && now_ns() > until) sched_yield();
+    }
+    pthread_mutex_unlock(&p->busy);
+}
+
+void kernel_pool_destroy(struct kernel_pool *p);
+
+struct kernel_pool *kernel_pool_create(int64_t workers, int64_t spin_ns) {
+    struct kernel_pool *p = calloc(1, sizeof *p);
+    if (p == NULL) return NULL;
+    p->spin_ns = spin_ns;
+    p->threads = calloc((size_t)(workers > 0 ? workers : 1), sizeof *p->threads);
+    p->args = calloc((size_t)(workers > 0 ? workers : 1), sizeof *p->args);
+    pthread_mutex_init(&p->busy, NULL);
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->wake, NULL);
+    if (p->threads == NULL || p->args == NULL) { kernel_pool_destroy(p); return NULL; }
+    for (int64_t i = 0; i < workers; i++) {
+        p->args[i] = (struct pool_worker){p, i + 1};
+        if (pthread_create(&p->threads[i], NULL, pool_worker_main, &p->args[i]) != 0) break;
+        p->workers = i + 1;
+    }
+    return p;
+}
+
+int64_t kernel_pool_workers(const struct kernel_pool *p) { return p->workers; }
+
+/* Waits for a running task, stops and joins the workers, frees the pool. */
+void kernel_pool_destroy(struct kernel_pool *p) {
+    pthread_mutex_lock(&p->busy);
+    atomic_store(&p->stop, 1);
+    pool_signal(p);
+    for (int64_t i = 0; i < p->workers; i++) pthread_join(p->threads[i], NULL);
+    pthread_mutex_unlock(&p->busy);
+    pthread_mutex_destroy(&p->busy);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->wake);
+    free(p->threads);
+    free(p->args);
+    free(p);
+}
+"""
+
+
+def bind(lib: ctypes.CDLL) -> None:
+    """Declare the pool's C functions on the loaded library."""
+    lib.kernel_pool_create.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    lib.kernel_pool_create.restype = ctypes.c_void_p
+    lib.kernel_pool_workers.argtypes = [ctypes.c_void_p]
+    lib.kernel_pool_workers.restype = ctypes.c_int64
+    lib.kernel_pool_destroy.argtypes = [ctypes.c_void_p]
+    lib.kernel_pool_destroy.restype = None
+
+
+class KernelPool:
+    """`threads - 1` started workers (the calling thread is the other); pass it to the kernels' calls.
+    `close()` (or garbage collection) stops them; a closed pool's calls run on the calling thread."""
+
+    def __init__(self, lib: ctypes.CDLL, threads: int, spin_us: float = 100.0):
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"kernel threads must be an int >= 1, got {threads!r}")
+        handle = lib.kernel_pool_create(threads - 1, int(spin_us * 1000))
+        if not handle:
+            raise MemoryError("could not allocate the kernel thread pool")
+        self._handle: int | None = handle
+        # Workers that could not be started are not there: say how many run.
+        self.threads = 1 + lib.kernel_pool_workers(handle)
+        self._finalizer = weakref.finalize(self, lib.kernel_pool_destroy, handle)
+
+    @property
+    def handle(self) -> int | None:
+        """The C pool to pass (None once closed: calls then run alone)."""
+        return self._handle
+
+    def close(self) -> None:
+        """Stop the workers; call after the last kernel call that uses the pool."""
+        self._handle = None
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        return f"KernelPool(threads={self.threads}{', closed' if self._handle is None else ''})"
