@@ -222,7 +222,8 @@ def test_kernel_threads_split_only_passes_past_each_kernels_minimum(k):
     split = kernels.KernelThreads(started, moe_min_positions=4, linear_min_positions=8, attention_min_positions=32)
     assert split.threads == 4
     assert [split.moe(n) for n in (1, 3, 4, 100)] == [None, None, started, started]
-    assert [split.linear(n) for n in (7, 8)] == [None, started] and [split.attention(n) for n in (31, 32)] == [None, started]
+    assert [split.linear(n) for n in (7, 8)] == [None, started]
+    assert [split.attention(n) for n in (31, 32)] == [None, started]
     assert "from 4 positions in the MoE block, 8 in the output layer, 32 in attention" in split.describe()
     assert kernels.ONE_THREAD.moe(1000) is None and "no pass is split" in kernels.ONE_THREAD.describe()
     started.close()
