@@ -5,6 +5,8 @@ test_model_parity.py (the "fast" loader)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -215,6 +217,29 @@ def test_a_pool_serves_one_caller_at_a_time_and_runs_alone_once_closed(k, block_
             assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     shared.close()
     assert shared.handle is None and torch.equal(k.moe_block(block, inputs[0], shared)[0], want[0])
+
+
+def test_a_forked_child_runs_its_calls_alone_instead_of_waiting_for_workers_it_does_not_have(k, block_weights):
+    import os
+
+    bw = block_weights
+    block = kernels.MoeBlock(bw["router_and_gate"], M, False, bw["gate_up"], bw["down"], bw["shared_gate"],
+                             bw["shared_up"], bw["shared_down"])
+    x, _, _ = window(40, seed=18)
+    want = k.moe_block(block, x)[0]
+    started = k.pool(2)
+    child = os.fork()
+    if child == 0:  # the child: exit 0 only if the call returns the right rows
+        os._exit(0 if torch.equal(k.moe_block(block, x, started)[0], want) else 1)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(child, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done == (0, 0):
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+    started.close()
+    assert done != (0, 0), "the forked child hung waiting for the pool's workers"
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 def test_kernel_threads_split_only_passes_past_each_kernels_minimum(k):

@@ -11,8 +11,8 @@ Contract of `pool_rows(pool, fn, ctx, n)` (C, compiled into the kernels' library
 - Runs fn(ctx, begin, end) over rows [0, n) split into up to workers + 1 contiguous ranges, the caller
   taking the first; returns when every range is done. fn must compute each row on its own (the
   kernels' contract), so the split changes no bit of the result.
-- pool NULL, one row, or a pool already running another caller's task: the caller runs all rows
-  alone (two engines may share a library, never a task).
+- pool NULL, one row, a pool already running another caller's task, or a forked child's copy of a
+  pool (it has no workers): the caller runs all rows alone.
 - A worker that could not be started is simply not there (fewer ranges).
 """
 
@@ -28,6 +28,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define SPIN_PAUSE() _mm_pause()
@@ -42,6 +43,7 @@ struct pool_worker { struct kernel_pool *pool; int64_t part; };
 
 struct kernel_pool {
     int64_t workers, spin_ns;
+    pid_t owner;  /* a forked child has the pool's memory but not its threads: it runs alone */
     pthread_t *threads;
     struct pool_worker *args;
     pthread_mutex_t busy;  /* held by the caller whose task runs */
@@ -98,7 +100,7 @@ static void pool_signal(struct kernel_pool *p) {
 }
 
 static void pool_rows(struct kernel_pool *p, rows_fn fn, const void *ctx, int64_t n) {
-    if (p == NULL || p->workers == 0 || n < 2 || pthread_mutex_trylock(&p->busy) != 0) {
+    if (p == NULL || p->workers == 0 || n < 2 || p->owner != getpid() || pthread_mutex_trylock(&p->busy) != 0) {
         if (n > 0) fn(ctx, 0, n);
         return;
     }
@@ -126,6 +128,7 @@ struct kernel_pool *kernel_pool_create(int64_t workers, int64_t spin_ns) {
     struct kernel_pool *p = calloc(1, sizeof *p);
     if (p == NULL) return NULL;
     p->spin_ns = spin_ns;
+    p->owner = getpid();
     p->threads = calloc((size_t)(workers > 0 ? workers : 1), sizeof *p->threads);
     p->args = calloc((size_t)(workers > 0 ? workers : 1), sizeof *p->args);
     pthread_mutex_init(&p->busy, NULL);
