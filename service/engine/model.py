@@ -24,6 +24,7 @@ I expert intermediate, U experts in a window's union, V vocabulary, S cache leng
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -347,53 +348,56 @@ class RaggedBatch:
     """Where the N tokens of one pass go: B sequences, sequence b a window of lengths[b] tokens at
     positions starts[b].. in cache slot slots[b], concatenated in that order.
 
-    The fused attention kernel needs only `positions` and `token_slot`. Eager (padded) attention:
-    queries are laid out [B, w'] (w' the longest window) and each sequence sees its
-    own slot's keys up to S' = max(starts + lengths); `mask` [B, 1, w', S'] keeps row i of sequence b
-    to keys <= starts[b] + i (its prefix and its window up to itself). Padding rows see key 0 only
-    through that rule, so they never produce NaN; their outputs are dropped.
+    The fused attention kernel needs only `positions` and `token_slot` (built with the batch: a step
+    builds one per pass). Eager (padded) attention also needs `row`, `col` and `mask`, made on first
+    use: queries are laid out [B, w'] (w' the longest window) and each sequence sees its own slot's
+    keys up to S' = max(starts + lengths); `mask` [B, 1, w', S'] keeps row i of sequence b to keys <=
+    starts[b] + i (its prefix and its window up to itself). Padding rows see key 0 only through that
+    rule, so they never produce NaN; their outputs are dropped.
     """
 
     slots: torch.Tensor  # [B] cache slot of each sequence
     starts: tuple[int, ...]  # [B] position of each window's first token
+    lengths: tuple[int, ...]  # [B] tokens in each window
     positions: torch.Tensor  # [N] absolute position of each token
     token_slot: torch.Tensor  # [N] cache slot of each token
-    row: torch.Tensor  # [N] sequence index b of each token
-    col: torch.Tensor  # [N] index of each token inside its window
     width: int  # w': the longest window
     span: int  # S': keys any sequence attends to
-    mask: torch.Tensor | None  # [B, 1, w', S'] (None: one single-token window, which sees everything)
 
     @property
     def size(self) -> int:
         return len(self.starts)
 
+    @functools.cached_property
+    def row(self) -> torch.Tensor:
+        """[N] sequence index b of each token."""
+        return torch.repeat_interleave(torch.arange(self.size), torch.tensor(self.lengths))
+
+    @functools.cached_property
+    def col(self) -> torch.Tensor:
+        """[N] index of each token inside its window."""
+        return torch.cat([torch.arange(n) for n in self.lengths])
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[B, 1, w', S'] (None: one single-token window, which sees everything)."""
+        if self.size == 1 and self.width == 1:
+            return None
+        # [B, w']: the last key each row sees
+        visible = torch.tensor(self.starts)[:, None] + torch.arange(self.width)[None, :]
+        return (torch.arange(self.span)[None, None, :] <= visible[:, :, None]).unsqueeze(1)
+
     @classmethod
     def build(cls, slots: list[int], starts: list[int], lengths: list[int]) -> RaggedBatch:
         if not slots or len(slots) != len(starts) or len(slots) != len(lengths) or min(lengths) < 1:
             raise ValueError(f"need one or more windows of >= 1 token, got {lengths}")
-        if len(slots) == 1:  # one window (a request alone, a prefill): no gathers, as few ops as can be
-            return cls._single(slots[0], starts[0], lengths[0])
-        lens = torch.tensor(lengths)
-        start = torch.tensor(starts)
-        row = torch.repeat_interleave(torch.arange(len(slots)), lens)  # [N]
-        first = torch.cumsum(lens, 0) - lens  # [B] flat index of each window's first token
-        col = torch.arange(row.shape[0]) - first[row]  # [N]
-        width, span = int(lens.max()), int((start + lens).max())
-        visible = start[:, None] + torch.arange(width)[None, :]  # [B, w'] last key each row sees
-        mask = (torch.arange(span)[None, None, :] <= visible[:, :, None]).unsqueeze(1)  # [B, 1, w', S']
-        slot_t = torch.tensor(slots)
-        return cls(slots=slot_t, starts=tuple(starts), positions=start[row] + col, token_slot=slot_t[row], row=row,
-                   col=col, width=width, span=span, mask=mask)
-
-    @classmethod
-    def _single(cls, slot: int, start: int, w: int) -> RaggedBatch:
-        col = torch.arange(w)
-        # position start+i sees the prefix and window positions <= i
-        mask = torch.ones(w, start + w, dtype=torch.bool).tril(diagonal=start)[None, None] if w > 1 else None
-        return cls(slots=torch.tensor([slot]), starts=(start,), positions=col + start,
-                   token_slot=torch.full((w,), slot), row=torch.zeros(w, dtype=torch.long), col=col, width=w,
-                   span=start + w, mask=mask)
+        # Plain lists, one tensor each at the end: a batched step builds this every pass, and small
+        # torch ops cost more than the Python here.
+        positions = [start + i for start, n in zip(starts, lengths, strict=True) for i in range(n)]
+        token_slot = [slot for slot, n in zip(slots, lengths, strict=True) for _ in range(n)]
+        return cls(slots=torch.tensor(slots), starts=tuple(starts), lengths=tuple(lengths),
+                   positions=torch.tensor(positions), token_slot=torch.tensor(token_slot), width=max(lengths),
+                   span=max(start + n for start, n in zip(starts, lengths, strict=True)))
 
 
 class KVCache:

@@ -44,6 +44,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from service import expert_parallel
@@ -62,21 +63,25 @@ logger = logging.getLogger(__name__)
 def unique_experts_per_layer(routed: torch.Tensor, num_experts: int) -> tuple[int, ...]:
     """routed ids [L, w, m] -> distinct experts per layer: mark every expert any position picked."""
     L = routed.shape[0]
-    touched = torch.zeros(L, num_experts, dtype=torch.bool).scatter_(1, routed.reshape(L, -1), True)  # [L, E]
+    touched = np.zeros((L, num_experts), dtype=bool)
+    np.put_along_axis(touched, routed.numpy().reshape(L, -1), True, axis=1)  # [L, E]
     return tuple(touched.sum(-1).tolist())
 
 
 def unique_experts_per_window(routed: torch.Tensor, lengths: list[int], num_experts: int
                               ) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
     """routed ids [L, N, m] of B windows back to back -> (each window's distinct experts per layer,
-    the whole pass's), in one scatter: `unique_experts_per_layer` of every window and of the pass."""
+    the whole pass's), in one scatter: `unique_experts_per_layer` of every window and of the pass.
+    (numpy: on arrays this small each torch op costs several times more.)"""
     L, N, m = routed.shape
     B = len(lengths)
-    window = torch.repeat_interleave(torch.arange(B), torch.tensor(lengths))  # [N] window of each position
-    flat = (window[None, :, None] * num_experts + routed).reshape(L, N * m)  # [L, N*m] into [B*E]
-    touched = torch.zeros(L, B * num_experts, dtype=torch.bool).scatter_(1, flat, True).view(L, B, num_experts)
-    counts = torch.cat([touched.sum(-1), touched.any(1).sum(-1, keepdim=True)], dim=1).T.tolist()  # [B+1, L]
-    return [tuple(c) for c in counts[:B]], tuple(counts[B])
+    window = np.repeat(np.arange(B), lengths)  # [N] window of each position
+    flat = (window[None, :, None] * num_experts + routed.numpy()).reshape(L, N * m)  # [L, N*m] into [B*E]
+    touched = np.zeros((L, B * num_experts), dtype=bool)
+    np.put_along_axis(touched, flat, True, axis=1)
+    touched = touched.reshape(L, B, num_experts)
+    own = touched.sum(-1).T.tolist()  # [B, L]
+    return [tuple(c) for c in own], tuple(touched.any(1).sum(-1).tolist())
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,9 @@ class Sequence:
         self.steps.append(record)
         self.ttft = self.ttft or time.perf_counter() - self.t0
         self.ids.extend(new_ids)
-        text = decode(self.completion)
+        # The text so far, only for whoever reads it every step: stop strings and streaming (decoding
+        # the whole completion each step costs more as it grows; `finish` decodes it once).
+        text = decode(self.completion) if self.request.stop or self.on_delta is not None else ""
         cut = self._stop_index(text)
         if cut is not None:
             text, finish = text[:cut], FinishReason.STOP
