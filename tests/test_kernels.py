@@ -126,6 +126,45 @@ def test_tensors_the_kernel_cannot_read_safely_are_refused_with_the_reason(k, ex
         k.swiglu_experts(x, PackedWeight.pack(gate_up), packed_down, ids, weights, out, False)
 
 
+def bf16_values(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+def test_bf16_panels_give_bitwise_the_float32_panels_result_for_weights_that_are_bf16_values(ka, block_weights):
+    """Weights holding bf16 values (the shipped checkpoint's) are stored as bf16 panels and widened
+    exactly on load: the MoE block, the experts, the output layer and attention give bitwise the fp32
+    panels' results, in the AVX-512 and the portable build. Weights that are not bf16 values stay fp32 (asking for bf16 is refused)."""
+    bw = {name: bf16_values(w) for name, w in block_weights.items()}
+    blocks = {bf16: kernels.MoeBlock(bw["router_and_gate"], M, False, bw["gate_up"], bw["down"], bw["shared_gate"],
+                                     bw["shared_up"], bw["shared_down"], bf16=bf16) for bf16 in (False, True)}
+    assert kernels.MoeBlock(bw["router_and_gate"], M, False, bw["gate_up"], bw["down"], bw["shared_gate"],
+                            bw["shared_up"], bw["shared_down"]).bf16  # chosen by itself
+    x, ids, weights = window(70, seed=19)
+    for got, want in zip(ka.moe_block(blocks[True], x), ka.moe_block(blocks[False], x), strict=True):
+        assert torch.equal(got, want)
+    packed = {bf16: (PackedWeight.pack(bw["gate_up"], bf16), PackedWeight.pack(bw["down"], bf16)) for bf16 in (0, 1)}
+    assert packed[1][0].tensor.dtype == torch.bfloat16 and packed[0][0].tensor.dtype == torch.float32
+    outs = [torch.zeros_like(x) for _ in range(2)]
+    for bf16, out in zip((0, 1), outs, strict=True):
+        ka.swiglu_experts(x, *packed[bf16], ids, weights, out, False)
+    assert torch.equal(outs[0], outs[1])
+    lm = bf16_values(torch.randn(200, H, generator=torch.Generator().manual_seed(20)))
+    assert torch.equal(ka.linear(x, PackedWeight.pack(lm, True)), ka.linear(x, PackedWeight.pack(lm, False)))
+    aw = {name: bf16_values(w) for name, w in dict(qkv_weight=torch.randn((AH + 2 * AK) * AD, AHID),
+                                                  o_weight=torch.randn(AHID, AH * AD)).items()}
+    xa, positions, slots, k_cache, v_cache = ragged_pass([(2, 7, 3), (0, 0, 6)], seed=21)
+    rows = []
+    for bf16 in (False, True):
+        attn = kernels.AttentionWeights(torch.ones(AHID), 1e-6, aw["qkv_weight"], torch.zeros((AH + 2 * AK) * AD),
+                                        aw["o_weight"], AH, AK, AD, bf16=bf16)
+        where = kernels.AttentionPass(positions, slots, k_cache.clone(), v_cache.clone(), *rope_tables(S, AD))
+        rows.append(ka.attention_block(attn, where, 0, xa))
+    assert torch.equal(rows[0], rows[1])
+    assert not PackedWeight.pack(block_weights["down"]).bf16  # random fp32 values: kept fp32
+    with pytest.raises(ValueError, match="bfloat16 cannot represent"):
+        PackedWeight.pack(block_weights["down"], True)
+
+
 def test_a_packed_weight_holds_the_transposed_weight_in_64_column_panels_and_refuses_other_layouts():
     weight = torch.arange(70 * 3, dtype=torch.float32).view(70, 3)  # [out 70, in 3]: one full panel, one of 6
     packed = PackedWeight.pack(weight)

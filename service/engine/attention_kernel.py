@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from service.engine.packed import PackedWeight
+from service.engine.packed import PackedWeight, holds_bf16
 
 SOURCE = r"""
 /* Rotate one head in place: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. */
@@ -67,9 +67,9 @@ static void attend(const float *q, const float *keys, const float *values, int64
 }
 
 struct attention_args {
-    const float *x; int64_t H; const float *norm_w; float eps; const float *qkv_wt, *qkv_b; int64_t A, K, D;
-    const float *rope_cos, *rope_sin; const int64_t *positions, *slots; float *k_cache, *v_cache; int64_t S;
-    const float *o_wt; float *hn, *qkv, *att, *out;
+    const float *x; int64_t H; const float *norm_w; float eps; const void *qkv_wt; const float *qkv_b;
+    int64_t A, K, D; const float *rope_cos, *rope_sin; const int64_t *positions, *slots; float *k_cache, *v_cache;
+    int64_t S; const void *o_wt; int bf16; float *hn, *qkv, *att, *out;
 };
 
 /* Phase 1 for tokens [begin, end): norm, q/k/v, rope, and k and v into the cache. */
@@ -77,7 +77,7 @@ static void attention_project_rows(const void *ctx, int64_t begin, int64_t end) 
     const struct attention_args *a = ctx;
     const int64_t H = a->H, D = a->D, K = a->K, Q = a->A * D, R = (a->A + 2 * K) * D, n = end - begin;
     rms_norm(a->x + begin * H, n, H, a->norm_w, a->eps, a->hn + begin * H);
-    matmul_p(a->hn + begin * H, n, H, a->qkv_wt, R, a->qkv_b, a->qkv + begin * R);
+    matmul_p(a->hn + begin * H, n, H, a->qkv_wt, a->bf16, R, a->qkv_b, a->qkv + begin * R);
     for (int64_t t = begin; t < end; t++) {
         const int64_t pos = a->positions[t];
         float *row = a->qkv + t * R;
@@ -104,7 +104,7 @@ static void attention_attend_rows(const void *ctx, int64_t begin, int64_t end) {
             attend(a->qkv + t * R + h * D, a->k_cache + head, a->v_cache + head, a->positions[t], D, scale, scores,
                    a->att + t * Q + h * D);
         }
-    matmul_p(a->att + begin * Q, end - begin, Q, a->o_wt, H, NULL, a->out + begin * H);
+    matmul_p(a->att + begin * Q, end - begin, Q, a->o_wt, a->bf16, H, NULL, a->out + begin * H);
     for (int64_t j = begin * H; j < end * H; j++) a->out[j] = a->x[j] + a->out[j];
 }
 
@@ -113,14 +113,14 @@ static void attention_attend_rows(const void *ctx, int64_t begin, int64_t end) {
    not alias x; pool: the threads each phase's tokens are split over (NULL: this thread alone; the phases
    are joined in between, so every key is written before any token attends). */
 void attention_block(const float *x, int64_t N, int64_t H, const float *norm_w, float eps,
-                     const float *qkv_wt, const float *qkv_b, int64_t A, int64_t K, int64_t D,
+                     const void *qkv_wt, const float *qkv_b, int64_t A, int64_t K, int64_t D, int bf16,
                      const float *rope_cos, const float *rope_sin, const int64_t *positions, const int64_t *slots,
-                     float *k_cache, float *v_cache, int64_t S, const float *o_wt, float *scratch, float *out,
+                     float *k_cache, float *v_cache, int64_t S, const void *o_wt, float *scratch, float *out,
                      struct kernel_pool *pool) {
     const int64_t R = (A + 2 * K) * D;
     float *hn = scratch, *qkv = hn + N * H, *att = qkv + N * R;  /* [N, H] [N, R] [N, A D] */
     const struct attention_args a = {x, H, norm_w, eps, qkv_wt, qkv_b, A, K, D, rope_cos, rope_sin, positions, slots,
-                                     k_cache, v_cache, S, o_wt, hn, qkv, att, out};
+                                     k_cache, v_cache, S, o_wt, bf16, hn, qkv, att, out};
     pool_rows(pool, attention_project_rows, &a, N);
     pool_rows(pool, attention_attend_rows, &a, N);
 }
@@ -132,7 +132,7 @@ class AttentionWeights:
     pointers to them: they must not move or be replaced afterwards)."""
 
     def __init__(self, norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor,
-                 o_weight: torch.Tensor, n_heads: int, n_kv: int, head_dim: int):
+                 o_weight: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, bf16: bool | None = None):
         """norm_weight [H]; qkv_weight [(A + 2K) D, H] (q rows, then k, then v), qkv_bias [(A + 2K) D];
         o_weight [H, A D]. Contiguous float32 CPU."""
         H = norm_weight.shape[0]
@@ -148,10 +148,12 @@ class AttentionWeights:
         self.H, self.A, self.K, self.D, self.R = H, n_heads, n_kv, head_dim, R
         # Packed copies for matmul_p (which streams each weight panel in order); they and the tensors
         # given stay referenced while the pointers below are in use.
-        qkv_p, o_p = PackedWeight.pack(qkv_weight), PackedWeight.pack(o_weight)  # [R, H], [H, A D] packed
+        # One type for both packed projections (one kernel flag): bf16 where exact, unless told (PackedWeight).
+        self.bf16 = holds_bf16(qkv_weight, o_weight) if bf16 is None else bf16
+        qkv_p, o_p = PackedWeight.pack(qkv_weight, self.bf16), PackedWeight.pack(o_weight, self.bf16)
         self.tensors = dict(given, qkv_p=qkv_p, o_p=o_p)
         self.args = (norm_weight.data_ptr(), float(eps), qkv_p.data_ptr(), qkv_bias.data_ptr(), n_heads, n_kv,
-                     head_dim)
+                     head_dim, int(self.bf16))
         self.o_ptr = o_p.data_ptr()
 
     def scratch_floats(self, n: int) -> int:

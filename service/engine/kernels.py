@@ -52,7 +52,7 @@ import torch
 from service.engine import attention_kernel, kernel_pool
 from service.engine.attention_kernel import AttentionPass, AttentionWeights
 from service.engine.kernel_pool import KernelPool
-from service.engine.packed import PackedWeight
+from service.engine.packed import PackedWeight, holds_bf16
 
 __all__ = ["AttentionPass", "AttentionWeights", "KernelThreads", "Kernels", "MoeBlock", "ONE_THREAD", "PackedWeight",
            "build"]
@@ -106,18 +106,31 @@ static float dot(const float *a, const float *b, int64_t n) {
    wherever it falls in a tile, so a row's result never depends on the other rows; tiles of 4 rows x 64
    columns reuse each loaded weight vector for 4 rows. */
 #define PANEL 64
+/* A panel's weights are float32, or bfloat16 (bf16 != 0) when the weight holds only bf16 values (the
+   shipped checkpoint is bf16): widened to the same float32 on load, exactly, so the product is bitwise
+   the one from float32 panels for half the bytes a pass reads. */
+static inline float bf16_value(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 #if defined(__AVX512F__)
-/* A ROWS x 64 tile of out from one panel, its accumulators in registers; only the `valid` first
-   columns are stored (the last panel of a C that is not a multiple of 64). */
-#define MATMUL_TILE(NAME, ROWS)                                                                        \
-static void NAME(const float *x, int64_t Kd, const float *panel, int64_t C, int64_t c0, int64_t valid,  \
+#define LOAD_F32(p) _mm512_loadu_ps(p)
+#define LOAD_BF16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+/* A ROWS x 64 tile of out from one panel of W-typed weights, its accumulators in registers; only the
+   `valid` first columns are stored (the last panel of a C that is not a multiple of 64). */
+#define MATMUL_TILE(NAME, ROWS, W, LOAD)                                                               \
+static void NAME(const float *x, int64_t Kd, const W *panel, int64_t C, int64_t c0, int64_t valid,      \
                  const float *bias, float *out) {                                                      \
     __m512 acc[ROWS][4];                                                                               \
     for (int i = 0; i < ROWS; i++)                                                                     \
         for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();                                  \
     for (int64_t k = 0; k < Kd; k++) {                                                                 \
         __m512 wv[4];                                                                                  \
-        for (int v = 0; v < 4; v++) wv[v] = _mm512_loadu_ps(panel + k * PANEL + 16 * v);              \
+        for (int v = 0; v < 4; v++) wv[v] = LOAD(panel + k * PANEL + 16 * v);                          \
         for (int i = 0; i < ROWS; i++) {                                                               \
             const __m512 xb = _mm512_set1_ps(x[i * Kd + k]);                                           \
             for (int v = 0; v < 4; v++) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);             \
@@ -132,27 +145,38 @@ static void NAME(const float *x, int64_t Kd, const float *panel, int64_t C, int6
             _mm512_mask_storeu_ps(out + i * C + c0 + 16 * v, keep, _mm512_add_ps(acc[i][v], b));       \
     }                                                                                                  \
 }
-MATMUL_TILE(tile_4x64, 4)
-MATMUL_TILE(tile_1x64, 1)
+MATMUL_TILE(tile_4x64, 4, float, LOAD_F32)
+MATMUL_TILE(tile_1x64, 1, float, LOAD_F32)
+MATMUL_TILE(tile_4x64_bf16, 4, uint16_t, LOAD_BF16)
+MATMUL_TILE(tile_1x64_bf16, 1, uint16_t, LOAD_BF16)
 #endif
 
 /* Panels [p_begin, p_end) of the product: out's columns 64 p_begin .. min(64 p_end, C). */
-static void matmul_panels(const float *x, int64_t N, int64_t Kd, const float *packed, int64_t C, int64_t p_begin,
-                          int64_t p_end, const float *bias, float *out) {
+static void matmul_panels(const float *x, int64_t N, int64_t Kd, const void *packed, int bf16, int64_t C,
+                          int64_t p_begin, int64_t p_end, const float *bias, float *out) {
     for (int64_t p = p_begin; p < p_end; p++) {
-        const float *panel = packed + p * Kd * PANEL;
-        const int64_t c0 = p * PANEL, valid = C - c0 < PANEL ? C - c0 : PANEL;
+        const int64_t at = p * Kd * PANEL, c0 = p * PANEL, valid = C - c0 < PANEL ? C - c0 : PANEL;
+        const float *f32 = (const float *)packed + at;
+        const uint16_t *b16 = (const uint16_t *)packed + at;
 #if defined(__AVX512F__)
         int64_t t = 0;
-        for (; t + 4 <= N; t += 4) tile_4x64(x + t * Kd, Kd, panel, C, c0, valid, bias, out + t * C);
-        for (; t < N; t++) tile_1x64(x + t * Kd, Kd, panel, C, c0, valid, bias, out + t * C);
+        if (bf16) {
+            for (; t + 4 <= N; t += 4) tile_4x64_bf16(x + t * Kd, Kd, b16, C, c0, valid, bias, out + t * C);
+            for (; t < N; t++) tile_1x64_bf16(x + t * Kd, Kd, b16, C, c0, valid, bias, out + t * C);
+        } else {
+            for (; t + 4 <= N; t += 4) tile_4x64(x + t * Kd, Kd, f32, C, c0, valid, bias, out + t * C);
+            for (; t < N; t++) tile_1x64(x + t * Kd, Kd, f32, C, c0, valid, bias, out + t * C);
+        }
 #else
         for (int64_t t = 0; t < N; t++) {
             float *o = out + t * C + c0;
             for (int64_t c = 0; c < valid; c++) o[c] = 0.0f;
             for (int64_t k = 0; k < Kd; k++) {
-                const float xk = x[t * Kd + k], *w = panel + k * PANEL;
-                for (int64_t c = 0; c < valid; c++) o[c] = fmaf(xk, w[c], o[c]);
+                const float xk = x[t * Kd + k];
+                for (int64_t c = 0; c < valid; c++) {
+                    const float w = bf16 ? bf16_value(b16[k * PANEL + c]) : f32[k * PANEL + c];
+                    o[c] = fmaf(xk, w, o[c]);
+                }
             }
             for (int64_t c = 0; c < valid; c++) o[c] = o[c] + (bias ? bias[c0 + c] : 0.0f);
         }
@@ -161,9 +185,9 @@ static void matmul_panels(const float *x, int64_t N, int64_t Kd, const float *pa
 }
 
 /* out [N, C] = x [N, Kd] @ the packed [Kd, C] weight (+ bias [C] unless NULL). */
-static void matmul_p(const float *x, int64_t N, int64_t Kd, const float *packed, int64_t C, const float *bias,
-                     float *out) {
-    matmul_panels(x, N, Kd, packed, C, 0, (C + PANEL - 1) / PANEL, bias, out);
+static void matmul_p(const float *x, int64_t N, int64_t Kd, const void *packed, int bf16, int64_t C,
+                     const float *bias, float *out) {
+    matmul_panels(x, N, Kd, packed, bf16, C, 0, (C + PANEL - 1) / PANEL, bias, out);
 }
 
 /* Positions per tile pass through one expert: the scratch below lives on the stack (~80 KB for the
@@ -172,25 +196,32 @@ static void matmul_p(const float *x, int64_t N, int64_t Kd, const float *packed,
 
 /* One expert over up to ROW_CHUNK gathered positions: out[rows[q]] += down^T (r[q] silu(g) * u),
    [g | u] = x_q gate_up^T. Every product is matmul_p's, so each row's arithmetic is its own. */
-static void expert_rows(const float *x, int64_t H, int64_t I, const float *gate_up_t, const float *down_t,
+static void expert_rows(const float *x, int64_t H, int64_t I, const void *gate_up_t, const void *down_t, int bf16,
                         const int64_t *rows, const float *r, int64_t np, float *out) {
     float xs[ROW_CHUNK * H], gu[ROW_CHUNK * 2 * I], act[ROW_CHUNK * I], y[ROW_CHUNK * H];
     for (int64_t q = 0; q < np; q++) memcpy(xs + q * H, x + rows[q] * H, (size_t)H * sizeof(float));
-    matmul_p(xs, np, H, gate_up_t, 2 * I, NULL, gu);
+    matmul_p(xs, np, H, gate_up_t, bf16, 2 * I, NULL, gu);
     for (int64_t q = 0; q < np; q++)
         for (int64_t i = 0; i < I; i++) {
             const float g = gu[q * 2 * I + i], u = gu[q * 2 * I + I + i];
             act[q * I + i] = r[q] * (g / (1.0f + expf(-g))) * u;
         }
-    matmul_p(act, np, I, down_t, H, NULL, y);
+    matmul_p(act, np, I, down_t, bf16, H, NULL, y);
     for (int64_t q = 0; q < np; q++) {
         float *o = out + rows[q] * H;
         for (int64_t h = 0; h < H; h++) o[h] += y[q * H + h];
     }
 }
 
-void swiglu_experts(const float *x, int64_t w, int64_t H, int64_t I, const float *gate_up_t,
-                    int64_t gate_up_stride, const float *down_t, int64_t down_stride, int64_t num_experts,
+/* p + elements weights of the panels' type. */
+static const void *weights_at(const void *p, int64_t elements, int bf16) {
+    return (const char *)p + elements * (bf16 ? 2 : 4);
+}
+
+/* gate_up_t / down_t: every expert's packed panels, gate_up_stride / down_stride weights apart; bf16:
+   their type (see bf16_value). */
+void swiglu_experts(const float *x, int64_t w, int64_t H, int64_t I, const void *gate_up_t,
+                    int64_t gate_up_stride, const void *down_t, int64_t down_stride, int bf16, int64_t num_experts,
                     const int64_t *ids, const float *weights, int64_t n, float *out, int accumulate) {
     int64_t count[num_experts + 1];
     int64_t *rows = malloc((size_t)(w * n + 1) * sizeof(int64_t));
@@ -210,7 +241,8 @@ void swiglu_experts(const float *x, int64_t w, int64_t H, int64_t I, const float
         }
     for (int64_t e = 0, first = 0; e < num_experts; first = count[e], e++)  /* count[e] is now e's end */
         for (int64_t c = first; c < count[e]; c += ROW_CHUNK)
-            expert_rows(x, H, I, gate_up_t + e * gate_up_stride, down_t + e * down_stride, rows + c, r + c,
+            expert_rows(x, H, I, weights_at(gate_up_t, e * gate_up_stride, bf16),
+                        weights_at(down_t, e * down_stride, bf16), bf16, rows + c, r + c,
                         count[e] - c < ROW_CHUNK ? count[e] - c : ROW_CHUNK, out);
     free(rows);
     free(r);
@@ -222,8 +254,8 @@ void swiglu_experts(const float *x, int64_t w, int64_t H, int64_t I, const float
    sigmoid(its gate). Writes logits [w, E+1], ids [w, m], weights [w, m], out [w, H]. */
 struct moe_args {
     const float *x; int64_t H; const float *router; int64_t E, m; int norm_topk;
-    const float *gate_up_t; int64_t gate_up_stride; const float *down_t; int64_t down_stride, I;
-    const float *shared_gate_up_t, *shared_down_t; int64_t Is;
+    const void *gate_up_t; int64_t gate_up_stride; const void *down_t; int64_t down_stride, I;
+    const void *shared_gate_up_t, *shared_down_t; int64_t Is; int bf16;
     float *logits; int64_t *ids; float *weights, *out;
 };
 
@@ -260,18 +292,18 @@ static void moe_rows(const void *ctx, int64_t begin, int64_t end) {
     }
     const float *x = a->x + begin * H;
     float *out = a->out + begin * H;
-    swiglu_experts(x, w, H, a->I, a->gate_up_t, a->gate_up_stride, a->down_t, a->down_stride, E, a->ids + begin * m,
-                   a->weights + begin * m, m, out, 0);
-    swiglu_experts(x, w, H, a->Is, a->shared_gate_up_t, 0, a->shared_down_t, 0, 1, zero, scale, 1, out, 1);
+    swiglu_experts(x, w, H, a->I, a->gate_up_t, a->gate_up_stride, a->down_t, a->down_stride, a->bf16, E,
+                   a->ids + begin * m, a->weights + begin * m, m, out, 0);
+    swiglu_experts(x, w, H, a->Is, a->shared_gate_up_t, 0, a->shared_down_t, 0, a->bf16, 1, zero, scale, 1, out, 1);
 }
 
 /* pool: the threads the positions are split over (NULL: this thread alone). */
 void moe_block(const float *x, int64_t w, int64_t H, const float *router, int64_t E, int64_t m, int norm_topk,
-               const float *gate_up_t, int64_t gate_up_stride, const float *down_t, int64_t down_stride, int64_t I,
-               const float *shared_gate_up_t, const float *shared_down_t, int64_t Is,
+               const void *gate_up_t, int64_t gate_up_stride, const void *down_t, int64_t down_stride, int64_t I,
+               const void *shared_gate_up_t, const void *shared_down_t, int64_t Is, int bf16,
                float *logits, int64_t *ids, float *weights, float *out, struct kernel_pool *pool) {
     const struct moe_args a = {x, H, router, E, m, norm_topk, gate_up_t, gate_up_stride, down_t, down_stride, I,
-                               shared_gate_up_t, shared_down_t, Is, logits, ids, weights, out};
+                               shared_gate_up_t, shared_down_t, Is, bf16, logits, ids, weights, out};
     pool_rows(pool, moe_rows, &a, w);
 }
 
@@ -286,15 +318,16 @@ void rms_norm(const float *x, int64_t rows, int64_t H, const float *weight, floa
 
 /* out [w, V] = x [w, H] @ the packed [H, V] weight Wt, rows independent (matmul_p); the panels split
    over the pool's threads (each reads its own part of the weight). */
-struct linear_args { const float *x; int64_t w, H; const float *Wt; int64_t V; float *out; };
+struct linear_args { const float *x; int64_t w, H; const void *Wt; int bf16; int64_t V; float *out; };
 
 static void linear_blocks(const void *ctx, int64_t begin, int64_t end) {
     const struct linear_args *a = ctx;
-    matmul_panels(a->x, a->w, a->H, a->Wt, a->V, begin, end, NULL, a->out);
+    matmul_panels(a->x, a->w, a->H, a->Wt, a->bf16, a->V, begin, end, NULL, a->out);
 }
 
-void linear(const float *x, int64_t w, int64_t H, const float *Wt, int64_t V, float *out, struct kernel_pool *pool) {
-    const struct linear_args a = {x, w, H, Wt, V, out};
+void linear(const float *x, int64_t w, int64_t H, const void *Wt, int bf16, int64_t V, float *out,
+            struct kernel_pool *pool) {
+    const struct linear_args a = {x, w, H, Wt, bf16, V, out};
     pool_rows(pool, linear_blocks, &a, (V + PANEL - 1) / PANEL);
 }
 """
@@ -314,20 +347,21 @@ class Kernels:
         self._lib = lib
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._swiglu = lib.swiglu_experts
-        self._swiglu.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+        self._swiglu.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ctypes.c_int, i64, ptr, ptr, i64, ptr,
+                                 ctypes.c_int]
         self._swiglu.restype = None
         self._linear = lib.linear
-        self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr]
+        self._linear.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, i64, ptr, ptr]
         self._linear.restype = None
         self._moe = lib.moe_block
         self._moe.argtypes = [ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ptr, i64, i64,
-                              ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr]
+                              ptr, ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr]
         self._moe.restype = None
         self._rms_norm = lib.rms_norm
         self._rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
         self._rms_norm.restype = None
         self._attention = lib.attention_block
-        self._attention.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr, i64, i64, i64,
+        self._attention.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr, i64, i64, i64, ctypes.c_int,
                                     ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
         self._attention.restype = None
 
@@ -340,7 +374,7 @@ class Kernels:
         # The C code trusts its pointers: check what would make it read or write out of bounds.
         if not (x.is_contiguous() and out.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()):
             raise ValueError("swiglu_experts: x, out, ids and weights must be contiguous")
-        if gate_up.out_features != 2 * I or down.lead != (E,) or down.out_features != H:
+        if gate_up.out_features != 2 * I or down.lead != (E,) or down.out_features != H or gate_up.bf16 != down.bf16:
             raise ValueError(f"swiglu_experts: gate_up must be [E, 2I, H] and down [E, H, I], got {gate_up} and {down}")
         if x.shape != (w, H) or out.shape != (w, H) or weights.shape != (w, n):
             raise ValueError("swiglu_experts: shapes disagree")
@@ -348,8 +382,8 @@ class Kernels:
             raise ValueError("swiglu_experts: float32 tensors and int64 ids only")
         if not all(t.is_cpu for t in (x, ids, weights, out)):
             raise ValueError("swiglu_experts: CPU tensors only")
-        self._swiglu(x.data_ptr(), w, H, I, gate_up.data_ptr(), gate_up.stride, down.data_ptr(), down.stride, E,
-                     ids.data_ptr(), weights.data_ptr(), n, out.data_ptr(), int(accumulate))
+        self._swiglu(x.data_ptr(), w, H, I, gate_up.data_ptr(), gate_up.stride, down.data_ptr(), down.stride,
+                     int(gate_up.bf16), E, ids.data_ptr(), weights.data_ptr(), n, out.data_ptr(), int(accumulate))
 
     def moe_block(self, block: MoeBlock, x: torch.Tensor,
                   pool: KernelPool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -412,7 +446,8 @@ class Kernels:
         if not x.is_cpu:
             raise ValueError("linear: CPU tensors only")
         out = x.new_empty(x.shape[0], V)
-        self._linear(x.data_ptr(), x.shape[0], H, weight.data_ptr(), V, out.data_ptr(), _handle(pool))
+        self._linear(x.data_ptr(), x.shape[0], H, weight.data_ptr(), int(weight.bf16), V, out.data_ptr(),
+                     _handle(pool))
         return out
 
 
@@ -466,7 +501,8 @@ class MoeBlock:
     every layer, so the per-call work is only the window's own tensors)."""
 
     def __init__(self, router_and_gate: torch.Tensor, top_k: int, norm_topk: bool, gate_up: torch.Tensor,
-                 down: torch.Tensor, shared_gate: torch.Tensor, shared_up: torch.Tensor, shared_down: torch.Tensor):
+                 down: torch.Tensor, shared_gate: torch.Tensor, shared_up: torch.Tensor, shared_down: torch.Tensor,
+                 bf16: bool | None = None):
         """router_and_gate [E+1, H] (router rows, then the shared expert's gate row); gate_up [E, 2I, H];
         down [E, H, I]; shared_gate / shared_up [Is, H]; shared_down [H, Is]. Contiguous float32 CPU."""
         E, H = router_and_gate.shape[0] - 1, router_and_gate.shape[1]
@@ -483,13 +519,15 @@ class MoeBlock:
         self.E, self.H, self.I, self.Is, self.top_k, self.norm_topk = E, H, I, Is, top_k, norm_topk
         # The kernel's layout (packed copies); these and the tensors given stay referenced while the
         # pointers below are in use.
-        packed = dict(gate_up=PackedWeight.pack(gate_up), down=PackedWeight.pack(down),
-                      shared_gate_up=PackedWeight.pack(torch.cat([shared_gate, shared_up])),
-                      shared_down=PackedWeight.pack(shared_down))
+        shared_gate_up = torch.cat([shared_gate, shared_up])
+        # One type for all its packed weights (one kernel flag): bf16 where exact, unless told (see PackedWeight).
+        self.bf16 = holds_bf16(gate_up, down, shared_gate_up, shared_down) if bf16 is None else bf16
+        packed = {name: PackedWeight.pack(w, self.bf16) for name, w in
+                  dict(gate_up=gate_up, down=down, shared_gate_up=shared_gate_up, shared_down=shared_down).items()}
         self.tensors = dict(given, **packed)
         self.args = (router_and_gate.data_ptr(), E, top_k, int(norm_topk), packed["gate_up"].data_ptr(),
                      packed["gate_up"].stride, packed["down"].data_ptr(), packed["down"].stride, I,
-                     packed["shared_gate_up"].data_ptr(), packed["shared_down"].data_ptr(), Is)
+                     packed["shared_gate_up"].data_ptr(), packed["shared_down"].data_ptr(), Is, int(self.bf16))
 
 
 def build(cache_dir: Path | None = None, compiler: str | None = None,

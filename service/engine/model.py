@@ -36,7 +36,7 @@ from torch import nn
 
 from service.engine.attention_kernel import AttentionPass, AttentionWeights
 from service.engine.kernels import ONE_THREAD, Kernels, KernelThreads, MoeBlock
-from service.engine.packed import PackedWeight
+from service.engine.packed import PackedWeight, holds_bf16
 
 # Windows up to this many positions run every expert of the union on every position (a few
 # batched matmuls, cost ~ U), or the fused kernel (kernels.py) when the model has one; longer ones
@@ -139,9 +139,10 @@ class MLP(nn.Module):
         """Inference only: short windows run in the fused kernel."""
         self.kernels = kernels
         # [1, 2I, H] and [1, H, I] packed: this MLP as the only "expert", in the kernel's layout (copies)
-        gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight])[None]
-        self.kernel_weights = () if kernels is None else (PackedWeight.pack(gate_up),
-                                                          PackedWeight.pack(self.down_proj.weight[None]))
+        gate_up, down = torch.cat([self.gate_proj.weight, self.up_proj.weight])[None], self.down_proj.weight[None]
+        bf16 = holds_bf16(gate_up, down)  # one type for both: one kernel flag
+        self.kernel_weights = () if kernels is None else (PackedWeight.pack(gate_up, bf16),
+                                                          PackedWeight.pack(down, bf16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.dim() == 2 and x.shape[0] <= UNION_WINDOW_MAX and x.is_cpu \
