@@ -133,7 +133,8 @@ def bf16_values(t: torch.Tensor) -> torch.Tensor:
 def test_bf16_panels_give_bitwise_the_float32_panels_result_for_weights_that_are_bf16_values(ka, block_weights):
     """Weights holding bf16 values (the shipped checkpoint's) are stored as bf16 panels and widened
     exactly on load: the MoE block, the experts, the output layer and attention give bitwise the fp32
-    panels' results, in the AVX-512 and the portable build. Weights that are not bf16 values stay fp32 (asking for bf16 is refused)."""
+    panels' results, in the AVX-512 and the portable build. Weights that are not bf16 values stay fp32
+    (asking for bf16 is refused)."""
     bw = {name: bf16_values(w) for name, w in block_weights.items()}
     blocks = {bf16: kernels.MoeBlock(bw["router_and_gate"], M, False, bw["gate_up"], bw["down"], bw["shared_gate"],
                                      bw["shared_up"], bw["shared_down"], bf16=bf16) for bf16 in (False, True)}

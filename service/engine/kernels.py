@@ -104,7 +104,7 @@ static float dot(const float *a, const float *b, int64_t n) {
    out[t, c] = sum over k ascending of x[t, k] * w[k, c] (one fused multiply-add per term, from 0),
    then + bias[c]: x [N, Kd], out [N, C]. Every element takes the same arithmetic whatever N is and
    wherever it falls in a tile, so a row's result never depends on the other rows; tiles of 4 rows x 64
-   columns reuse each loaded weight vector for 4 rows. */
+   columns (3, 2 or 1 for the rows left over) reuse each loaded weight vector for every row. */
 #define PANEL 64
 /* A panel's weights are float32, or bfloat16 (bf16 != 0) when the weight holds only bf16 values (the
    shipped checkpoint is bf16): widened to the same float32 on load, exactly, so the product is bitwise
@@ -145,9 +145,15 @@ static void NAME(const float *x, int64_t Kd, const W *panel, int64_t C, int64_t 
             _mm512_mask_storeu_ps(out + i * C + c0 + 16 * v, keep, _mm512_add_ps(acc[i][v], b));       \
     }                                                                                                  \
 }
+/* 2- and 3-row tiles for the rows left over: in a batched step most experts serve 1-3 positions,
+   which would otherwise reload each weight vector once per row. */
 MATMUL_TILE(tile_4x64, 4, float, LOAD_F32)
+MATMUL_TILE(tile_3x64, 3, float, LOAD_F32)
+MATMUL_TILE(tile_2x64, 2, float, LOAD_F32)
 MATMUL_TILE(tile_1x64, 1, float, LOAD_F32)
 MATMUL_TILE(tile_4x64_bf16, 4, uint16_t, LOAD_BF16)
+MATMUL_TILE(tile_3x64_bf16, 3, uint16_t, LOAD_BF16)
+MATMUL_TILE(tile_2x64_bf16, 2, uint16_t, LOAD_BF16)
 MATMUL_TILE(tile_1x64_bf16, 1, uint16_t, LOAD_BF16)
 #endif
 
@@ -162,10 +168,14 @@ static void matmul_panels(const float *x, int64_t N, int64_t Kd, const void *pac
         int64_t t = 0;
         if (bf16) {
             for (; t + 4 <= N; t += 4) tile_4x64_bf16(x + t * Kd, Kd, b16, C, c0, valid, bias, out + t * C);
-            for (; t < N; t++) tile_1x64_bf16(x + t * Kd, Kd, b16, C, c0, valid, bias, out + t * C);
+            if (N - t == 3) tile_3x64_bf16(x + t * Kd, Kd, b16, C, c0, valid, bias, out + t * C);
+            if (N - t == 2) tile_2x64_bf16(x + t * Kd, Kd, b16, C, c0, valid, bias, out + t * C);
+            if (N - t == 1) tile_1x64_bf16(x + t * Kd, Kd, b16, C, c0, valid, bias, out + t * C);
         } else {
             for (; t + 4 <= N; t += 4) tile_4x64(x + t * Kd, Kd, f32, C, c0, valid, bias, out + t * C);
-            for (; t < N; t++) tile_1x64(x + t * Kd, Kd, f32, C, c0, valid, bias, out + t * C);
+            if (N - t == 3) tile_3x64(x + t * Kd, Kd, f32, C, c0, valid, bias, out + t * C);
+            if (N - t == 2) tile_2x64(x + t * Kd, Kd, f32, C, c0, valid, bias, out + t * C);
+            if (N - t == 1) tile_1x64(x + t * Kd, Kd, f32, C, c0, valid, bias, out + t * C);
         }
 #else
         for (int64_t t = 0; t < N; t++) {
