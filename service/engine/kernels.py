@@ -96,6 +96,43 @@ static float dot(const float *a, const float *b, int64_t n) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* e^x for 16 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, then
+   2^n by vscalefps): within ~2 ulp of expf, and about 10x faster than glibc's scalar expf, which
+   SiLU calls for every intermediate unit of every expert a position picked (a 1,520-token prefill:
+   1.2 M calls per layer). Every lane takes the same arithmetic, so results stay row independent. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* act[i] = r * silu(g[i]) * u[i] for i < I (SiLU(g) = g / (1 + e^-g)). */
+static void swiglu_act(const float *g, const float *u, float r, int64_t I, float *act) {
+#if defined(__AVX512F__)
+    const __m512 rv = _mm512_set1_ps(r), one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < I; i += 16) {  /* the last lanes masked: every element takes the same path */
+        const __mmask16 keep = I - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - i)) - 1);
+        const __m512 gv = _mm512_maskz_loadu_ps(keep, g + i), uv = _mm512_maskz_loadu_ps(keep, u + i);
+        const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        _mm512_mask_storeu_ps(act + i, keep, _mm512_mul_ps(_mm512_mul_ps(rv, silu), uv));
+    }
+#else
+    for (int64_t i = 0; i < I; i++) act[i] = r * (g[i] / (1.0f + expf(-g[i]))) * u[i];
+#endif
+}
+
 /* Weights for the products below are packed in panels (`pack_panels`): a [Kd, C] matrix (a weight
    stored transposed) as ceil(C / 64) panels of [Kd, 64], columns past C zero. A tile then streams one
    contiguous panel (a row-major [Kd, C] read 64 columns at a time jumps C floats per k: for the output
@@ -211,11 +248,7 @@ static void expert_rows(const float *x, int64_t H, int64_t I, const void *gate_u
     float xs[ROW_CHUNK * H], gu[ROW_CHUNK * 2 * I], act[ROW_CHUNK * I], y[ROW_CHUNK * H];
     for (int64_t q = 0; q < np; q++) memcpy(xs + q * H, x + rows[q] * H, (size_t)H * sizeof(float));
     matmul_p(xs, np, H, gate_up_t, bf16, 2 * I, NULL, gu);
-    for (int64_t q = 0; q < np; q++)
-        for (int64_t i = 0; i < I; i++) {
-            const float g = gu[q * 2 * I + i], u = gu[q * 2 * I + I + i];
-            act[q * I + i] = r[q] * (g / (1.0f + expf(-g))) * u;
-        }
+    for (int64_t q = 0; q < np; q++) swiglu_act(gu + q * 2 * I, gu + q * 2 * I + I, r[q], I, act + q * I);
     matmul_p(act, np, I, down_t, bf16, H, NULL, y);
     for (int64_t q = 0; q < np; q++) {
         float *o = out + rows[q] * H;
