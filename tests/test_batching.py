@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from service.engine.kernels import build as build_kernels
 from service.engine.model import KVCache, RaggedBatch
 from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
 from service.types import Drafter, DraftPolicy, FinishReason, GenerationRequest, SamplingParams
@@ -77,10 +78,12 @@ def test_a_ragged_pass_equals_each_window_run_in_its_own_slot():
 
 
 
-@pytest.mark.parametrize("length", [9, 200])  # within the fused attention kernel's window, and past it
-def test_a_cache_only_prefill_writes_what_a_full_pass_writes(length):
-    """`fill_cache` skips the output layer and the last layer's MLP: the cache must not notice."""
-    model = load_for_inference(DEFAULT_TARGET_DIR)
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "kernels"])
+@pytest.mark.parametrize("length", [9, 200])
+def test_a_cache_only_prefill_writes_what_a_full_pass_writes(length, fast):
+    """`fill_cache` skips the output layer and the last layer's MLP, and with the kernels the last
+    layer's queries, attention and o_proj (its keys and values only): the cache must not notice."""
+    model = load_for_inference(DEFAULT_TARGET_DIR, kernels=build_kernels() if fast else None)
     prompt = torch.arange(3, 3 + length) * 7 % model.cfg.vocab_size
     full, cache_only = KVCache(model.cfg, 256), KVCache(model.cfg, 256)
     with torch.inference_mode():

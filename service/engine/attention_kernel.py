@@ -69,19 +69,22 @@ static void attend(const float *q, const float *keys, const float *values, int64
 struct attention_args {
     const float *x; int64_t H; const float *norm_w; float eps; const void *qkv_wt; const float *qkv_b;
     int64_t A, K, D; const float *rope_cos, *rope_sin; const int64_t *positions, *slots; float *k_cache, *v_cache;
-    int64_t S; const void *o_wt; int bf16; float *hn, *qkv, *att, *out;
+    int64_t S; const void *o_wt; int bf16; float *hn, *qkv, *att, *out; int kv_only;
 };
 
-/* Phase 1 for tokens [begin, end): norm, q/k/v, rope, and k and v into the cache. */
+/* Phase 1 for tokens [begin, end): norm, q/k/v, rope, and k and v into the cache (kv_only: k and v
+   alone, when the query columns fill whole panels; the same arithmetic for each of them). */
 static void attention_project_rows(const void *ctx, int64_t begin, int64_t end) {
     const struct attention_args *a = ctx;
     const int64_t H = a->H, D = a->D, K = a->K, Q = a->A * D, R = (a->A + 2 * K) * D, n = end - begin;
+    const int skip_q = a->kv_only && Q % PANEL == 0;
     rms_norm(a->x + begin * H, n, H, a->norm_w, a->eps, a->hn + begin * H);
-    matmul_p(a->hn + begin * H, n, H, a->qkv_wt, a->bf16, R, a->qkv_b, a->qkv + begin * R);
+    matmul_panels(a->hn + begin * H, n, H, a->qkv_wt, a->bf16, R, skip_q ? Q / PANEL : 0, (R + PANEL - 1) / PANEL,
+                  a->qkv_b, a->qkv + begin * R);
     for (int64_t t = begin; t < end; t++) {
         const int64_t pos = a->positions[t];
         float *row = a->qkv + t * R;
-        for (int64_t h = 0; h < a->A + K; h++)  /* the A query heads, then the K key heads */
+        for (int64_t h = skip_q ? a->A : 0; h < a->A + K; h++)  /* the A query heads, then the K key heads */
             rope(row + h * D, a->rope_cos + pos * D, a->rope_sin + pos * D, D / 2);
         for (int64_t kh = 0; kh < K; kh++) {
             const int64_t at = ((a->slots[t] * K + kh) * a->S + pos) * D;
@@ -111,18 +114,19 @@ static void attention_attend_rows(const void *ctx, int64_t begin, int64_t end) {
 /* See attention_kernel.py. qkv_wt and o_wt: the [R, H] and [H, A D] projections packed (matmul_p);
    k_cache / v_cache: this layer's [slots, K, S, D]; scratch: N * (H + R + A D) floats; out [N, H] must
    not alias x; pool: the threads each phase's tokens are split over (NULL: this thread alone; the phases
-   are joined in between, so every key is written before any token attends). */
+   are joined in between, so every key is written before any token attends). kv_only: write the keys
+   and values and stop (out untouched): a prefill's last layer, whose outputs nothing reads. */
 void attention_block(const float *x, int64_t N, int64_t H, const float *norm_w, float eps,
                      const void *qkv_wt, const float *qkv_b, int64_t A, int64_t K, int64_t D, int bf16,
                      const float *rope_cos, const float *rope_sin, const int64_t *positions, const int64_t *slots,
                      float *k_cache, float *v_cache, int64_t S, const void *o_wt, float *scratch, float *out,
-                     struct kernel_pool *pool) {
+                     struct kernel_pool *pool, int kv_only) {
     const int64_t R = (A + 2 * K) * D;
     float *hn = scratch, *qkv = hn + N * H, *att = qkv + N * R;  /* [N, H] [N, R] [N, A D] */
     const struct attention_args a = {x, H, norm_w, eps, qkv_wt, qkv_b, A, K, D, rope_cos, rope_sin, positions, slots,
-                                     k_cache, v_cache, S, o_wt, bf16, hn, qkv, att, out};
+                                     k_cache, v_cache, S, o_wt, bf16, hn, qkv, att, out, kv_only};
     pool_rows(pool, attention_project_rows, &a, N);
-    pool_rows(pool, attention_attend_rows, &a, N);
+    if (!kv_only) pool_rows(pool, attention_attend_rows, &a, N);
 }
 """
 

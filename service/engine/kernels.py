@@ -405,7 +405,7 @@ class Kernels:
         self._rms_norm.restype = None
         self._attention = lib.attention_block
         self._attention.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr, i64, i64, i64, ctypes.c_int,
-                                    ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
+                                    ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
         self._attention.restype = None
 
     def swiglu_experts(self, x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight, ids: torch.Tensor,
@@ -447,10 +447,11 @@ class Kernels:
         return out, logits[:, :-1], ids
 
     def attention_block(self, weights: AttentionWeights, where: AttentionPass, layer: int,
-                        x: torch.Tensor, pool: KernelPool | None = None) -> torch.Tensor:
+                        x: torch.Tensor, pool: KernelPool | None = None, kv_only: bool = False) -> torch.Tensor | None:
         """x [N, H] (the residual stream) -> x + attention(rms_norm(x)) of one layer, writing the pass's
         keys and values into that layer's cache (see attention_kernel.py); its tokens split over the
-        pool's threads if one is given (bitwise the same result)."""
+        pool's threads if one is given (bitwise the same result). kv_only: write the keys and values
+        (bitwise the same) and return None."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape != (where.n, weights.H) or not x.is_contiguous() \
                 or not x.is_cpu:
             raise ValueError(f"attention_block: x must be a contiguous float32 CPU tensor [{where.n}, {weights.H}]")
@@ -460,8 +461,8 @@ class Kernels:
         scratch = x.new_empty(weights.scratch_floats(where.n))
         out = torch.empty_like(x)
         self._attention(x.data_ptr(), where.n, weights.H, *weights.args, *where.args(layer), weights.o_ptr,
-                        scratch.data_ptr(), out.data_ptr(), _handle(pool))
-        return out
+                        scratch.data_ptr(), out.data_ptr(), _handle(pool), int(kv_only))
+        return None if kv_only else out
 
     def pool(self, threads: int) -> KernelPool:
         """Start `threads - 1` workers for this library's calls to split over (see kernel_pool.py)."""

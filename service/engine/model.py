@@ -528,6 +528,10 @@ class Transformer(nn.Module):
             cos, sin = self._rope(batch)
         ids = []
         for i, layer in enumerate(self.layers):
+            if where is not None and not last_mlp and i == len(self.layers) - 1:
+                # A prefill's last layer: only its keys and values are read later (its MLP is skipped below).
+                self.kernels.attention_block(layer.self_attn.block, where, i, x, pool, kv_only=True)
+                break
             if where is not None:  # norm, q/k/v, rope, cache write, attention, o_proj and the residual
                 x = self.kernels.attention_block(layer.self_attn.block, where, i, x, pool)
             else:
