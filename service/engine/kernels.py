@@ -7,7 +7,10 @@ call, for every position that picked it, and does gate/up, SiLU * up, the routin
 one call. Every product is `matmul_p`: register tiles of 4 positions x 64 output columns over a
 weight packed in 64-column panels (`PackedWeight`: transposed, each panel contiguous), so there is no
 horizontal sum per output, each weight streams in order, and the positions that share an expert
-share each loaded weight vector (a batched pass of many requests, a long prompt).
+share each loaded weight vector (a batched pass of many requests, a long prompt). Panels hold bf16
+where every value of the weight is one (the shipped checkpoint), widened exactly on load: the same
+results as fp32 panels for half the bytes. A call may split its positions (the output layer: its
+columns) over a `KernelPool`'s threads (kernel_pool.py), which changes no bit of the result.
 
 Contract of `swiglu_experts(x, gate_up, down, ids, weights, out, accumulate)`:
 - x [w, H]; gate_up: the experts' stacked gate and up projections [E, 2I, H] (gate rows, then up) and
