@@ -225,17 +225,18 @@ def pool(request, k):
     started.close()
 
 
-def test_splitting_a_pass_over_threads_changes_no_bit(k, block_weights, pool):
-    """Positions (the MoE block) and output columns (the output layer) split over a pool's threads
-    give bitwise the one-thread result, also with more threads than positions or panels."""
+@pytest.mark.parametrize("w", [1, 2, 5, 16, 17, 70])
+def test_splitting_a_pass_over_threads_changes_no_bit(k, block_weights, pool, w):
+    """The MoE block split over a pool's threads (by expert up to 16 positions, by position past that)
+    and the output layer's columns split give bitwise the one-thread result, also with more threads than
+    positions, experts or panels."""
     bw = block_weights
     block = kernels.MoeBlock(bw["router_and_gate"], M, False, bw["gate_up"], bw["down"], bw["shared_gate"],
                              bw["shared_up"], bw["shared_down"])
-    x, _, _ = window(70, seed=15)
+    x, _, _ = window(w, seed=15)
     alone = k.moe_block(block, x)
     for got, want in zip(k.moe_block(block, x, pool), alone, strict=True):
         assert torch.equal(got, want)
-    assert torch.equal(k.moe_block(block, x[:2], pool)[0], alone[0][:2])
     weight = PackedWeight.pack(torch.randn(200, H, generator=torch.Generator().manual_seed(16)))  # 4 panels
     assert torch.equal(k.linear(x[:10], weight, pool), k.linear(x[:10], weight))
 
@@ -350,17 +351,21 @@ def ka(request, k, tmp_path_factory) -> kernels.Kernels:
     return built
 
 
-# GQA with two query heads per kv head; a head dim and hidden size off the SIMD width (remainder loops).
+# GQA with two query heads per kv head; a hidden size off the SIMD width (remainder loops); 24 cache
+# positions, so a token late in a slot attends over one block of 16 keys and part of the next.
 AH, AK, AD, AHID, SLOTS, S = 4, 2, 10, 40, 3, 24
 
 
-@pytest.fixture(scope="module")
-def attention_weights():
+@pytest.fixture(scope="module", params=[AD, 32])
+def attention_weights(request):
+    """Head dim 10 (off the SIMD width: the scalar attention loops) and 32 (the vector path: scores of
+    16 keys at a time)."""
+    D = request.param
     g = torch.Generator().manual_seed(9)
-    R = (AH + 2 * AK) * AD
+    R = (AH + 2 * AK) * D
     return dict(norm_weight=1 + 0.1 * torch.randn(AHID, generator=g),
                 qkv_weight=torch.randn(R, AHID, generator=g) * 0.3, qkv_bias=torch.randn(R, generator=g) * 0.1,
-                o_weight=torch.randn(AHID, AH * AD, generator=g) * 0.3)
+                o_weight=torch.randn(AHID, AH * D, generator=g) * 0.3, D=D)
 
 
 def rope_tables(positions: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,20 +380,21 @@ def attention_reference(x, positions, slots, k_cache, v_cache, w, eps=1e-6):
     q/k/v with F.linear, rope as x cos + rotate_half(x) sin, the cache write, then softmax attention
     of each query head over its kv head's keys 0..position of the token's slot, o_proj, residual."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    cos, sin = rope_tables(S, AD)
+    D = w["D"]  # noqa: N806 (the shape legend's name)
+    cos, sin = rope_tables(S, D)
 
     def rope(h, p):  # h [heads, D]
-        rotated = torch.cat((-h[:, AD // 2:], h[:, :AD // 2]), dim=-1)
+        rotated = torch.cat((-h[:, D // 2:], h[:, :D // 2]), dim=-1)
         return h * cos[p] + rotated * sin[p]
 
     qs = []
     for t in range(x.shape[0]):
         p, s = int(positions[t]), int(slots[t])
         h = w["norm_weight"] * (x[t] * torch.rsqrt(x[t].pow(2).mean() + eps))
-        q, k, v = F.linear(h, w["qkv_weight"], w["qkv_bias"]).split([AH * AD, AK * AD, AK * AD])
-        qs.append(rope(q.view(AH, AD), p))
-        k_cache[0, s, :, p] = rope(k.view(AK, AD), p)
-        v_cache[0, s, :, p] = v.view(AK, AD)
+        q, k, v = F.linear(h, w["qkv_weight"], w["qkv_bias"]).split([AH * D, AK * D, AK * D])
+        qs.append(rope(q.view(AH, D), p))
+        k_cache[0, s, :, p] = rope(k.view(AK, D), p)
+        v_cache[0, s, :, p] = v.view(AK, D)
     out = torch.empty_like(x)
     for t in range(x.shape[0]):
         p, s = int(positions[t]), int(slots[t])
@@ -396,26 +402,26 @@ def attention_reference(x, positions, slots, k_cache, v_cache, w, eps=1e-6):
         for a in range(AH):
             kv = a // (AH // AK)
             keys, values = k_cache[0, s, kv, :p + 1], v_cache[0, s, kv, :p + 1]  # [p+1, D]
-            heads.append(torch.softmax(keys @ qs[t][a] / AD ** 0.5, dim=0) @ values)
+            heads.append(torch.softmax(keys @ qs[t][a] / D ** 0.5, dim=0) @ values)
         out[t] = x[t] + F.linear(torch.cat(heads), w["o_weight"])
     return out, k_cache, v_cache
 
 
-def ragged_pass(windows: list[tuple[int, int, int]], seed: int):
+def ragged_pass(windows: list[tuple[int, int, int]], seed: int, D: int = AD):  # noqa: N803
     """windows (slot, start, length) -> x [N, AHID], positions [N], slots [N] and caches [1, SLOTS, K, S, D]
     full of random keys/values (the prefixes every window attends to, and stale entries past them)."""
     g = torch.Generator().manual_seed(seed)
     positions = torch.cat([torch.arange(start, start + n) for _, start, n in windows])
     slots = torch.cat([torch.full((n,), slot) for slot, _, n in windows])
-    caches = [torch.randn(1, SLOTS, AK, S, AD, generator=g) for _ in range(2)]
+    caches = [torch.randn(1, SLOTS, AK, S, D, generator=g) for _ in range(2)]
     return torch.randn(positions.shape[0], AHID, generator=g), positions, slots, *caches
 
 
 def run_attention(ka, w, x, positions, slots, k_cache, v_cache, pool=None):
     """The kernel on the given caches (written in place) -> out [N, AHID]."""
     weights = kernels.AttentionWeights(w["norm_weight"], 1e-6, w["qkv_weight"], w["qkv_bias"], w["o_weight"],
-                                       AH, AK, AD)
-    where = kernels.AttentionPass(positions, slots, k_cache, v_cache, *rope_tables(S, AD))
+                                       AH, AK, w["D"])
+    where = kernels.AttentionPass(positions, slots, k_cache, v_cache, *rope_tables(S, w["D"]))
     return ka.attention_block(weights, where, 0, x, pool)
 
 
@@ -427,7 +433,7 @@ PASSES = {"first-position": [(0, 0, 1)], "second-position": [(1, 1, 1)], "long-p
 
 @pytest.mark.parametrize("name", list(PASSES))
 def test_attention_block_matches_the_textbook_sub_block(ka, attention_weights, name):
-    x, positions, slots, k_cache, v_cache = ragged_pass(PASSES[name], seed=len(name))
+    x, positions, slots, k_cache, v_cache = ragged_pass(PASSES[name], seed=len(name), D=attention_weights["D"])
     want, want_k, want_v = attention_reference(x, positions, slots, k_cache, v_cache, attention_weights)
     got = run_attention(ka, attention_weights, x, positions, slots, k_cache, v_cache)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -439,7 +445,8 @@ def test_attention_block_matches_the_textbook_sub_block(ka, attention_weights, n
 def test_each_token_of_a_ragged_pass_is_bitwise_the_same_alone(ka, attention_weights):
     """Alone, a token sees the cache the pass left (its window's earlier keys included) and must give
     bitwise the pass's row: nothing in a token's result depends on the other tokens of the pass."""
-    x, positions, slots, k_cache, v_cache = ragged_pass([(2, 7, 3), (0, 0, 6), (1, 15, 1)], seed=11)
+    windows = [(2, 7, 3), (0, 0, 6), (1, 15, 1)]
+    x, positions, slots, k_cache, v_cache = ragged_pass(windows, seed=11, D=attention_weights["D"])
     together = run_attention(ka, attention_weights, x, positions, slots, k_cache, v_cache)
     after_k, after_v = k_cache.clone(), v_cache.clone()
     for t in range(x.shape[0]):
@@ -453,7 +460,7 @@ def test_a_pass_split_over_threads_is_bitwise_the_one_thread_pass(ka, attention_
     """Split, a prefill window's later tokens run on another thread than the keys they attend to: every
     key must be in the cache before any token attends (the kernel joins its threads in between)."""
     windows = [(2, 7, 3), (0, 0, 12), (1, 15, 1)]
-    x, positions, slots, k_cache, v_cache = ragged_pass(windows, seed=17)
+    x, positions, slots, k_cache, v_cache = ragged_pass(windows, seed=17, D=attention_weights["D"])
     one_k, one_v = k_cache.clone(), v_cache.clone()
     one = run_attention(ka, attention_weights, x, positions, slots, one_k, one_v)
     pool = ka.pool(threads)
@@ -465,7 +472,7 @@ def test_a_pass_split_over_threads_is_bitwise_the_one_thread_pass(ka, attention_
 def test_a_rejected_draft_is_overwritten_and_never_read_past_its_position(ka, attention_weights):
     """A 4-token verify window at 10..13 leaves keys at 11..13 (rejected drafts); the next window
     starts at 11 and writes over 11..12: it must give what a cache that never saw the drafts gives."""
-    x, positions, slots, k_cache, v_cache = ragged_pass([(1, 10, 4)], seed=12)
+    x, positions, slots, k_cache, v_cache = ragged_pass([(1, 10, 4)], seed=12, D=attention_weights["D"])
     clean_k, clean_v = k_cache.clone(), v_cache.clone()
     run_attention(ka, attention_weights, x[:1], positions[:1], slots[:1], clean_k, clean_v)  # only 10 accepted
     run_attention(ka, attention_weights, x, positions, slots, k_cache, v_cache)  # the whole verify window
@@ -485,7 +492,7 @@ def test_a_rejected_draft_is_overwritten_and_never_read_past_its_position(ka, at
     ("half_cache", "k_cache must be a contiguous float32"),
 ])
 def test_a_pass_the_kernel_cannot_run_safely_is_refused_with_the_reason(ka, attention_weights, bad, message):
-    x, positions, slots, k_cache, v_cache = ragged_pass([(0, 3, 2)], seed=14)
+    x, positions, slots, k_cache, v_cache = ragged_pass([(0, 3, 2)], seed=14, D=attention_weights["D"])
     if bad == "position_past_the_cache":
         positions = positions + S - 4
     elif bad == "negative_position":
@@ -503,9 +510,9 @@ def test_a_pass_the_kernel_cannot_run_safely_is_refused_with_the_reason(ka, atte
 def test_attention_weights_that_do_not_fit_are_refused_naming_the_tensor(attention_weights):
     w = dict(attention_weights, o_weight=attention_weights["o_weight"].t())
     with pytest.raises(ValueError, match="o_weight must be"):
-        kernels.AttentionWeights(w["norm_weight"], 1e-6, w["qkv_weight"], w["qkv_bias"], w["o_weight"], AH, AK, AD)
+        kernels.AttentionWeights(w["norm_weight"], 1e-6, w["qkv_weight"], w["qkv_bias"], w["o_weight"], AH, AK, w["D"])
     with pytest.raises(ValueError, match="whole groups"):
-        kernels.AttentionWeights(w["norm_weight"], 1e-6, w["qkv_weight"], w["qkv_bias"], w["o_weight"], 3, AK, AD)
+        kernels.AttentionWeights(w["norm_weight"], 1e-6, w["qkv_weight"], w["qkv_bias"], w["o_weight"], 3, AK, w["D"])
 
 
 def test_every_pass_takes_the_attention_kernel_once_per_layer_unless_fused_attention_is_off(k):

@@ -47,9 +47,10 @@ static void axpy(float *o, float w, const float *v, int64_t n) {
     for (int64_t d = 0; d < n; d++) o[d] += w * v[d];
 }
 
-/* One query head of one token over its slot's keys and values 0..last: softmax(q k^T * scale) v. */
-static void attend(const float *q, const float *keys, const float *values, int64_t last, int64_t D, float scale,
-                   float *scores, float *o) {
+/* One query head of one token over its slot's keys and values 0..last: softmax(q k^T * scale) v.
+   scores: room for last + 16 floats. */
+static void attend_scalar(const float *q, const float *keys, const float *values, int64_t last, int64_t D,
+                          float scale, float *scores, float *o) {
     float top = -INFINITY;
     for (int64_t j = 0; j <= last; j++) {
         scores[j] = dot(q, keys + j * D, D) * scale;
@@ -65,6 +66,78 @@ static void attend(const float *q, const float *keys, const float *values, int64
     const float inv = 1.0f / total;
     for (int64_t d = 0; d < D; d++) o[d] *= inv;
 }
+
+#if defined(__AVX512F__)
+/* Lane i = the sum of v[i]'s 16 lanes, for 16 vectors at once: a transposing tree of adds (45 shuffles
+   and adds for 16 sums, against ~8 dependent ones per sum for a horizontal reduction each). Lane
+   4q + r of the tree holds key q + 4r; `key_order` puts them back. */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)  /* 128-bit quarters [v2i: 0+2, 1+3 | v2i+1: 0+2, 1+3] */
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)  /* quarter j: the 4 partial sums of vector 4i + j */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)  /* quarter j: [8i + j, 8i + j + 4] twice */
+        c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]));
+    const __m512i key_order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(key_order, _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi)));
+}
+
+/* attend_scalar for a head dim that is a multiple of 16, 16 keys at a time: their 16 scores from one
+   tree of adds, e^x for 16 scores at once (exp512), and the weighted values summed in registers, 64
+   dims at a time. A fixed order of operations per token, as everywhere here. */
+static void attend(const float *q, const float *keys, const float *values, int64_t last, int64_t D, float scale,
+                   float *scores, float *o) {
+    if (D % 16) {
+        attend_scalar(q, keys, values, last, D, scale, scores, o);
+        return;
+    }
+    const int64_t n = last + 1;
+    const __m512 scale_v = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    __m512 top = minus_inf;
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t m = n - j0 < 16 ? n - j0 : 16;
+        __m512 partial[16];
+        for (int64_t i = 0; i < 16; i++) {
+            __m512 s = _mm512_setzero_ps();
+            if (i < m)  /* (keys past the last are not read: they may lie past the slot) */
+                for (int64_t d = 0; d < D; d += 16)
+                    s = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(keys + (j0 + i) * D + d), s);
+            partial[i] = s;
+        }
+        const __mmask16 keep = m == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << m) - 1);
+        const __m512 s = _mm512_mask_blend_ps(keep, minus_inf, _mm512_mul_ps(sum16(partial), scale_v));
+        top = _mm512_max_ps(top, s);
+        _mm512_storeu_ps(scores + j0, s);
+    }
+    const __m512 top_v = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t m = n - j0 < 16 ? n - j0 : 16;
+        const __mmask16 keep = m == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << m) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(keep, exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + j0), top_v)));
+        total = _mm512_add_ps(total, e);
+        _mm512_storeu_ps(scores + j0, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    for (int64_t d = 0; d < D; d += 64) {  /* four independent accumulator chains per key */
+        const int64_t parts = D - d >= 64 ? 4 : (D - d) / 16;
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t j = 0; j < n; j++) {
+            const __m512 w = _mm512_set1_ps(scores[j]);
+            const float *v = values + j * D + d;
+            for (int64_t i = 0; i < parts; i++) acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * i), acc[i]);
+        }
+        for (int64_t i = 0; i < parts; i++) _mm512_storeu_ps(o + d + 16 * i, _mm512_mul_ps(acc[i], inv));
+    }
+}
+#else
+#define attend attend_scalar
+#endif
 
 struct attention_args {
     const float *x; int64_t H; const float *norm_w; float eps; const void *qkv_wt; const float *qkv_b;
@@ -100,7 +173,7 @@ static void attention_attend_rows(const void *ctx, int64_t begin, int64_t end) {
     const struct attention_args *a = ctx;
     const int64_t H = a->H, D = a->D, K = a->K, Q = a->A * D, R = (a->A + 2 * K) * D, group = a->A / K;
     const float scale = 1.0f / sqrtf((float)D);
-    float scores[a->S];
+    float scores[a->S + 16];  /* attend rounds the keys up to 16 */
     for (int64_t t = begin; t < end; t++)
         for (int64_t h = 0; h < a->A; h++) {
             const int64_t head = (a->slots[t] * K + h / group) * a->S * D;

@@ -93,8 +93,8 @@ class Engine:
         self.kernel_threads = KernelThreads(kernels.pool(threads)) if kernels and threads > 1 else ONE_THREAD
         self.target = load_for_inference(config.target_dir, kernels=kernels, kernel_window_max=config.kernel_window_max,
                                          fused_attention=config.fused_attention, kernel_threads=self.kernel_threads)
-        self.draft = load_for_inference(config.draft_dir, kernels=kernels, fused_attention=config.fused_attention) \
-            if config.draft_dir else None
+        self.draft = load_for_inference(config.draft_dir, kernels=kernels, fused_attention=config.fused_attention,
+                                        kernel_threads=self.kernel_threads) if config.draft_dir else None
         self.tokenizer = Tokenizer.from_file(str(Path(config.target_dir) / "tokenizer.json"))
         cfg = self.target.cfg
         if not cfg.is_moe:

@@ -244,15 +244,22 @@ static void matmul_p(const float *x, int64_t N, int64_t Kd, const void *packed, 
    shipped model's shared expert), and an expert's weights stay in L2 across the chunks of a long pass. */
 #define ROW_CHUNK 16
 
-/* One expert over up to ROW_CHUNK gathered positions: out[rows[q]] += down^T (r[q] silu(g) * u),
-   [g | u] = x_q gate_up^T. Every product is matmul_p's, so each row's arithmetic is its own. */
-static void expert_rows(const float *x, int64_t H, int64_t I, const void *gate_up_t, const void *down_t, int bf16,
-                        const int64_t *rows, const float *r, int64_t np, float *out) {
-    float xs[ROW_CHUNK * H], gu[ROW_CHUNK * 2 * I], act[ROW_CHUNK * I], y[ROW_CHUNK * H];
+/* One expert over up to ROW_CHUNK gathered positions: y[q] = down^T (r[q] silu(g) * u), [g | u] =
+   x_{rows[q]} gate_up^T, y [np, H]. Every product is matmul_p's, so each row's arithmetic is its own. */
+static void expert_apply(const float *x, int64_t H, int64_t I, const void *gate_up_t, const void *down_t, int bf16,
+                         const int64_t *rows, const float *r, int64_t np, float *y) {
+    float xs[ROW_CHUNK * H], gu[ROW_CHUNK * 2 * I], act[ROW_CHUNK * I];
     for (int64_t q = 0; q < np; q++) memcpy(xs + q * H, x + rows[q] * H, (size_t)H * sizeof(float));
     matmul_p(xs, np, H, gate_up_t, bf16, 2 * I, NULL, gu);
     for (int64_t q = 0; q < np; q++) swiglu_act(gu + q * 2 * I, gu + q * 2 * I + I, r[q], I, act + q * I);
     matmul_p(act, np, I, down_t, bf16, H, NULL, y);
+}
+
+/* expert_apply, then out[rows[q]] += y[q]. */
+static void expert_rows(const float *x, int64_t H, int64_t I, const void *gate_up_t, const void *down_t, int bf16,
+                        const int64_t *rows, const float *r, int64_t np, float *out) {
+    float y[ROW_CHUNK * H];
+    expert_apply(x, H, I, gate_up_t, down_t, bf16, rows, r, np, y);
     for (int64_t q = 0; q < np; q++) {
         float *o = out + rows[q] * H;
         for (int64_t h = 0; h < H; h++) o[h] += y[q * H + h];
@@ -303,13 +310,13 @@ struct moe_args {
     const void *gate_up_t; int64_t gate_up_stride; const void *down_t; int64_t down_stride, I;
     const void *shared_gate_up_t, *shared_down_t; int64_t Is; int bf16;
     float *logits; int64_t *ids; float *weights, *out;
+    float *scale;  /* [w]: each position's shared-expert scale */
 };
 
-static void moe_rows(const void *ctx, int64_t begin, int64_t end) {
+/* Routing of positions [begin, end): logits, ids, weights and the shared expert's scale. */
+static void moe_route_rows(const void *ctx, int64_t begin, int64_t end) {
     const struct moe_args *a = ctx;
-    const int64_t H = a->H, E = a->E, m = a->m, w = end - begin;
-    float scale[w];
-    int64_t zero[w];
+    const int64_t H = a->H, E = a->E, m = a->m;
     unsigned char taken[E];
     for (int64_t p = begin; p < end; p++) {
         const float *xp = a->x + p * H;
@@ -333,23 +340,128 @@ static void moe_rows(const void *ctx, int64_t begin, int64_t end) {
         }
         if (a->norm_topk)
             for (int64_t j = 0; j < m; j++) weights[j] /= picked;
-        scale[p - begin] = 1.0f / (1.0f + expf(-l[E]));
-        zero[p - begin] = 0;
+        a->scale[p] = 1.0f / (1.0f + expf(-l[E]));
     }
-    const float *x = a->x + begin * H;
-    float *out = a->out + begin * H;
-    swiglu_experts(x, w, H, a->I, a->gate_up_t, a->gate_up_stride, a->down_t, a->down_stride, a->bf16, E,
-                   a->ids + begin * m, a->weights + begin * m, m, out, 0);
-    swiglu_experts(x, w, H, a->Is, a->shared_gate_up_t, 0, a->shared_down_t, 0, a->bf16, 1, zero, scale, 1, out, 1);
 }
 
-/* pool: the threads the positions are split over (NULL: this thread alone). */
+/* Positions [begin, end) whole: their routing, then their experts (each thread reads the experts its
+   own positions picked: a long pass, where every thread needs nearly every expert anyway). */
+static void moe_rows(const void *ctx, int64_t begin, int64_t end) {
+    const struct moe_args *a = ctx;
+    const int64_t H = a->H, m = a->m, w = end - begin;
+    int64_t zero[w];
+    memset(zero, 0, sizeof zero);
+    moe_route_rows(ctx, begin, end);
+    const float *x = a->x + begin * H;
+    float *out = a->out + begin * H;
+    swiglu_experts(x, w, H, a->I, a->gate_up_t, a->gate_up_stride, a->down_t, a->down_stride, a->bf16, a->E,
+                   a->ids + begin * m, a->weights + begin * m, m, out, 0);
+    swiglu_experts(x, w, H, a->Is, a->shared_gate_up_t, 0, a->shared_down_t, 0, a->bf16, 1, zero, a->scale + begin,
+                   1, out, 1);
+}
+
+/* A short pass (a decode step, a batched step of many requests) split by expert instead of by position:
+   work units of up to ROW_CHUNK positions of one expert (the shared expert's first), taken in turn by
+   each thread, so every touched expert is read once per call whoever's positions picked it; each unit
+   writes its rows' results apart, and a last phase adds them up per position in ascending expert id
+   and then the shared expert's, the same additions in the same order as `moe_rows`: bitwise its result.
+   A pass of one position splits too (its 8 experts and the shared one). Measured on the 2-core development
+   machine (MoE block calls recorded from real passes, replayed interleaved, 2 threads, by expert against
+   by position): 1 position 0.035 against 0.052 ms (by position a single position has nothing to split),
+   8 positions 0.102 / 0.116, 16 0.189-0.202 / 0.202-0.212, 32 no difference (0.37 both): past 16 every
+   thread's positions need most experts anyway, and the results written apart cost their traffic. */
+#define EXPERT_SPLIT_MAX 16
+struct moe_unit { int64_t expert, first, count; };  /* expert -1: the shared one, over positions first.. */
+struct moe_by_expert {
+    const struct moe_args *a;
+    const int64_t *rows, *slot, *positions;  /* pair slot -> position; (p, j) -> its slot; 0..w-1 */
+    const float *r;                          /* pair slot -> routing weight */
+    const struct moe_unit *units;
+    int64_t n_units;
+    atomic_long next;
+    float *y, *y_shared;                     /* [pairs, H], [w, H] */
+};
+
+static void moe_units(const void *ctx, int64_t begin, int64_t end) {
+    struct moe_by_expert *b = (struct moe_by_expert *)ctx;  /* (only `next` changes) */
+    const struct moe_args *a = b->a;
+    (void)begin, (void)end;
+    for (int64_t u; (u = atomic_fetch_add_explicit(&b->next, 1, memory_order_relaxed)) < b->n_units;) {
+        const struct moe_unit *it = &b->units[u];
+        if (it->expert < 0)
+            expert_apply(a->x, a->H, a->Is, a->shared_gate_up_t, a->shared_down_t, a->bf16, b->positions + it->first,
+                         a->scale + it->first, it->count, b->y_shared + it->first * a->H);
+        else
+            expert_apply(a->x, a->H, a->I, weights_at(a->gate_up_t, it->expert * a->gate_up_stride, a->bf16),
+                         weights_at(a->down_t, it->expert * a->down_stride, a->bf16), a->bf16, b->rows + it->first,
+                         b->r + it->first, it->count, b->y + it->first * a->H);
+    }
+}
+
+static void moe_sum_rows(const void *ctx, int64_t begin, int64_t end) {
+    const struct moe_by_expert *b = ctx;
+    const int64_t H = b->a->H, m = b->a->m;
+    int64_t order[m];
+    for (int64_t p = begin; p < end; p++) {
+        for (int64_t j = 0; j < m; j++) {  /* this position's slots ascending = its experts ascending */
+            int64_t i = j, s = b->slot[p * m + j];
+            for (; i > 0 && order[i - 1] > s; i--) order[i] = order[i - 1];
+            order[i] = s;
+        }
+        float *o = b->a->out + p * H;
+        memset(o, 0, (size_t)H * sizeof(float));
+        for (int64_t j = 0; j < m; j++)
+            for (int64_t h = 0; h < H; h++) o[h] += b->y[order[j] * H + h];
+        for (int64_t h = 0; h < H; h++) o[h] += b->y_shared[p * H + h];
+    }
+}
+
+/* Returns 0 when it could not allocate its scratch (the caller then runs moe_rows). */
+static int moe_block_by_expert(const struct moe_args *a, int64_t w, struct kernel_pool *pool) {
+    const int64_t E = a->E, m = a->m, H = a->H, pairs = w * m;
+    int64_t *ints = malloc((size_t)(3 * pairs + w + 1) * sizeof(int64_t));
+    struct moe_unit *units = malloc((size_t)(pairs + w + 1) * sizeof(struct moe_unit));
+    float *floats = malloc((size_t)(pairs + (pairs + w) * H + 1) * sizeof(float));
+    if (!ints || !units || !floats) { free(ints); free(units); free(floats); return 0; }
+    int64_t *rows = ints, *slot = rows + pairs, *positions = slot + pairs, count[E + 1];
+    float *r = floats;
+    pool_rows(pool, moe_route_rows, a, w);
+    /* Counting sort of the (position, weight) pairs by expert, positions ascending within an expert. */
+    memset(count, 0, sizeof count);
+    for (int64_t j = 0; j < pairs; j++) count[a->ids[j] + 1]++;
+    for (int64_t e = 0; e < E; e++) count[e + 1] += count[e];
+    for (int64_t j = 0; j < pairs; j++) {
+        const int64_t at = count[a->ids[j]]++;
+        rows[at] = j / m;
+        r[at] = a->weights[j];
+        slot[j] = at;
+    }
+    int64_t n = 0;
+    for (int64_t p = 0; p < w; p++) positions[p] = p;
+    for (int64_t p = 0; p < w; p += ROW_CHUNK)  /* the shared expert first: the biggest units */
+        units[n++] = (struct moe_unit){-1, p, w - p < ROW_CHUNK ? w - p : ROW_CHUNK};
+    for (int64_t e = 0, first = 0; e < E; first = count[e], e++)  /* count[e] is now e's end */
+        for (int64_t c = first; c < count[e]; c += ROW_CHUNK)
+            units[n++] = (struct moe_unit){e, c, count[e] - c < ROW_CHUNK ? count[e] - c : ROW_CHUNK};
+    struct moe_by_expert b = {a, rows, slot, positions, r, units, n, 0, floats + pairs, floats + pairs + pairs * H};
+    const int64_t threads = pool ? pool->workers + 1 : 1;
+    pool_rows(pool, moe_units, &b, threads);  /* one range per thread, each taking units until none is left */
+    pool_rows(pool, moe_sum_rows, &b, w);
+    free(ints);
+    free(units);
+    free(floats);
+    return 1;
+}
+
+/* pool: the threads a pass is split over (NULL: this thread alone): a short pass by expert, a long one by
+   position (see moe_block_by_expert); either way bitwise the one-thread result. */
 void moe_block(const float *x, int64_t w, int64_t H, const float *router, int64_t E, int64_t m, int norm_topk,
                const void *gate_up_t, int64_t gate_up_stride, const void *down_t, int64_t down_stride, int64_t I,
                const void *shared_gate_up_t, const void *shared_down_t, int64_t Is, int bf16,
-               float *logits, int64_t *ids, float *weights, float *out, struct kernel_pool *pool) {
+               float *logits, int64_t *ids, float *weights, float *out, float *scale, struct kernel_pool *pool) {
     const struct moe_args a = {x, H, router, E, m, norm_topk, gate_up_t, gate_up_stride, down_t, down_stride, I,
-                               shared_gate_up_t, shared_down_t, Is, bf16, logits, ids, weights, out};
+                               shared_gate_up_t, shared_down_t, Is, bf16, logits, ids, weights, out, scale};
+    if (pool != NULL && w <= EXPERT_SPLIT_MAX && moe_block_by_expert(&a, w, pool)) return;
     pool_rows(pool, moe_rows, &a, w);
 }
 
@@ -401,7 +513,7 @@ class Kernels:
         self._linear.restype = None
         self._moe = lib.moe_block
         self._moe.argtypes = [ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ptr, i64, i64,
-                              ptr, ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr]
+                              ptr, ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ptr]
         self._moe.restype = None
         self._rms_norm = lib.rms_norm
         self._rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
@@ -444,9 +556,10 @@ class Kernels:
         ids = torch.empty(w, block.top_k, dtype=torch.long)
         weights = x.new_empty(w, block.top_k)
         out = torch.empty_like(x)
+        scale = x.new_empty(w)  # each position's shared-expert scale (the kernel's scratch)
         a = block.args
         self._moe(x.data_ptr(), w, block.H, *a, logits.data_ptr(), ids.data_ptr(), weights.data_ptr(),
-                  out.data_ptr(), _handle(pool))
+                  out.data_ptr(), scale.data_ptr(), _handle(pool))
         return out, logits[:, :-1], ids
 
     def attention_block(self, weights: AttentionWeights, where: AttentionPass, layer: int,
@@ -502,15 +615,17 @@ class Kernels:
 class KernelThreads:
     """When a kernel call splits its work over the pool's threads: from a kernel's minimum number of
     positions in the pass on (no pool: never). Splitting never changes a bit of the result (every
-    position and output column is computed on its own). The MoE block and attention split positions,
-    so they need 2; the output layer splits its columns, so even one position pays. Measured on the
-    2-core development machine (AMD EPYC, in-process, shipped model, a warm pool of 2, ms per call,
-    1 -> 2 threads): MoE block 0.36 -> 0.21 at 2 positions and 1.14 -> 0.81 at 16; attention 0.076 ->
-    0.049 at 2 and 0.30 -> 0.20 at 16; output layer 0.077 -> 0.046 at 1 and 0.45 -> 0.34 at 16; one
-    position alone in the MoE block or attention 0.198 -> 0.194 and 0.047 -> 0.049 (nothing to split)."""
+    position and output column is computed on its own). The MoE block splits a short pass by expert, so
+    even one position pays (its 8 experts and the shared one: 0.052 -> 0.035 ms per call, the C source's
+    figures); attention splits positions, so it needs 2; the output layer splits its columns. Measured on
+    the 2-core development machine (AMD EPYC, in-process, shipped model, a warm pool of 2, ms per call,
+    1 -> 2 threads): MoE block 1.14 -> 0.81 at 16 positions (split by position; by expert 0.20 against
+    0.21 on recorded calls of a later, faster moment); attention 0.076 -> 0.049 at 2 and 0.30 -> 0.20 at
+    16; output layer 0.077 -> 0.046 at 1 and 0.45 -> 0.34 at 16; one position alone in attention 0.047
+    -> 0.049 (nothing to split)."""
 
     pool: KernelPool | None = None
-    moe_min_positions: int = 2
+    moe_min_positions: int = 1
     linear_min_positions: int = 1
     attention_min_positions: int = 2
 
@@ -531,8 +646,9 @@ class KernelThreads:
         """One line for the start-up log."""
         if self.threads == 1:
             return "kernel threads: 1 (no pass is split)"
-        return (f"kernel threads: {self.threads} (a pass's positions split over them from {self.moe_min_positions} "
-                f"positions in the MoE block, {self.linear_min_positions} in the output layer, "
+        moe = self.moe_min_positions
+        return (f"kernel threads: {self.threads} (a pass's work splits over them from {moe} "
+                f"position{'s' if moe != 1 else ''} in the MoE block, {self.linear_min_positions} in the output layer, "
                 f"{self.attention_min_positions} in attention)")
 
 
