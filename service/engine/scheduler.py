@@ -274,8 +274,11 @@ class Scheduler:
         own_unique, batch_unique = self._unions(routed, lengths)
         pass_record = self._pass_record(pass_id, lengths, routed, batch_unique, prefilled, start_ns, t1 - t0, t2 - t1)
         step_unit = e.current_decode_step_seconds()
+        # Each window's routed ids, only where a record keeps them (top-k capture, the EP estimate): a
+        # batched step does this loop for every request, so it does nothing a request does not need.
+        window_ids = routed.split(lengths, dim=1) if self._records_ids() else [None] * len(seqs)
         for seq, (drafts, _, draft_s), window, ids, unique, (n_ok, flags, bonus) in zip(
-                seqs, proposals, windows, routed.split(lengths, dim=1), own_unique, verdicts, strict=True):
+                seqs, proposals, windows, window_ids, own_unique, verdicts, strict=True):
             k = len(drafts)
             if seq.policy.drafter is Drafter.MODEL and k > 0:
                 # The draft cache holds the old tokens plus drafts 1..k-1; keep those that were accepted.
@@ -386,9 +389,15 @@ class Scheduler:
                                draft_seconds=draft_s, verify_seconds=verify_s, start_time_ns=start_ns,
                                prefill_tokens=prefill_tokens, **ep)
 
+    def _records_ids(self) -> bool:
+        """Step records need each window's routed ids: captured top-k ids, or an EP estimate."""
+        e = self.e
+        return e.config.capture_topk or e.recorder is not None or e.ep is not None
+
     def _record(self, seq: Sequence, drafted: int, accepted: int, flags: tuple[bool, ...], window: list[int],
-                routed: torch.Tensor, unique: tuple[int, ...], draft_s: float, verify_s: float, step_unit: float,
-                batch: BatchPassRecord) -> StepRecord:
+                routed: torch.Tensor | None, unique: tuple[int, ...], draft_s: float, verify_s: float,
+                step_unit: float, batch: BatchPassRecord) -> StepRecord:
+        """routed: the window's ids [L, w, m] (None unless `_records_ids`)."""
         e, policy = self.e, seq.policy
         cfg, capture = e.target.cfg, e.config.capture_topk or e.recorder is not None
         E, m = cfg.num_experts, cfg.num_experts_per_tok
