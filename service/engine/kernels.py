@@ -360,16 +360,16 @@ static void moe_rows(const void *ctx, int64_t begin, int64_t end) {
                    1, out, 1);
 }
 
-/* A short pass (a decode step, a batched step of many requests) split by expert instead of by position:
-   work units of up to ROW_CHUNK positions of one expert (the shared expert's first), taken in turn by
-   each thread, so every touched expert is read once per call whoever's positions picked it; each unit
-   writes its rows' results apart, and a last phase adds them up per position in ascending expert id
-   and then the shared expert's, the same additions in the same order as `moe_rows`: bitwise its result.
-   A pass of one position splits too (its 8 experts and the shared one). Measured on the 2-core development
-   machine (MoE block calls recorded from real passes, replayed interleaved, 2 threads, by expert against
-   by position): 1 position 0.035 against 0.052 ms (by position a single position has nothing to split),
-   8 positions 0.102 / 0.116, 16 0.189-0.202 / 0.202-0.212, 32 no difference (0.37 both): past 16 every
-   thread's positions need most experts anyway, and the results written apart cost their traffic. */
+/* A short pass (a batched step of many requests) split by expert instead of by position: work units of
+   up to ROW_CHUNK positions of one expert (the shared expert's first), taken in turn by each thread, so
+   every touched expert is read once per call whoever's positions picked it; each unit writes its rows'
+   results apart, and a last phase adds them up per position in ascending expert id and then the
+   shared expert's, the same additions in the same order as `moe_rows`: bitwise its result. Measured on
+   the 2-core development machine (MoE block calls recorded from real passes, replayed interleaved, 2
+   threads, by expert against by position, ms): 8 positions 0.102 / 0.116, 16 0.189-0.202 /
+   0.202-0.212, 32 no difference (0.37 both): past 16 every thread's positions need most experts
+   anyway, and the results written apart cost their traffic. (1 position 0.035 / 0.052, but see
+   KernelThreads: real decoding of one request gained nothing.) */
 #define EXPERT_SPLIT_MAX 16
 struct moe_unit { int64_t expert, first, count; };  /* expert -1: the shared one, over positions first.. */
 struct moe_by_expert {
@@ -615,17 +615,19 @@ class Kernels:
 class KernelThreads:
     """When a kernel call splits its work over the pool's threads: from a kernel's minimum number of
     positions in the pass on (no pool: never). Splitting never changes a bit of the result (every
-    position and output column is computed on its own). The MoE block splits a short pass by expert, so
-    even one position pays (its 8 experts and the shared one: 0.052 -> 0.035 ms per call, the C source's
-    figures); attention splits positions, so it needs 2; the output layer splits its columns. Measured on
-    the 2-core development machine (AMD EPYC, in-process, shipped model, a warm pool of 2, ms per call,
-    1 -> 2 threads): MoE block 1.14 -> 0.81 at 16 positions (split by position; by expert 0.20 against
-    0.21 on recorded calls of a later, faster moment); attention 0.076 -> 0.049 at 2 and 0.30 -> 0.20 at
-    16; output layer 0.077 -> 0.046 at 1 and 0.45 -> 0.34 at 16; one position alone in attention 0.047
-    -> 0.049 (nothing to split)."""
+    position and output column is computed on its own). The MoE block and attention need 2 positions;
+    the output layer splits its columns, so even one position pays. Measured on the 2-core development
+    machine (AMD EPYC, in-process, shipped model, a warm pool of 2, ms per call, 1 -> 2 threads): MoE
+    block 1.14 -> 0.81 at 16 positions (split by position; by expert, the C source, 0.20 against 0.21 on
+    recorded calls at a later, faster moment); attention 0.076 -> 0.049 at 2 and 0.30 -> 0.20 at 16;
+    output layer 0.077 -> 0.046 at 1 and 0.45 -> 0.34 at 16. A single position: attention has nothing
+    to split (0.047 -> 0.049); the MoE block split by expert took 0.035 against 0.052 ms on replayed
+    calls, but real single-stream decoding gained nothing (two engines alternating, 4 runs of 12 rounds:
+    median per-round ratio 0.91, 1.04, 0.96, 1.00), and a split step also waits for the other thread to
+    wake, so one position stays on one thread."""
 
     pool: KernelPool | None = None
-    moe_min_positions: int = 1
+    moe_min_positions: int = 2
     linear_min_positions: int = 1
     attention_min_positions: int = 2
 
