@@ -8,9 +8,13 @@ variable until the next task, so between steps and while one request decodes alo
 to the server's other threads.
 
 Contract of `pool_rows(pool, fn, ctx, n)` (C, compiled into the kernels' library ahead of their source):
-- Runs fn(ctx, begin, end) over rows [0, n) split into up to workers + 1 contiguous ranges, the caller
-  taking the first; returns when every range is done. fn must compute each row on its own (the
-  kernels' contract), so the split changes no bit of the result.
+- Runs fn(ctx, begin, end) over rows [0, n) split into up to workers + 1 contiguous ranges; returns
+  when every range is done. fn must compute each row on its own (the kernels' contract), so the split
+  changes no bit of the result.
+- Ranges are claimed, not assigned: the caller and each woken worker take the next unclaimed range
+  until none is left, and the caller waits only for ranges another thread has claimed. A worker the
+  OS has not run yet (on 2 cores the server's own threads often hold the other one) claims nothing and
+  is never waited for: the caller runs its range too, instead of stalling the pass until it is scheduled.
 - pool NULL, one row, a pool already running another caller's task, or a forked child's copy of a
   pool (it has no workers): the caller runs all rows alone.
 - A worker that could not be started is simply not there (fewer ranges).
@@ -38,23 +42,23 @@ SOURCE = r"""
 
 typedef void (*rows_fn)(const void *ctx, int64_t begin, int64_t end);
 
-struct kernel_pool;
-struct pool_worker { struct kernel_pool *pool; int64_t part; };
-
 struct kernel_pool {
     int64_t workers, spin_ns;
     pid_t owner;  /* a forked child has the pool's memory but not its threads: it runs alone */
     pthread_t *threads;
-    struct pool_worker *args;
     pthread_mutex_t busy;  /* held by the caller whose task runs */
     pthread_mutex_t mu;    /* with `wake`: sleeping workers */
     pthread_cond_t wake;
-    atomic_long generation;  /* one more per task (and at shutdown) */
-    atomic_long remaining;   /* workers that have not finished the current task */
+    atomic_long generation;  /* one more per task (and at shutdown): wakes the workers */
     atomic_int stop;
-    rows_fn fn;  /* the current task, written before `generation` moves */
-    const void *ctx;
-    int64_t n, parts;
+    /* The current task, written by its caller before `ticket` names it. Atomic because a worker that
+       wakes late may read them while the next caller writes them; it acts on what it read only once its
+       claim on the ticket succeeds, which proves they are that task's (see pool_work). */
+    _Atomic(rows_fn) fn;
+    _Atomic(const void *) ctx;
+    atomic_llong n;
+    atomic_ullong ticket;  /* task number << 32 | ranges << 16 | next range to claim */
+    atomic_llong done;     /* ranges of the current task finished */
 };
 
 static int64_t now_ns(void) {
@@ -80,15 +84,32 @@ static long pool_wait(struct kernel_pool *p, long seen) {
     return g;
 }
 
+/* Claim and run ranges of the current task until none is left. A claim is a compare-and-swap of the
+   ticket from (task, ranges, i) to i + 1: if it succeeds, range i of that task was unclaimed, so the
+   task is not finished, its caller still waits (its ctx is alive) and has not written another task's
+   fn, ctx or n, so the ones read before the claim are this task's. */
+static void pool_work(struct kernel_pool *p) {
+    for (;;) {
+        uint64_t t = atomic_load_explicit(&p->ticket, memory_order_acquire);
+        const uint64_t ranges = (t >> 16) & 0xFFFF, i = t & 0xFFFF;
+        if (i >= ranges) return;
+        const rows_fn fn = atomic_load_explicit(&p->fn, memory_order_relaxed);
+        const void *ctx = atomic_load_explicit(&p->ctx, memory_order_relaxed);
+        const int64_t n = atomic_load_explicit(&p->n, memory_order_relaxed);
+        if (!atomic_compare_exchange_weak_explicit(&p->ticket, &t, t + 1, memory_order_acq_rel, memory_order_acquire))
+            continue;
+        fn(ctx, n * (int64_t)i / (int64_t)ranges, n * (int64_t)(i + 1) / (int64_t)ranges);
+        atomic_fetch_add_explicit(&p->done, 1, memory_order_release);
+    }
+}
+
 static void *pool_worker_main(void *arg) {
-    const struct pool_worker *w = arg;
-    struct kernel_pool *p = w->pool;
+    struct kernel_pool *p = arg;
     long seen = 0;
     for (;;) {
         seen = pool_wait(p, seen);
         if (atomic_load(&p->stop)) return NULL;
-        if (w->part < p->parts) p->fn(p->ctx, p->n * w->part / p->parts, p->n * (w->part + 1) / p->parts);
-        atomic_fetch_sub_explicit(&p->remaining, 1, memory_order_acq_rel);
+        pool_work(p);
     }
 }
 
@@ -104,18 +125,19 @@ static void pool_rows(struct kernel_pool *p, rows_fn fn, const void *ctx, int64_
         if (n > 0) fn(ctx, 0, n);
         return;
     }
-    const int64_t parts = n < p->workers + 1 ? n : p->workers + 1;
-    p->fn = fn;
-    p->ctx = ctx;
-    p->n = n;
-    p->parts = parts;
-    atomic_store_explicit(&p->remaining, p->workers, memory_order_relaxed);
+    const int64_t ranges = n < p->workers + 1 ? n : p->workers + 1;
+    atomic_store_explicit(&p->fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&p->ctx, ctx, memory_order_relaxed);
+    atomic_store_explicit(&p->n, n, memory_order_relaxed);
+    atomic_store_explicit(&p->done, 0, memory_order_relaxed);
+    const uint64_t task = (atomic_load_explicit(&p->ticket, memory_order_relaxed) >> 32) + 1;
+    atomic_store_explicit(&p->ticket, task << 32 | (uint64_t)ranges << 16, memory_order_release);
     pool_signal(p);
-    fn(ctx, 0, n / parts);
-    /* Spin while the workers finish their (equal) parts; past spin_ns yield the core, in case a worker
-       waits for it (on 2 cores the server's threads may hold the other). */
+    pool_work(p);
+    /* Wait for the ranges other threads claimed; past spin_ns yield the core, in case one of them waits
+       for it (on 2 cores the server's threads may hold the other). */
     const int64_t until = now_ns() + p->spin_ns;
-    for (int64_t spins = 1; atomic_load_explicit(&p->remaining, memory_order_acquire) > 0; spins++) {
+    for (int64_t spins = 1; atomic_load_explicit(&p->done, memory_order_acquire) < ranges; spins++) {
         SPIN_PAUSE();
         if (spins % 64 == 0 && now_ns() > until) sched_yield();
     }
@@ -130,14 +152,12 @@ struct kernel_pool *kernel_pool_create(int64_t workers, int64_t spin_ns) {
     p->spin_ns = spin_ns;
     p->owner = getpid();
     p->threads = calloc((size_t)(workers > 0 ? workers : 1), sizeof *p->threads);
-    p->args = calloc((size_t)(workers > 0 ? workers : 1), sizeof *p->args);
     pthread_mutex_init(&p->busy, NULL);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->wake, NULL);
-    if (p->threads == NULL || p->args == NULL) { kernel_pool_destroy(p); return NULL; }
+    if (p->threads == NULL) { kernel_pool_destroy(p); return NULL; }
     for (int64_t i = 0; i < workers; i++) {
-        p->args[i] = (struct pool_worker){p, i + 1};
-        if (pthread_create(&p->threads[i], NULL, pool_worker_main, &p->args[i]) != 0) break;
+        if (pthread_create(&p->threads[i], NULL, pool_worker_main, p) != 0) break;
         p->workers = i + 1;
     }
     return p;
@@ -156,7 +176,6 @@ void kernel_pool_destroy(struct kernel_pool *p) {
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->wake);
     free(p->threads);
-    free(p->args);
     free(p);
 }
 """
