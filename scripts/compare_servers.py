@@ -52,7 +52,7 @@ def main() -> int:
         raise SystemExit("compare_servers: --rounds, --requests, --max-new-tokens and --concurrency must be >= 1")
 
     sys.path.insert(0, str(HERE))
-    from service.bench.server import _load_round, load_workload
+    from service.bench.server import load_round, load_workload
     from service.server.client import MoespecClient
 
     workload = load_workload(args.requests, args.max_new_tokens)
@@ -68,7 +68,7 @@ def main() -> int:
             order = list(clients) if r % 2 == 0 else list(reversed(clients))
             for c in args.concurrency:
                 for name in order:
-                    wall, tokens, _ = _load_round(clients[name], workload, c, max(args.requests, 2 * c))
+                    wall, tokens, _ = load_round(clients[name], workload, c, max(args.requests, 2 * c))
                     rates.setdefault((name, c), []).append(tokens / wall)
     finally:
         for client in clients.values():

@@ -266,7 +266,7 @@ def _loads(client: MoespecClient, workload: list[GenerationRequest], concurrency
     runs: dict[int, list[tuple[float, int, list[float]]]] = {c: [] for c in concurrency}
     for _ in range(rounds):
         for c in concurrency:
-            runs[c].append(_load_round(client, workload, c, max(requests, 2 * c)))
+            runs[c].append(load_round(client, workload, c, max(requests, 2 * c)))
     base = runs[concurrency[0]]
     loads = []
     for c in concurrency:
@@ -283,8 +283,8 @@ def _loads(client: MoespecClient, workload: list[GenerationRequest], concurrency
     return loads
 
 
-def _load_round(client: MoespecClient, workload: list[GenerationRequest], concurrency: int,
-                total: int) -> tuple[float, int, list[float]]:
+def load_round(client: MoespecClient, workload: list[GenerationRequest], concurrency: int,
+               total: int) -> tuple[float, int, list[float]]:
     """One closed-loop run -> (wall seconds, tokens, per-request latencies)."""
     jobs = [workload[i % len(workload)] for i in range(total)]
 

@@ -7,7 +7,7 @@ few microseconds of arithmetic. Here the whole sub-block is one call per layer a
 no mask tensor and no gathers: every token carries its own cache slot and absolute position.
 
 Contract of `attention_block` (C, compiled into the same library as kernels.py's source, whose `dot`,
-`matmul_t` and `rms_norm` it uses):
+`exp512`, `matmul_p` and `rms_norm` it uses):
 - x [N, H]: the tokens of one pass (any mix of windows of any sequences); token t sits at position
   positions[t] of cache slot slots[t]. For each token:
   h = rms_norm(x[t]) * norm_w; [q | k | v] = W_qkv h + b_qkv (A query heads, K kv heads of D);

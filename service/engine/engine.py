@@ -31,8 +31,7 @@ import torch
 from tokenizers import Tokenizer
 
 from service import expert_parallel
-from service.engine.kernel_pool import KernelPool
-from service.engine.kernels import ONE_THREAD, KernelThreads
+from service.engine.kernel_pool import ONE_THREAD, KernelPool, KernelThreads
 from service.engine.kernels import build as build_kernels
 from service.engine.model import KERNEL_WINDOW_MAX, KVCache
 from service.engine.scheduler import Scheduler, unique_experts_per_layer
@@ -60,8 +59,8 @@ class EngineConfig:
     draft_dir: Path | None = DEFAULT_DRAFT_DIR  # None: only the n-gram drafter is offered
     max_context: int | None = None  # default: the target's max_position_embeddings
     threads: int | None = None  # torch intra-op threads; None leaves torch's default
-    # Threads the fused kernels split a big pass's positions over (KernelThreads says from how many
-    # positions on; a decode step of one request never splits); None: every usable core.
+    # Threads the fused kernels split a pass's work over (KernelThreads says from how many positions on;
+    # a decode step of one request splits only its output layer); None: every usable core.
     kernel_threads: int | None = None
     ngram_min: int = 2
     ngram_max: int = 4

@@ -1,36 +1,23 @@
 """Fused CPU kernels for the passes of the embedded engine, built from C source at first use.
 
-Why: a decode step of the shipped MoE spends more time moving expert weights than computing with
-them, and eager PyTorch moves them three times (index_select copies the touched experts, the matmul
-reads the copy) in ~15 small ops per layer. This kernel reads each touched expert's weights once per
-call, for every position that picked it, and does gate/up, SiLU * up, the routing weight and down in
-one call. Every product is `matmul_p`: register tiles of 4 positions x 64 output columns over a
-weight packed in 64-column panels (`PackedWeight`: transposed, each panel contiguous), so there is no
-horizontal sum per output, each weight streams in order, and the positions that share an expert
-share each loaded weight vector (a batched pass of many requests, a long prompt). Panels hold bf16
-where every value of the weight is one (the shipped checkpoint), widened exactly on load: the same
-results as fp32 panels for half the bytes. A call may split its positions (the output layer: its
-columns) over a `KernelPool`'s threads (kernel_pool.py), which changes no bit of the result.
+What is here: the C the kernels share (`dot`, `exp512`, `matmul_p`: register tiles of 4 positions x
+64 output columns over a weight packed in 64-column panels, `PackedWeight`: transposed, each panel
+contiguous, so there is no horizontal sum per output, each weight streams in order and the positions
+that share a weight share each loaded vector), `rms_norm` and `linear`; the ctypes wrappers of every
+kernel, with the checks that keep the C code's pointers in bounds; and `build`. Panels hold bf16 where
+every value of the weight is one (the shipped checkpoint), widened exactly on load: the same results
+as fp32 panels for half the bytes. A call may split its work over a `KernelPool`'s threads
+(kernel_pool.py; `KernelThreads` says when), which changes no bit of the result.
 
-Contract of `swiglu_experts(x, gate_up, down, ids, weights, out, accumulate)`:
-- x [w, H]; gate_up: the experts' stacked gate and up projections [E, 2I, H] (gate rows, then up) and
-  down [E, H, I], both as `PackedWeight`s; ids [w, n] int64 expert ids per position (distinct within a
-  row), weights [w, n] float32 routing weights; out [w, H] float32.
-- out[p] (+)= sum over the experts e picked by position p, in ascending e, of
-  weights[p, j] * down[e] @ (silu(gate[e] @ x[p]) * (up[e] @ x[p])).
-- Each position's result depends only on its own row: every element is a sum over k ascending of
-  fused multiply-adds from zero, whatever else is in the window and wherever the position falls in a
-  tile, so it is bitwise the same alone or in any pass (a verify pass and a plain decode step of the
-  same token agree exactly).
-- Experts are visited in ascending id, each read once per 16 positions that picked it (its weights
-  stay in L2 across the chunks; cost follows the window's union).
+`swiglu_experts(x, gate_up, down, ids, weights, out, accumulate)` and `moe_block(block, x)`: the MoE
+kernels; their C source and contract are in moe_kernel.py.
 
 `linear(x, weight)`: x [w, H] @ weight^T for a packed [V, H] weight, with the same row independence
 (the output layer).
 
 `attention_block(weights, pass, layer, x)`: a layer's whole attention sub-block for the tokens of a
 ragged pass; its C source, contract and argument checks are in attention_kernel.py, compiled into the
-same library (it uses `dot`, `matmul_p` and `rms_norm` from here).
+same library (it uses `dot`, `exp512`, `matmul_p` and `rms_norm` from here).
 
 The library is compiled with the system C compiler into a cache folder keyed by the source, the
 flags and this CPU's feature flags (so a shared home folder never serves code for another CPU), and
@@ -47,15 +34,15 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from service.engine import attention_kernel, kernel_pool
+from service.engine import attention_kernel, kernel_pool, moe_kernel
 from service.engine.attention_kernel import AttentionPass, AttentionWeights
-from service.engine.kernel_pool import KernelPool
-from service.engine.packed import PackedWeight, holds_bf16
+from service.engine.kernel_pool import ONE_THREAD, KernelPool, KernelThreads
+from service.engine.moe_kernel import MoeBlock
+from service.engine.packed import PackedWeight
 
 __all__ = ["AttentionPass", "AttentionWeights", "KernelThreads", "Kernels", "MoeBlock", "ONE_THREAD", "PackedWeight",
            "build"]
@@ -120,21 +107,6 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 #endif
-
-/* act[i] = r * silu(g[i]) * u[i] for i < I (SiLU(g) = g / (1 + e^-g)). */
-static void swiglu_act(const float *g, const float *u, float r, int64_t I, float *act) {
-#if defined(__AVX512F__)
-    const __m512 rv = _mm512_set1_ps(r), one = _mm512_set1_ps(1.0f);
-    for (int64_t i = 0; i < I; i += 16) {  /* the last lanes masked: every element takes the same path */
-        const __mmask16 keep = I - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - i)) - 1);
-        const __m512 gv = _mm512_maskz_loadu_ps(keep, g + i), uv = _mm512_maskz_loadu_ps(keep, u + i);
-        const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        _mm512_mask_storeu_ps(act + i, keep, _mm512_mul_ps(_mm512_mul_ps(rv, silu), uv));
-    }
-#else
-    for (int64_t i = 0; i < I; i++) act[i] = r * (g[i] / (1.0f + expf(-g[i]))) * u[i];
-#endif
-}
 
 /* Weights for the products below are packed in panels (`pack_panels`): a [Kd, C] matrix (a weight
    stored transposed) as ceil(C / 64) panels of [Kd, 64], columns past C zero. A tile then streams one
@@ -240,231 +212,6 @@ static void matmul_p(const float *x, int64_t N, int64_t Kd, const void *packed, 
     matmul_panels(x, N, Kd, packed, bf16, C, 0, (C + PANEL - 1) / PANEL, bias, out);
 }
 
-/* Positions per tile pass through one expert: the scratch below lives on the stack (~80 KB for the
-   shipped model's shared expert), and an expert's weights stay in L2 across the chunks of a long pass. */
-#define ROW_CHUNK 16
-
-/* One expert over up to ROW_CHUNK gathered positions: y[q] = down^T (r[q] silu(g) * u), [g | u] =
-   x_{rows[q]} gate_up^T, y [np, H]. Every product is matmul_p's, so each row's arithmetic is its own. */
-static void expert_apply(const float *x, int64_t H, int64_t I, const void *gate_up_t, const void *down_t, int bf16,
-                         const int64_t *rows, const float *r, int64_t np, float *y) {
-    float xs[ROW_CHUNK * H], gu[ROW_CHUNK * 2 * I], act[ROW_CHUNK * I];
-    for (int64_t q = 0; q < np; q++) memcpy(xs + q * H, x + rows[q] * H, (size_t)H * sizeof(float));
-    matmul_p(xs, np, H, gate_up_t, bf16, 2 * I, NULL, gu);
-    for (int64_t q = 0; q < np; q++) swiglu_act(gu + q * 2 * I, gu + q * 2 * I + I, r[q], I, act + q * I);
-    matmul_p(act, np, I, down_t, bf16, H, NULL, y);
-}
-
-/* expert_apply, then out[rows[q]] += y[q]. */
-static void expert_rows(const float *x, int64_t H, int64_t I, const void *gate_up_t, const void *down_t, int bf16,
-                        const int64_t *rows, const float *r, int64_t np, float *out) {
-    float y[ROW_CHUNK * H];
-    expert_apply(x, H, I, gate_up_t, down_t, bf16, rows, r, np, y);
-    for (int64_t q = 0; q < np; q++) {
-        float *o = out + rows[q] * H;
-        for (int64_t h = 0; h < H; h++) o[h] += y[q * H + h];
-    }
-}
-
-/* p + elements weights of the panels' type. */
-static const void *weights_at(const void *p, int64_t elements, int bf16) {
-    return (const char *)p + elements * (bf16 ? 2 : 4);
-}
-
-/* gate_up_t / down_t: every expert's packed panels, gate_up_stride / down_stride weights apart; bf16:
-   their type (see bf16_value). */
-void swiglu_experts(const float *x, int64_t w, int64_t H, int64_t I, const void *gate_up_t,
-                    int64_t gate_up_stride, const void *down_t, int64_t down_stride, int bf16, int64_t num_experts,
-                    const int64_t *ids, const float *weights, int64_t n, float *out, int accumulate) {
-    int64_t count[num_experts + 1];
-    int64_t *rows = malloc((size_t)(w * n + 1) * sizeof(int64_t));
-    float *r = malloc((size_t)(w * n + 1) * sizeof(float));
-    if (!rows || !r) { free(rows); free(r); return; }  /* (the Python side allocates far more than this) */
-    if (!accumulate) memset(out, 0, (size_t)(w * H) * sizeof(float));
-    /* Counting sort of the (position, weight) pairs by expert, positions ascending within an expert. */
-    memset(count, 0, (size_t)(num_experts + 1) * sizeof(int64_t));
-    for (int64_t j = 0; j < w * n; j++)
-        if (ids[j] >= 0 && ids[j] < num_experts) count[ids[j] + 1]++;  /* others are ignored */
-    for (int64_t e = 0; e < num_experts; e++) count[e + 1] += count[e];
-    for (int64_t j = 0; j < w * n; j++)
-        if (ids[j] >= 0 && ids[j] < num_experts) {
-            const int64_t at = count[ids[j]]++;
-            rows[at] = j / n;
-            r[at] = weights[j];
-        }
-    for (int64_t e = 0, first = 0; e < num_experts; first = count[e], e++)  /* count[e] is now e's end */
-        for (int64_t c = first; c < count[e]; c += ROW_CHUNK)
-            expert_rows(x, H, I, weights_at(gate_up_t, e * gate_up_stride, bf16),
-                        weights_at(down_t, e * down_stride, bf16), bf16, rows + c, r + c,
-                        count[e] - c < ROW_CHUNK ? count[e] - c : ROW_CHUNK, out);
-    free(rows);
-    free(r);
-}
-
-/* A whole Qwen2-MoE block: router (E rows) and shared-expert gate (row E) in one pass, softmax over
-   the E router logits, the top m by logit (largest first; softmax keeps the order), routing weights =
-   their probabilities (renormalised if norm_topk), the routed experts, then the shared expert scaled by
-   sigmoid(its gate). Writes logits [w, E+1], ids [w, m], weights [w, m], out [w, H]. */
-struct moe_args {
-    const float *x; int64_t H; const float *router; int64_t E, m; int norm_topk;
-    const void *gate_up_t; int64_t gate_up_stride; const void *down_t; int64_t down_stride, I;
-    const void *shared_gate_up_t, *shared_down_t; int64_t Is; int bf16;
-    float *logits; int64_t *ids; float *weights, *out;
-    float *scale;  /* [w]: each position's shared-expert scale */
-};
-
-/* Routing of positions [begin, end): logits, ids, weights and the shared expert's scale. */
-static void moe_route_rows(const void *ctx, int64_t begin, int64_t end) {
-    const struct moe_args *a = ctx;
-    const int64_t H = a->H, E = a->E, m = a->m;
-    unsigned char taken[E];
-    for (int64_t p = begin; p < end; p++) {
-        const float *xp = a->x + p * H;
-        float *l = a->logits + p * (E + 1), *weights = a->weights + p * m;
-        int64_t *ids = a->ids + p * m;
-        for (int64_t e = 0; e <= E; e++) l[e] = dot(a->router + e * H, xp, H);
-        float top = l[0];
-        for (int64_t e = 1; e < E; e++) if (l[e] > top) top = l[e];
-        float total = 0.0f;
-        for (int64_t e = 0; e < E; e++) total += expf(l[e] - top);
-        memset(taken, 0, (size_t)E);
-        float picked = 0.0f;
-        for (int64_t j = 0; j < m; j++) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++)
-                if (!taken[e] && (best < 0 || l[e] > l[best])) best = e;
-            taken[best] = 1;
-            ids[j] = best;
-            weights[j] = expf(l[best] - top) / total;
-            picked += weights[j];
-        }
-        if (a->norm_topk)
-            for (int64_t j = 0; j < m; j++) weights[j] /= picked;
-        a->scale[p] = 1.0f / (1.0f + expf(-l[E]));
-    }
-}
-
-/* Positions [begin, end) whole: their routing, then their experts (each thread reads the experts its
-   own positions picked: a long pass, where every thread needs nearly every expert anyway). */
-static void moe_rows(const void *ctx, int64_t begin, int64_t end) {
-    const struct moe_args *a = ctx;
-    const int64_t H = a->H, m = a->m, w = end - begin;
-    int64_t zero[w];
-    memset(zero, 0, sizeof zero);
-    moe_route_rows(ctx, begin, end);
-    const float *x = a->x + begin * H;
-    float *out = a->out + begin * H;
-    swiglu_experts(x, w, H, a->I, a->gate_up_t, a->gate_up_stride, a->down_t, a->down_stride, a->bf16, a->E,
-                   a->ids + begin * m, a->weights + begin * m, m, out, 0);
-    swiglu_experts(x, w, H, a->Is, a->shared_gate_up_t, 0, a->shared_down_t, 0, a->bf16, 1, zero, a->scale + begin,
-                   1, out, 1);
-}
-
-/* A short pass (a batched step of many requests) split by expert instead of by position: work units of
-   up to ROW_CHUNK positions of one expert (the shared expert's first), taken in turn by each thread, so
-   every touched expert is read once per call whoever's positions picked it; each unit writes its rows'
-   results apart, and a last phase adds them up per position in ascending expert id and then the
-   shared expert's, the same additions in the same order as `moe_rows`: bitwise its result. Measured on
-   the 2-core development machine (MoE block calls recorded from real passes, replayed interleaved, 2
-   threads, by expert against by position, ms): 8 positions 0.102 / 0.116, 16 0.189-0.202 /
-   0.202-0.212, 32 no difference (0.37 both): past 16 every thread's positions need most experts
-   anyway, and the results written apart cost their traffic. (1 position 0.035 / 0.052, but see
-   KernelThreads: real decoding of one request gained nothing.) */
-#define EXPERT_SPLIT_MAX 16
-struct moe_unit { int64_t expert, first, count; };  /* expert -1: the shared one, over positions first.. */
-struct moe_by_expert {
-    const struct moe_args *a;
-    const int64_t *rows, *slot, *positions;  /* pair slot -> position; (p, j) -> its slot; 0..w-1 */
-    const float *r;                          /* pair slot -> routing weight */
-    const struct moe_unit *units;
-    int64_t n_units;
-    atomic_long next;
-    float *y, *y_shared;                     /* [pairs, H], [w, H] */
-};
-
-static void moe_units(const void *ctx, int64_t begin, int64_t end) {
-    struct moe_by_expert *b = (struct moe_by_expert *)ctx;  /* (only `next` changes) */
-    const struct moe_args *a = b->a;
-    (void)begin, (void)end;
-    for (int64_t u; (u = atomic_fetch_add_explicit(&b->next, 1, memory_order_relaxed)) < b->n_units;) {
-        const struct moe_unit *it = &b->units[u];
-        if (it->expert < 0)
-            expert_apply(a->x, a->H, a->Is, a->shared_gate_up_t, a->shared_down_t, a->bf16, b->positions + it->first,
-                         a->scale + it->first, it->count, b->y_shared + it->first * a->H);
-        else
-            expert_apply(a->x, a->H, a->I, weights_at(a->gate_up_t, it->expert * a->gate_up_stride, a->bf16),
-                         weights_at(a->down_t, it->expert * a->down_stride, a->bf16), a->bf16, b->rows + it->first,
-                         b->r + it->first, it->count, b->y + it->first * a->H);
-    }
-}
-
-static void moe_sum_rows(const void *ctx, int64_t begin, int64_t end) {
-    const struct moe_by_expert *b = ctx;
-    const int64_t H = b->a->H, m = b->a->m;
-    int64_t order[m];
-    for (int64_t p = begin; p < end; p++) {
-        for (int64_t j = 0; j < m; j++) {  /* this position's slots ascending = its experts ascending */
-            int64_t i = j, s = b->slot[p * m + j];
-            for (; i > 0 && order[i - 1] > s; i--) order[i] = order[i - 1];
-            order[i] = s;
-        }
-        float *o = b->a->out + p * H;
-        memset(o, 0, (size_t)H * sizeof(float));
-        for (int64_t j = 0; j < m; j++)
-            for (int64_t h = 0; h < H; h++) o[h] += b->y[order[j] * H + h];
-        for (int64_t h = 0; h < H; h++) o[h] += b->y_shared[p * H + h];
-    }
-}
-
-/* Returns 0 when it could not allocate its scratch (the caller then runs moe_rows). */
-static int moe_block_by_expert(const struct moe_args *a, int64_t w, struct kernel_pool *pool) {
-    const int64_t E = a->E, m = a->m, H = a->H, pairs = w * m;
-    int64_t *ints = malloc((size_t)(3 * pairs + w + 1) * sizeof(int64_t));
-    struct moe_unit *units = malloc((size_t)(pairs + w + 1) * sizeof(struct moe_unit));
-    float *floats = malloc((size_t)(pairs + (pairs + w) * H + 1) * sizeof(float));
-    if (!ints || !units || !floats) { free(ints); free(units); free(floats); return 0; }
-    int64_t *rows = ints, *slot = rows + pairs, *positions = slot + pairs, count[E + 1];
-    float *r = floats;
-    pool_rows(pool, moe_route_rows, a, w);
-    /* Counting sort of the (position, weight) pairs by expert, positions ascending within an expert. */
-    memset(count, 0, sizeof count);
-    for (int64_t j = 0; j < pairs; j++) count[a->ids[j] + 1]++;
-    for (int64_t e = 0; e < E; e++) count[e + 1] += count[e];
-    for (int64_t j = 0; j < pairs; j++) {
-        const int64_t at = count[a->ids[j]]++;
-        rows[at] = j / m;
-        r[at] = a->weights[j];
-        slot[j] = at;
-    }
-    int64_t n = 0;
-    for (int64_t p = 0; p < w; p++) positions[p] = p;
-    for (int64_t p = 0; p < w; p += ROW_CHUNK)  /* the shared expert first: the biggest units */
-        units[n++] = (struct moe_unit){-1, p, w - p < ROW_CHUNK ? w - p : ROW_CHUNK};
-    for (int64_t e = 0, first = 0; e < E; first = count[e], e++)  /* count[e] is now e's end */
-        for (int64_t c = first; c < count[e]; c += ROW_CHUNK)
-            units[n++] = (struct moe_unit){e, c, count[e] - c < ROW_CHUNK ? count[e] - c : ROW_CHUNK};
-    struct moe_by_expert b = {a, rows, slot, positions, r, units, n, 0, floats + pairs, floats + pairs + pairs * H};
-    const int64_t threads = pool ? pool->workers + 1 : 1;
-    pool_rows(pool, moe_units, &b, threads);  /* one range per thread, each taking units until none is left */
-    pool_rows(pool, moe_sum_rows, &b, w);
-    free(ints);
-    free(units);
-    free(floats);
-    return 1;
-}
-
-/* pool: the threads a pass is split over (NULL: this thread alone): a short pass by expert, a long one by
-   position (see moe_block_by_expert); either way bitwise the one-thread result. */
-void moe_block(const float *x, int64_t w, int64_t H, const float *router, int64_t E, int64_t m, int norm_topk,
-               const void *gate_up_t, int64_t gate_up_stride, const void *down_t, int64_t down_stride, int64_t I,
-               const void *shared_gate_up_t, const void *shared_down_t, int64_t Is, int bf16,
-               float *logits, int64_t *ids, float *weights, float *out, float *scale, struct kernel_pool *pool) {
-    const struct moe_args a = {x, H, router, E, m, norm_topk, gate_up_t, gate_up_stride, down_t, down_stride, I,
-                               shared_gate_up_t, shared_down_t, Is, bf16, logits, ids, weights, out, scale};
-    if (pool != NULL && w <= EXPERT_SPLIT_MAX && moe_block_by_expert(&a, w, pool)) return;
-    pool_rows(pool, moe_rows, &a, w);
-}
-
 /* out [rows, H] = weight * x / sqrt(mean(x^2) + eps), row by row. */
 void rms_norm(const float *x, int64_t rows, int64_t H, const float *weight, float eps, float *out) {
     for (int64_t r = 0; r < rows; r++) {
@@ -490,7 +237,7 @@ void linear(const float *x, int64_t w, int64_t H, const void *Wt, int bf16, int6
 }
 """
 
-_SOURCE += attention_kernel.SOURCE  # uses dot and rms_norm above
+_SOURCE += moe_kernel.SOURCE + attention_kernel.SOURCE  # they use the helpers above
 
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-pthread")
 
@@ -525,7 +272,7 @@ class Kernels:
 
     def swiglu_experts(self, x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight, ids: torch.Tensor,
                        weights: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
-        """See the module docstring. gate_up: packed [E, 2I, H], down: packed [E, H, I]; x, out [w, H],
+        """See moe_kernel.py. gate_up: packed [E, 2I, H], down: packed [E, H, I]; x, out [w, H],
         ids [w, n] int64, weights [w, n], all contiguous; float32 throughout."""
         (E,), H, I = gate_up.lead, gate_up.in_features, down.in_features
         w, n = ids.shape
@@ -611,88 +358,8 @@ class Kernels:
         return out
 
 
-@dataclass(frozen=True)
-class KernelThreads:
-    """When a kernel call splits its work over the pool's threads: from a kernel's minimum number of
-    positions in the pass on (no pool: never). Splitting never changes a bit of the result (every
-    position and output column is computed on its own). The MoE block and attention need 2 positions;
-    the output layer splits its columns, so even one position pays. Measured on the 2-core development
-    machine (AMD EPYC, in-process, shipped model, a warm pool of 2, ms per call, 1 -> 2 threads): MoE
-    block 1.14 -> 0.81 at 16 positions (split by position; by expert, the C source, 0.20 against 0.21 on
-    recorded calls at a later, faster moment); attention 0.076 -> 0.049 at 2 and 0.30 -> 0.20 at 16;
-    output layer 0.077 -> 0.046 at 1 and 0.45 -> 0.34 at 16. A single position: attention has nothing
-    to split (0.047 -> 0.049); the MoE block split by expert took 0.035 against 0.052 ms on replayed
-    calls, but real single-stream decoding gained nothing (two engines alternating, 4 runs of 12 rounds:
-    median per-round ratio 0.91, 1.04, 0.96, 1.00), and a split step also waits for the other thread to
-    wake, so one position stays on one thread."""
-
-    pool: KernelPool | None = None
-    moe_min_positions: int = 2
-    linear_min_positions: int = 1
-    attention_min_positions: int = 2
-
-    @property
-    def threads(self) -> int:
-        return self.pool.threads if self.pool is not None else 1
-
-    def moe(self, positions: int) -> KernelPool | None:
-        return self.pool if positions >= self.moe_min_positions else None
-
-    def linear(self, positions: int) -> KernelPool | None:
-        return self.pool if positions >= self.linear_min_positions else None
-
-    def attention(self, positions: int) -> KernelPool | None:
-        return self.pool if positions >= self.attention_min_positions else None
-
-    def describe(self) -> str:
-        """One line for the start-up log."""
-        if self.threads == 1:
-            return "kernel threads: 1 (no pass is split)"
-        moe = self.moe_min_positions
-        return (f"kernel threads: {self.threads} (a pass's work splits over them from {moe} "
-                f"position{'s' if moe != 1 else ''} in the MoE block, {self.linear_min_positions} in the output layer, "
-                f"{self.attention_min_positions} in attention)")
-
-
 def _handle(pool: KernelPool | None) -> int | None:
     return None if pool is None else pool.handle
-
-
-ONE_THREAD = KernelThreads()  # no call is split (frozen: a safe default)
-
-
-class MoeBlock:
-    """One Qwen2-MoE layer's weights, checked once, for `Kernels.moe_block` (a decode step calls it
-    every layer, so the per-call work is only the window's own tensors)."""
-
-    def __init__(self, router_and_gate: torch.Tensor, top_k: int, norm_topk: bool, gate_up: torch.Tensor,
-                 down: torch.Tensor, shared_gate: torch.Tensor, shared_up: torch.Tensor, shared_down: torch.Tensor,
-                 bf16: bool | None = None):
-        """router_and_gate [E+1, H] (router rows, then the shared expert's gate row); gate_up [E, 2I, H];
-        down [E, H, I]; shared_gate / shared_up [Is, H]; shared_down [H, Is]. Contiguous float32 CPU."""
-        E, H = router_and_gate.shape[0] - 1, router_and_gate.shape[1]
-        I, Is = gate_up.shape[1] // 2, shared_gate.shape[0]
-        expected = {"router_and_gate": (E + 1, H), "gate_up": (E, 2 * I, H), "down": (E, H, I),
-                    "shared_gate": (Is, H), "shared_up": (Is, H), "shared_down": (H, Is)}
-        given = dict(router_and_gate=router_and_gate, gate_up=gate_up, down=down, shared_gate=shared_gate,
-                     shared_up=shared_up, shared_down=shared_down)
-        for name, t in given.items():
-            if tuple(t.shape) != expected[name] or t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
-                raise ValueError(f"moe_block: {name} must be a contiguous float32 CPU tensor {expected[name]}")
-        if not 1 <= top_k <= E:
-            raise ValueError(f"moe_block: top_k must be in [1, {E}], got {top_k}")
-        self.E, self.H, self.I, self.Is, self.top_k, self.norm_topk = E, H, I, Is, top_k, norm_topk
-        # The kernel's layout (packed copies); these and the tensors given stay referenced while the
-        # pointers below are in use.
-        shared_gate_up = torch.cat([shared_gate, shared_up])
-        # One type for all its packed weights (one kernel flag): bf16 where exact, unless told (see PackedWeight).
-        self.bf16 = holds_bf16(gate_up, down, shared_gate_up, shared_down) if bf16 is None else bf16
-        packed = {name: PackedWeight.pack(w, self.bf16) for name, w in
-                  dict(gate_up=gate_up, down=down, shared_gate_up=shared_gate_up, shared_down=shared_down).items()}
-        self.tensors = dict(given, **packed)
-        self.args = (router_and_gate.data_ptr(), E, top_k, int(norm_topk), packed["gate_up"].data_ptr(),
-                     packed["gate_up"].stride, packed["down"].data_ptr(), packed["down"].stride, I,
-                     packed["shared_gate_up"].data_ptr(), packed["shared_down"].data_ptr(), Is, int(self.bf16))
 
 
 def build(cache_dir: Path | None = None, compiler: str | None = None,

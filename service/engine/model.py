@@ -35,7 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from service.engine.attention_kernel import AttentionPass, AttentionWeights
-from service.engine.kernels import ONE_THREAD, Kernels, KernelThreads, MoeBlock
+from service.engine.kernel_pool import ONE_THREAD, KernelThreads
+from service.engine.kernels import Kernels
+from service.engine.moe_kernel import MoeBlock
 from service.engine.packed import PackedWeight, holds_bf16
 
 # Windows up to this many positions run every expert of the union on every position (a few

@@ -389,17 +389,20 @@ class Scheduler:
                                draft_seconds=draft_s, verify_seconds=verify_s, start_time_ns=start_ns,
                                prefill_tokens=prefill_tokens, **ep)
 
+    def _captures_topk(self) -> bool:
+        """Step records keep each window's routed ids (`capture_topk`, or a step recording)."""
+        return self.e.config.capture_topk or self.e.recorder is not None
+
     def _records_ids(self) -> bool:
         """Step records need each window's routed ids: captured top-k ids, or an EP estimate."""
-        e = self.e
-        return e.config.capture_topk or e.recorder is not None or e.ep is not None
+        return self._captures_topk() or self.e.ep is not None
 
     def _record(self, seq: Sequence, drafted: int, accepted: int, flags: tuple[bool, ...], window: list[int],
                 routed: torch.Tensor | None, unique: tuple[int, ...], draft_s: float, verify_s: float,
                 step_unit: float, batch: BatchPassRecord) -> StepRecord:
         """routed: the window's ids [L, w, m] (None unless `_records_ids`)."""
         e, policy = self.e, seq.policy
-        cfg, capture = e.target.cfg, e.config.capture_topk or e.recorder is not None
+        cfg, capture = e.target.cfg, self._captures_topk()
         E, m = cfg.num_experts, cfg.num_experts_per_tok
         ep = {}  # the optional expert-parallel fields, estimated only with an EP size
         if e.ep is not None:

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from service.engine.kernels import ONE_THREAD, Kernels, KernelThreads
+from service.engine.kernel_pool import ONE_THREAD, KernelThreads
+from service.engine.kernels import Kernels
 from service.engine.model import KERNEL_WINDOW_MAX, ModelConfig, Transformer
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
