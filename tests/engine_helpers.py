@@ -31,7 +31,7 @@ def heldout_prompts(count: int) -> list[str]:
 
 def make_engine(**overrides) -> Engine:
     # One intra-op thread: the per-step ops are small, and other test processes may share the cores.
-    return Engine(EngineConfig(**{"threads": 1, **overrides}))
+    return Engine(EngineConfig(**{"threads": 1, "math": "fp32", **overrides}))
 
 
 def patch_engine_sampling(monkeypatch, **functions: Callable) -> None:

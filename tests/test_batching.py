@@ -31,6 +31,18 @@ def engine():
     return make_engine(capture_topk=True)
 
 
+@pytest.fixture(scope="module")
+def bf16_engine():
+    return make_engine(capture_topk=True, math="bf16")
+
+
+@pytest.fixture(params=["fp32", "bf16"])
+def either_engine(request, engine):
+    """The float32 reference arithmetic and bf16 (the default where the CPU has native bf16 products):
+    both keep every row's arithmetic its own, so batching may change no output in either."""
+    return engine if request.param == "fp32" else request.getfixturevalue("bf16_engine")
+
+
 def run_together(engine, jobs: list[tuple[GenerationRequest, DraftPolicy]], threads: int | None = None):
     """Every job from its own caller thread at once: the scheduler batches whatever is in flight."""
     with ThreadPoolExecutor(threads or len(jobs)) as pool:
@@ -108,7 +120,8 @@ def test_logits_of_chosen_rows_are_those_rows_of_the_full_pass():
 # ----------------------------------------------------------------------------------- invariance
 
 
-def test_greedy_outputs_at_concurrency_16_equal_the_outputs_alone(engine):
+def test_greedy_outputs_at_concurrency_16_equal_the_outputs_alone(either_engine):
+    engine = either_engine
     prompts = [p[-200:] for p in heldout_prompts(16)]
     policies = [DraftPolicy(), DraftPolicy(drafter=Drafter.NGRAM, draft_length=4),
                 DraftPolicy(draft_length=3, draft_temperature=0)]
@@ -121,7 +134,8 @@ def test_greedy_outputs_at_concurrency_16_equal_the_outputs_alone(engine):
         assert_same_or_near_tie(engine, request.prompt, a.token_ids, b.token_ids)
 
 
-def test_seeded_sampled_outputs_at_concurrency_16_equal_the_outputs_alone(engine):
+def test_seeded_sampled_outputs_at_concurrency_16_equal_the_outputs_alone(either_engine):
+    engine = either_engine
     prompts = [p[-200:] for p in heldout_prompts(16)]
     policies = [DraftPolicy(), DraftPolicy(drafter=Drafter.NGRAM, draft_length=3),
                 DraftPolicy(draft_length=2, draft_temperature=0.8)]
@@ -137,7 +151,8 @@ def test_seeded_sampled_outputs_at_concurrency_16_equal_the_outputs_alone(engine
 # ----------------------------------------------------------------------------------- lossless
 
 
-def test_mixed_policies_in_one_batch_give_the_plain_greedy_output(engine):
+def test_mixed_policies_in_one_batch_give_the_plain_greedy_output(either_engine):
+    engine = either_engine
     prompts = [p[-200:] for p in heldout_prompts(4)]
     policies = [DraftPolicy(), DraftPolicy(drafter=Drafter.NGRAM, draft_length=8),
                 DraftPolicy(draft_length=2, draft_temperature=1.0), DraftPolicy(draft_length=5, draft_temperature=0)]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from service.engine import kernels
-from service.engine.packed import PackedWeight
+from service.engine.packed import BF16_MATH, PackedWeight
 
 # Sizes that are not multiples of the SIMD width, so the remainder loops run too.
 E, H, I, M = 10, 40, 24, 3
@@ -173,9 +173,76 @@ def test_a_packed_weight_holds_the_transposed_weight_in_64_column_panels_and_ref
     assert torch.equal(packed.tensor[0], weight[:64].t()) and torch.equal(packed.tensor[1, :, :6], weight[64:].t())
     assert not packed.tensor[1, :, 6:].any()  # the padding is zero
     with pytest.raises(ValueError, match="contiguous"):
-        PackedWeight(packed.tensor.transpose(0, 1), 70)
-    with pytest.raises(ValueError, match="does not hold 200 output columns"):
-        PackedWeight(packed.tensor, 200)
+        PackedWeight(packed.tensor.transpose(0, 1), 70, 3)
+    with pytest.raises(ValueError, match=r"does not hold a \[200, 3\] weight"):
+        PackedWeight(packed.tensor, 200, 3)
+
+
+def test_bf16_math_panels_hold_each_columns_weights_for_k_and_k_plus_1_side_by_side():
+    weight = torch.arange(70 * 3, dtype=torch.float32).view(70, 3)  # odd Kd: a zero pads the last pair
+    packed = PackedWeight.pack(weight, BF16_MATH)
+    assert packed.tensor.shape == (2, 2, 64, 2) and packed.tensor.dtype == torch.bfloat16
+    assert (packed.out_features, packed.in_features, packed.format) == (70, 3, BF16_MATH)
+    for c, k in [(0, 0), (5, 1), (63, 2), (64, 0), (69, 2)]:
+        assert packed.tensor[c // 64, k // 2, c % 64, k % 2] == weight[c, k].bfloat16()
+    assert not packed.tensor[:, 1, :, 1].any() and not packed.tensor[1, :, 6:].any()  # the padding is zero
+    with pytest.raises(ValueError, match="format 2"):
+        PackedWeight(packed.tensor.float(), 70, 3, BF16_MATH)
+
+
+# ------------------------------------------------------------------------------- bf16 arithmetic
+@pytest.fixture(scope="module", params=["native", "avx512-without-bf16", "portable"])
+def kb(request, k, tmp_path_factory) -> kernels.Kernels:
+    """This CPU's build (VDPBF16PS where it has it), AVX-512 emulating it with FMAs, and portable C."""
+    if request.param == "native":
+        return k
+    flag = "-mno-avx512bf16" if request.param == "avx512-without-bf16" else "-mno-avx512f"
+    built = kernels.build(cache_dir=tmp_path_factory.mktemp(request.param), extra_flags=(flag,))
+    assert built is not None and not built.bf16_dot_native
+    return built
+
+
+@pytest.mark.parametrize("Kd", [41, 256])
+def test_bf16_math_is_the_float64_product_of_the_bf16_rounded_operands_within_float32_summation_error(kb, Kd):
+    """Independent reference: torch rounds x and W to bf16 (round to nearest even) and multiplies in
+    float64; the kernel's float32 sums of exact products may differ by at most the classic bound
+    Kd * 2^-24 * (|x| @ |W|^T). The same bound rules out a kernel that skipped rounding x (checked:
+    that product lies far outside it), so the test tells the two apart. Rows 1..9: every tile size."""
+    g = torch.Generator().manual_seed(30)
+    weight, x = torch.randn(200, Kd, generator=g), torch.randn(9, Kd, generator=g)
+    xb, wb = x.bfloat16().double(), weight.bfloat16().double()
+    want, bound = xb @ wb.T, (xb.abs() @ wb.abs().T) * Kd * 2.0 ** -24
+    packed = PackedWeight.pack(weight, BF16_MATH)
+    for n in range(1, 10):
+        got = kb.linear(x[:n], packed).double()
+        assert ((got - want[:n]).abs() <= bound[:n]).all(), f"{n} rows"
+    unrounded = x.double() @ wb.T
+    assert ((unrounded - want).abs() > bound).any()  # the negative control: not rounding x is caught
+
+
+def test_bf16_math_gives_bitwise_the_same_result_on_every_build(kb, k, block_weights, attention_weights, request):
+    """VDPBF16PS as this CPU runs it, its emulation by two FMAs per pair and the portable C agree to
+    the bit on the products (the instruction's specified order: the odd product first, each sum
+    rounded); with AVX-512 either way, also the whole MoE block and attention sub-block (the portable
+    build's exp and dot differ from the vector ones outside the products, as in float32)."""
+    weight = PackedWeight.pack(torch.randn(200, H, generator=torch.Generator().manual_seed(32)), BF16_MATH)
+    x, _, _ = window(21, seed=31)
+    assert torch.equal(kb.linear(x, weight), k.linear(x, weight))
+    if "portable" in request.node.callspec.id:
+        return
+    bw = block_weights
+    block = kernels.MoeBlock(bw["router_and_gate"], M, False, bw["gate_up"], bw["down"], bw["shared_gate"],
+                             bw["shared_up"], bw["shared_down"], math="bf16")
+    for got, want in zip(kb.moe_block(block, x), k.moe_block(block, x), strict=True):
+        assert torch.equal(got, want)
+    D = attention_weights["D"]
+    aw = attention_weights
+    attn = kernels.AttentionWeights(aw["norm_weight"], 1e-6, aw["qkv_weight"], aw["qkv_bias"], aw["o_weight"], AH, AK,
+                                    D, math="bf16")
+    xa, positions, slots, k_cache, v_cache = ragged_pass([(2, 7, 3), (0, 0, 6)], seed=33, D=D)
+    rows = [lib.attention_block(attn, kernels.AttentionPass(positions, slots, k_cache.clone(), v_cache.clone(),
+                                                            *rope_tables(S, D)), 0, xa) for lib in (kb, k)]
+    assert torch.equal(rows[0], rows[1])
 
 
 IS = 32  # shared expert intermediate
@@ -225,20 +292,25 @@ def pool(request, k):
     started.close()
 
 
+@pytest.mark.parametrize("math", ["fp32", "bf16"])
 @pytest.mark.parametrize("w", [1, 2, 5, 16, 17, 70])
-def test_splitting_a_pass_over_threads_changes_no_bit(k, block_weights, pool, w):
+def test_splitting_a_pass_over_threads_changes_no_bit(k, block_weights, pool, w, math):
     """The MoE block split over a pool's threads (by expert up to 16 positions, by position past that)
     and the output layer's columns split give bitwise the one-thread result, also with more threads than
-    positions, experts or panels."""
+    positions, experts or panels; and each position's row is bitwise its row alone, in either arithmetic."""
     bw = block_weights
     block = kernels.MoeBlock(bw["router_and_gate"], M, False, bw["gate_up"], bw["down"], bw["shared_gate"],
-                             bw["shared_up"], bw["shared_down"])
+                             bw["shared_up"], bw["shared_down"], math=math)
     x, _, _ = window(w, seed=15)
     alone = k.moe_block(block, x)
     for got, want in zip(k.moe_block(block, x, pool), alone, strict=True):
         assert torch.equal(got, want)
-    weight = PackedWeight.pack(torch.randn(200, H, generator=torch.Generator().manual_seed(16)))  # 4 panels
+    for p in {0, w - 1}:
+        assert torch.equal(k.moe_block(block, x[p:p + 1])[0][0], alone[0][p])
+    weight = PackedWeight.pack(torch.randn(200, H, generator=torch.Generator().manual_seed(16)),
+                               BF16_MATH if math == "bf16" else None)  # 4 panels
     assert torch.equal(k.linear(x[:10], weight, pool), k.linear(x[:10], weight))
+    assert torch.equal(k.linear(x[:1], weight)[0], k.linear(x[:10], weight)[0])
 
 
 def test_a_pool_serves_one_caller_at_a_time_and_runs_alone_once_closed(k, block_weights):

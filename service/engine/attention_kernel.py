@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from service.engine.packed import PackedWeight, holds_bf16
+from service.engine.packed import F32, PackedWeight, panel_format
 
 SOURCE = r"""
 /* Rotate one head in place: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. */
@@ -142,7 +142,7 @@ static void attend(const float *q, const float *keys, const float *values, int64
 struct attention_args {
     const float *x; int64_t H; const float *norm_w; float eps; const void *qkv_wt; const float *qkv_b;
     int64_t A, K, D; const float *rope_cos, *rope_sin; const int64_t *positions, *slots; float *k_cache, *v_cache;
-    int64_t S; const void *o_wt; int bf16; float *hn, *qkv, *att, *out; int kv_only;
+    int64_t S; const void *o_wt; int fmt; float *hn, *qkv, *att, *out; int kv_only;
 };
 
 /* Phase 1 for tokens [begin, end): norm, q/k/v, rope, and k and v into the cache (kv_only: k and v
@@ -152,7 +152,7 @@ static void attention_project_rows(const void *ctx, int64_t begin, int64_t end) 
     const int64_t H = a->H, D = a->D, K = a->K, Q = a->A * D, R = (a->A + 2 * K) * D, n = end - begin;
     const int skip_q = a->kv_only && Q % PANEL == 0;
     rms_norm(a->x + begin * H, n, H, a->norm_w, a->eps, a->hn + begin * H);
-    matmul_panels(a->hn + begin * H, n, H, a->qkv_wt, a->bf16, R, skip_q ? Q / PANEL : 0, (R + PANEL - 1) / PANEL,
+    matmul_panels(a->hn + begin * H, n, H, a->qkv_wt, a->fmt, R, skip_q ? Q / PANEL : 0, (R + PANEL - 1) / PANEL,
                   a->qkv_b, a->qkv + begin * R);
     for (int64_t t = begin; t < end; t++) {
         const int64_t pos = a->positions[t];
@@ -180,7 +180,7 @@ static void attention_attend_rows(const void *ctx, int64_t begin, int64_t end) {
             attend(a->qkv + t * R + h * D, a->k_cache + head, a->v_cache + head, a->positions[t], D, scale, scores,
                    a->att + t * Q + h * D);
         }
-    matmul_p(a->att + begin * Q, end - begin, Q, a->o_wt, a->bf16, H, NULL, a->out + begin * H);
+    matmul_p(a->att + begin * Q, end - begin, Q, a->o_wt, a->fmt, H, NULL, a->out + begin * H);
     for (int64_t j = begin * H; j < end * H; j++) a->out[j] = a->x[j] + a->out[j];
 }
 
@@ -190,14 +190,14 @@ static void attention_attend_rows(const void *ctx, int64_t begin, int64_t end) {
    are joined in between, so every key is written before any token attends). kv_only: write the keys
    and values and stop (out untouched): a prefill's last layer, whose outputs nothing reads. */
 void attention_block(const float *x, int64_t N, int64_t H, const float *norm_w, float eps,
-                     const void *qkv_wt, const float *qkv_b, int64_t A, int64_t K, int64_t D, int bf16,
+                     const void *qkv_wt, const float *qkv_b, int64_t A, int64_t K, int64_t D, int fmt,
                      const float *rope_cos, const float *rope_sin, const int64_t *positions, const int64_t *slots,
                      float *k_cache, float *v_cache, int64_t S, const void *o_wt, float *scratch, float *out,
                      struct kernel_pool *pool, int kv_only) {
     const int64_t R = (A + 2 * K) * D;
     float *hn = scratch, *qkv = hn + N * H, *att = qkv + N * R;  /* [N, H] [N, R] [N, A D] */
     const struct attention_args a = {x, H, norm_w, eps, qkv_wt, qkv_b, A, K, D, rope_cos, rope_sin, positions, slots,
-                                     k_cache, v_cache, S, o_wt, bf16, hn, qkv, att, out, kv_only};
+                                     k_cache, v_cache, S, o_wt, fmt, hn, qkv, att, out, kv_only};
     pool_rows(pool, attention_project_rows, &a, N);
     if (!kv_only) pool_rows(pool, attention_attend_rows, &a, N);
 }
@@ -209,9 +209,12 @@ class AttentionWeights:
     pointers to them: they must not move or be replaced afterwards)."""
 
     def __init__(self, norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor,
-                 o_weight: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, bf16: bool | None = None):
+                 o_weight: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, bf16: bool | None = None,
+                 math: str = "fp32"):
         """norm_weight [H]; qkv_weight [(A + 2K) D, H] (q rows, then k, then v), qkv_bias [(A + 2K) D];
-        o_weight [H, A D]. Contiguous float32 CPU."""
+        o_weight [H, A D]. Contiguous float32 CPU. math: the projections' arithmetic (`panel_format`;
+        the attention itself stays float32); bf16: force bf16 (True) or float32 (False) panels for
+        math="fp32"."""
         H = norm_weight.shape[0]
         if n_kv < 1 or n_heads % n_kv or head_dim % 2:
             raise ValueError(f"attention_block: {n_heads} heads over {n_kv} kv heads of dim {head_dim}: need "
@@ -225,12 +228,13 @@ class AttentionWeights:
         self.H, self.A, self.K, self.D, self.R = H, n_heads, n_kv, head_dim, R
         # Packed copies for matmul_p (which streams each weight panel in order); they and the tensors
         # given stay referenced while the pointers below are in use.
-        # One type for both packed projections (one kernel flag): bf16 where exact, unless told (PackedWeight).
-        self.bf16 = holds_bf16(qkv_weight, o_weight) if bf16 is None else bf16
-        qkv_p, o_p = PackedWeight.pack(qkv_weight, self.bf16), PackedWeight.pack(o_weight, self.bf16)
+        # One format for both packed projections (one kernel flag), see panel_format.
+        self.format = panel_format(math, qkv_weight, o_weight) if bf16 is None or math == "bf16" else int(bf16)
+        self.bf16 = self.format != F32
+        qkv_p, o_p = PackedWeight.pack(qkv_weight, self.format), PackedWeight.pack(o_weight, self.format)
         self.tensors = dict(given, qkv_p=qkv_p, o_p=o_p)
         self.args = (norm_weight.data_ptr(), float(eps), qkv_p.data_ptr(), qkv_bias.data_ptr(), n_heads, n_kv,
-                     head_dim, int(self.bf16))
+                     head_dim, self.format)
         self.o_ptr = o_p.data_ptr()
 
     def scratch_floats(self, n: int) -> int:

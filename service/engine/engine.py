@@ -34,6 +34,7 @@ from service import expert_parallel
 from service.engine.kernel_pool import ONE_THREAD, KernelPool, KernelThreads
 from service.engine.kernels import build as build_kernels
 from service.engine.model import KERNEL_WINDOW_MAX, KVCache
+from service.engine.packed import MATHS
 from service.engine.scheduler import Scheduler, unique_experts_per_layer
 from service.engine.sequence import Sequence
 from service.engine.threads import usable_cores
@@ -67,6 +68,10 @@ class EngineConfig:
     capture_topk: bool = False  # keep [L, w, m] routed ids in every StepRecord
     capture_routing: bool = True  # count unique experts (off only to measure its overhead)
     fast_step: bool = True  # fused kernels (kernels.py); False: the previous eager step, to compare
+    # The fast step's matrix products: "fp32", or "bf16" (inputs rounded to bf16, float32 sums: the
+    # target's logits move ~1% of their scale); None: bf16 where the CPU multiplies bf16 pairs natively
+    # (Kernels.default_math). Attention, norms, routing and the draft model stay float32.
+    math: str | None = None
     fused_attention: bool = True  # with fast_step: attention in one kernel call per layer; False: eager, to compare
     kernel_window_max: int = KERNEL_WINDOW_MAX  # largest pass whose MoE blocks take the fused kernel
     ep: expert_parallel.EPSpec | None = None  # estimate each pass's expert-parallel cost for this EP size
@@ -86,12 +91,18 @@ class Engine:
         self.config = config
         kernels = build_kernels() if config.fast_step else None  # None also when no C compiler is found
         self.step_kind = "fast" if kernels else "reference"
+        if config.math not in (None, *MATHS):
+            raise ValueError(f"math must be one of {MATHS} or None, got {config.math!r}")
+        if config.math == "bf16" and not kernels:
+            raise ValueError("math='bf16' needs the fast step's kernels (fast_step and a C compiler)")
+        self.math = (config.math or kernels.default_math()) if kernels else "fp32"  # the eager step: float32
         if config.kernel_threads is not None and config.kernel_threads < 1:
             raise ValueError(f"kernel_threads must be >= 1, got {config.kernel_threads}")
         threads = config.kernel_threads or usable_cores()
         self.kernel_threads = KernelThreads(kernels.pool(threads)) if kernels and threads > 1 else ONE_THREAD
         self.target = load_for_inference(config.target_dir, kernels=kernels, kernel_window_max=config.kernel_window_max,
-                                         fused_attention=config.fused_attention, kernel_threads=self.kernel_threads)
+                                         fused_attention=config.fused_attention, kernel_threads=self.kernel_threads,
+                                         math=self.math)
         self.draft = load_for_inference(config.draft_dir, kernels=kernels, fused_attention=config.fused_attention,
                                         kernel_threads=self.kernel_threads) if config.draft_dir else None
         self.tokenizer = Tokenizer.from_file(str(Path(config.target_dir) / "tokenizer.json"))

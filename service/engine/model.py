@@ -38,7 +38,7 @@ from service.engine.attention_kernel import AttentionPass, AttentionWeights
 from service.engine.kernel_pool import ONE_THREAD, KernelThreads
 from service.engine.kernels import Kernels
 from service.engine.moe_kernel import MoeBlock
-from service.engine.packed import PackedWeight, holds_bf16
+from service.engine.packed import PackedWeight, holds_bf16, panel_format
 
 # Windows up to this many positions run every expert of the union on every position (a few
 # batched matmuls, cost ~ U), or the fused kernel (kernels.py) when the model has one; longer ones
@@ -233,7 +233,7 @@ class SparseMoE(nn.Module):
         self.kernel_threads = ONE_THREAD
 
     def fuse(self, kernels: Kernels | None = None, kernel_window_max: int = KERNEL_WINDOW_MAX,
-             kernel_threads: KernelThreads = ONE_THREAD) -> None:
+             kernel_threads: KernelThreads = ONE_THREAD, math: str = "fp32") -> None:
         """Inference only: router + shared-expert gate in one matmul, shared gate/up in another;
         with kernels, passes up to kernel_window_max positions run the whole block in one kernel call
         (which keeps pointers to these weights: they must not move or be replaced afterwards)."""
@@ -246,7 +246,7 @@ class SparseMoE(nn.Module):
             shared = self.shared_expert
             self.block = MoeBlock(self.fused[0], self.gate.top_k, self.gate.norm_topk_prob, self.experts.gate_up_proj,
                                   self.experts.down_proj, shared.gate_proj.weight, shared.up_proj.weight,
-                                  shared.down_proj.weight)
+                                  shared.down_proj.weight, math=math)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [w, H] -> (out [w, H], router logits [w, E], routed ids [w, m])."""
@@ -284,7 +284,7 @@ class Attention(nn.Module):
         self.qkv: tuple[torch.Tensor, torch.Tensor] | None = None  # see fuse()
         self.block: AttentionWeights | None = None
 
-    def fuse(self, norm: RMSNorm | None = None) -> None:
+    def fuse(self, norm: RMSNorm | None = None, math: str = "fp32") -> None:
         """Inference only: q, k and v projections as one matmul; with `norm` (the layer's input norm),
         also the weights of the fused sub-block (Kernels.attention_block: norm, q/k/v, rope, cache
         write, attention, o_proj and the residual in one call), which keeps pointers to them."""
@@ -292,7 +292,7 @@ class Attention(nn.Module):
                     torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]))
         self.block = None if norm is None else AttentionWeights(norm.weight.detach(), norm.eps, *self.qkv,
                                                                 self.o_proj.weight.detach(), self.n_heads, self.n_kv,
-                                                                self.head_dim)
+                                                                self.head_dim, math=math)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv is None:
@@ -457,7 +457,8 @@ class Transformer(nn.Module):
         self.fused_attention = False
 
     def fuse_for_inference(self, kernels: Kernels | None = None, kernel_window_max: int = KERNEL_WINDOW_MAX,
-                           fused_attention: bool = True, kernel_threads: KernelThreads = ONE_THREAD) -> None:
+                           fused_attention: bool = True, kernel_threads: KernelThreads = ONE_THREAD,
+                           math: str = "fp32") -> None:
         """Concatenate projections that read the same input, for fewer matmuls per step; with kernels
         (kernels.build()), also the fast step: passes up to `kernel_window_max` positions run each
         layer's attention sub-block (unless `fused_attention` is False: the previous fast step, kept
@@ -468,16 +469,17 @@ class Transformer(nn.Module):
         The fused tensors are copies: call after the weights are final (training never fuses).
         """
         for layer in self.layers:
-            layer.self_attn.fuse(layer.input_layernorm if kernels is not None and fused_attention else None)
+            layer.self_attn.fuse(layer.input_layernorm if kernels is not None and fused_attention else None, math)
             if self.cfg.is_moe:
-                layer.mlp.fuse(kernels, kernel_window_max, kernel_threads)
+                layer.mlp.fuse(kernels, kernel_window_max, kernel_threads, math)
             else:
                 layer.mlp.use_kernels(kernels)
         for norm in self.modules():
             if isinstance(norm, RMSNorm):
                 norm.kernels = kernels
         self.kernels = kernels
-        self.lm_head_packed = None if kernels is None else PackedWeight.pack(self.lm_head.weight)
+        self.lm_head_packed = None if kernels is None else PackedWeight.pack(
+            self.lm_head.weight, panel_format(math, self.lm_head.weight))
         self.kernel_window_max = kernel_window_max
         self.kernel_threads = kernel_threads
         self.fused_attention = kernels is not None and fused_attention

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from service.engine.packed import PackedWeight, holds_bf16
+from service.engine.packed import F32, PackedWeight, panel_format
 
 SOURCE = r"""
 /* act[i] = r * silu(g[i]) * u[i] for i < I (SiLU(g) = g / (1 + e^-g)). */
@@ -52,20 +52,20 @@ static void swiglu_act(const float *g, const float *u, float r, int64_t I, float
 
 /* One expert over up to ROW_CHUNK gathered positions: y[q] = down^T (r[q] silu(g) * u), [g | u] =
    x_{rows[q]} gate_up^T, y [np, H]. Every product is matmul_p's, so each row's arithmetic is its own. */
-static void expert_apply(const float *x, int64_t H, int64_t I, const void *gate_up_t, const void *down_t, int bf16,
+static void expert_apply(const float *x, int64_t H, int64_t I, const void *gate_up_t, const void *down_t, int fmt,
                          const int64_t *rows, const float *r, int64_t np, float *y) {
     float xs[ROW_CHUNK * H], gu[ROW_CHUNK * 2 * I], act[ROW_CHUNK * I];
     for (int64_t q = 0; q < np; q++) memcpy(xs + q * H, x + rows[q] * H, (size_t)H * sizeof(float));
-    matmul_p(xs, np, H, gate_up_t, bf16, 2 * I, NULL, gu);
+    matmul_p(xs, np, H, gate_up_t, fmt, 2 * I, NULL, gu);
     for (int64_t q = 0; q < np; q++) swiglu_act(gu + q * 2 * I, gu + q * 2 * I + I, r[q], I, act + q * I);
-    matmul_p(act, np, I, down_t, bf16, H, NULL, y);
+    matmul_p(act, np, I, down_t, fmt, H, NULL, y);
 }
 
 /* expert_apply, then out[rows[q]] += y[q]. */
-static void expert_rows(const float *x, int64_t H, int64_t I, const void *gate_up_t, const void *down_t, int bf16,
+static void expert_rows(const float *x, int64_t H, int64_t I, const void *gate_up_t, const void *down_t, int fmt,
                         const int64_t *rows, const float *r, int64_t np, float *out) {
     float y[ROW_CHUNK * H];
-    expert_apply(x, H, I, gate_up_t, down_t, bf16, rows, r, np, y);
+    expert_apply(x, H, I, gate_up_t, down_t, fmt, rows, r, np, y);
     for (int64_t q = 0; q < np; q++) {
         float *o = out + rows[q] * H;
         for (int64_t h = 0; h < H; h++) o[h] += y[q * H + h];
@@ -73,8 +73,8 @@ static void expert_rows(const float *x, int64_t H, int64_t I, const void *gate_u
 }
 
 /* p + elements weights of the panels' type. */
-static const void *weights_at(const void *p, int64_t elements, int bf16) {
-    return (const char *)p + elements * (bf16 ? 2 : 4);
+static const void *weights_at(const void *p, int64_t elements, int fmt) {
+    return (const char *)p + elements * (fmt != PANELS_F32 ? 2 : 4);
 }
 
 /* Counting sort of the (position, weight) pairs of ids / weights [w, n] by expert, positions ascending
@@ -97,10 +97,10 @@ static void sort_pairs_by_expert(const int64_t *ids, const float *weights, int64
     }
 }
 
-/* gate_up_t / down_t: every expert's packed panels, gate_up_stride / down_stride weights apart; bf16:
-   their type (see bf16_value). */
+/* gate_up_t / down_t: every expert's packed panels, gate_up_stride / down_stride weights apart; fmt:
+   their format (PANELS_*). */
 void swiglu_experts(const float *x, int64_t w, int64_t H, int64_t I, const void *gate_up_t,
-                    int64_t gate_up_stride, const void *down_t, int64_t down_stride, int bf16, int64_t num_experts,
+                    int64_t gate_up_stride, const void *down_t, int64_t down_stride, int fmt, int64_t num_experts,
                     const int64_t *ids, const float *weights, int64_t n, float *out, int accumulate) {
     int64_t count[num_experts + 1];
     int64_t *rows = malloc((size_t)(w * n + 1) * sizeof(int64_t));
@@ -110,8 +110,8 @@ void swiglu_experts(const float *x, int64_t w, int64_t H, int64_t I, const void 
     sort_pairs_by_expert(ids, weights, w, n, num_experts, count, rows, r, NULL);
     for (int64_t e = 0, first = 0; e < num_experts; first = count[e], e++)
         for (int64_t c = first; c < count[e]; c += ROW_CHUNK)
-            expert_rows(x, H, I, weights_at(gate_up_t, e * gate_up_stride, bf16),
-                        weights_at(down_t, e * down_stride, bf16), bf16, rows + c, r + c,
+            expert_rows(x, H, I, weights_at(gate_up_t, e * gate_up_stride, fmt),
+                        weights_at(down_t, e * down_stride, fmt), fmt, rows + c, r + c,
                         count[e] - c < ROW_CHUNK ? count[e] - c : ROW_CHUNK, out);
     free(rows);
     free(r);
@@ -124,7 +124,7 @@ void swiglu_experts(const float *x, int64_t w, int64_t H, int64_t I, const void 
 struct moe_args {
     const float *x; int64_t H; const float *router; int64_t E, m; int norm_topk;
     const void *gate_up_t; int64_t gate_up_stride; const void *down_t; int64_t down_stride, I;
-    const void *shared_gate_up_t, *shared_down_t; int64_t Is; int bf16;
+    const void *shared_gate_up_t, *shared_down_t; int64_t Is; int fmt;
     float *logits; int64_t *ids; float *weights, *out;
     float *scale;  /* [w]: each position's shared-expert scale */
 };
@@ -170,9 +170,9 @@ static void moe_rows(const void *ctx, int64_t begin, int64_t end) {
     moe_route_rows(ctx, begin, end);
     const float *x = a->x + begin * H;
     float *out = a->out + begin * H;
-    swiglu_experts(x, w, H, a->I, a->gate_up_t, a->gate_up_stride, a->down_t, a->down_stride, a->bf16, a->E,
+    swiglu_experts(x, w, H, a->I, a->gate_up_t, a->gate_up_stride, a->down_t, a->down_stride, a->fmt, a->E,
                    a->ids + begin * m, a->weights + begin * m, m, out, 0);
-    swiglu_experts(x, w, H, a->Is, a->shared_gate_up_t, 0, a->shared_down_t, 0, a->bf16, 1, zero, a->scale + begin,
+    swiglu_experts(x, w, H, a->Is, a->shared_gate_up_t, 0, a->shared_down_t, 0, a->fmt, 1, zero, a->scale + begin,
                    1, out, 1);
 }
 
@@ -205,11 +205,11 @@ static void moe_units(const void *ctx, int64_t begin, int64_t end) {
     for (int64_t u; (u = atomic_fetch_add_explicit(&b->next, 1, memory_order_relaxed)) < b->n_units;) {
         const struct moe_unit *it = &b->units[u];
         if (it->expert < 0)
-            expert_apply(a->x, a->H, a->Is, a->shared_gate_up_t, a->shared_down_t, a->bf16, b->positions + it->first,
+            expert_apply(a->x, a->H, a->Is, a->shared_gate_up_t, a->shared_down_t, a->fmt, b->positions + it->first,
                          a->scale + it->first, it->count, b->y_shared + it->first * a->H);
         else
-            expert_apply(a->x, a->H, a->I, weights_at(a->gate_up_t, it->expert * a->gate_up_stride, a->bf16),
-                         weights_at(a->down_t, it->expert * a->down_stride, a->bf16), a->bf16, b->rows + it->first,
+            expert_apply(a->x, a->H, a->I, weights_at(a->gate_up_t, it->expert * a->gate_up_stride, a->fmt),
+                         weights_at(a->down_t, it->expert * a->down_stride, a->fmt), a->fmt, b->rows + it->first,
                          b->r + it->first, it->count, b->y + it->first * a->H);
     }
 }
@@ -264,10 +264,10 @@ static int moe_block_by_expert(const struct moe_args *a, int64_t w, struct kerne
    position (see moe_block_by_expert); either way bitwise the one-thread result. */
 void moe_block(const float *x, int64_t w, int64_t H, const float *router, int64_t E, int64_t m, int norm_topk,
                const void *gate_up_t, int64_t gate_up_stride, const void *down_t, int64_t down_stride, int64_t I,
-               const void *shared_gate_up_t, const void *shared_down_t, int64_t Is, int bf16,
+               const void *shared_gate_up_t, const void *shared_down_t, int64_t Is, int fmt,
                float *logits, int64_t *ids, float *weights, float *out, float *scale, struct kernel_pool *pool) {
     const struct moe_args a = {x, H, router, E, m, norm_topk, gate_up_t, gate_up_stride, down_t, down_stride, I,
-                               shared_gate_up_t, shared_down_t, Is, bf16, logits, ids, weights, out, scale};
+                               shared_gate_up_t, shared_down_t, Is, fmt, logits, ids, weights, out, scale};
     if (pool != NULL && w <= EXPERT_SPLIT_MAX && moe_block_by_expert(&a, w, pool)) return;
     pool_rows(pool, moe_rows, &a, w);
 }
@@ -280,9 +280,11 @@ class MoeBlock:
 
     def __init__(self, router_and_gate: torch.Tensor, top_k: int, norm_topk: bool, gate_up: torch.Tensor,
                  down: torch.Tensor, shared_gate: torch.Tensor, shared_up: torch.Tensor, shared_down: torch.Tensor,
-                 bf16: bool | None = None):
+                 bf16: bool | None = None, math: str = "fp32"):
         """router_and_gate [E+1, H] (router rows, then the shared expert's gate row); gate_up [E, 2I, H];
-        down [E, H, I]; shared_gate / shared_up [Is, H]; shared_down [H, Is]. Contiguous float32 CPU."""
+        down [E, H, I]; shared_gate / shared_up [Is, H]; shared_down [H, Is]. Contiguous float32 CPU.
+        math: the experts' arithmetic (`panel_format`; the router stays float32, so routing sees the
+        same logits either way); bf16: force bf16 (True) or float32 (False) panels for math="fp32"."""
         E, H = router_and_gate.shape[0] - 1, router_and_gate.shape[1]
         I, Is = gate_up.shape[1] // 2, shared_gate.shape[0]
         expected = {"router_and_gate": (E + 1, H), "gate_up": (E, 2 * I, H), "down": (E, H, I),
@@ -298,11 +300,12 @@ class MoeBlock:
         # The kernel's layout (packed copies); these and the tensors given stay referenced while the
         # pointers below are in use.
         shared_gate_up = torch.cat([shared_gate, shared_up])
-        # One type for all its packed weights (one kernel flag): bf16 where exact, unless told (see PackedWeight).
-        self.bf16 = holds_bf16(gate_up, down, shared_gate_up, shared_down) if bf16 is None else bf16
-        packed = {name: PackedWeight.pack(w, self.bf16) for name, w in
-                  dict(gate_up=gate_up, down=down, shared_gate_up=shared_gate_up, shared_down=shared_down).items()}
+        # One format for all its packed weights (one kernel flag), see panel_format.
+        parts = dict(gate_up=gate_up, down=down, shared_gate_up=shared_gate_up, shared_down=shared_down)
+        self.format = panel_format(math, *parts.values()) if bf16 is None or math == "bf16" else int(bf16)
+        self.bf16 = self.format != F32
+        packed = {name: PackedWeight.pack(w, self.format) for name, w in parts.items()}
         self.tensors = dict(given, **packed)
         self.args = (router_and_gate.data_ptr(), E, top_k, int(norm_topk), packed["gate_up"].data_ptr(),
                      packed["gate_up"].stride, packed["down"].data_ptr(), packed["down"].stride, I,
-                     packed["shared_gate_up"].data_ptr(), packed["shared_down"].data_ptr(), Is, int(self.bf16))
+                     packed["shared_gate_up"].data_ptr(), packed["shared_down"].data_ptr(), Is, self.format)

@@ -7,45 +7,64 @@ from dataclasses import dataclass
 import torch
 
 PANEL = 64  # output columns per panel of a packed weight (the C source's PANEL)
+# Panel formats (the C source's PANELS_*): float32 weights; bf16 weights widened exactly (float32
+# arithmetic); bf16 weight pairs read by bf16 arithmetic (math="bf16": each matrix product rounds its
+# input to bf16 and accumulates in float32, twice the products per instruction on AVX512-BF16).
+F32, BF16, BF16_MATH = 0, 1, 2
+MATHS = ("fp32", "bf16")  # what a model's matrix products compute in (`panel_format`)
 
 
 @dataclass(frozen=True, repr=False)
 class PackedWeight:
     """A weight as a model stores it, [..., C, Kd] (out features, in features; `...` e.g. experts), in
-    the kernels' layout: transposed, in ceil(C / 64) panels of [Kd, 64] each contiguous, columns past C
-    zero; float32, or bfloat16 when every value is a bf16 value (the kernels widen it back exactly, so
-    the results are bitwise the same for half the bytes). `pack` makes one (a copy: pack after the
+    the kernels' layout: transposed, in ceil(C / 64) panels, each contiguous, columns past C zero. The
+    panels hold (`format`) float32 [Kd, 64]; or bfloat16 [Kd, 64] when every value is a bf16 value (the
+    kernels widen it back exactly, so the results are bitwise the same for half the bytes); or, for bf16
+    arithmetic, bfloat16 pairs [ceil(Kd / 2), 64, 2] (each column's weights for k and k + 1 side by side,
+    a zero after an odd Kd: the operand layout of VDPBF16PS). `pack` makes one (a copy: pack after the
     weights are final); the tensor stays referenced while the kernels use its pointer."""
 
-    tensor: torch.Tensor  # [..., ceil(C / 64), Kd, 64] float32 or bfloat16, contiguous
+    tensor: torch.Tensor  # [..., P, Kd, 64] float32 or bfloat16, or [..., P, ceil(Kd / 2), 64, 2] bfloat16
     out_features: int  # C
+    in_features: int  # Kd
+    format: int | None = None  # None: F32 or BF16 by the tensor's dtype
 
     def __post_init__(self):
         # The kernels trust this layout with their pointers: refuse anything else here, once.
-        t = self.tensor
-        if t.dtype not in (torch.float32, torch.bfloat16) or not t.is_cpu or not t.is_contiguous():
-            raise ValueError("PackedWeight: the tensor must be contiguous float32 or bfloat16 on the CPU")
+        if self.format is None:
+            object.__setattr__(self, "format", F32 if self.tensor.dtype == torch.float32 else BF16)
+        t, fmt = self.tensor, self.format
+        dtype = torch.float32 if fmt == F32 else torch.bfloat16
+        if fmt not in (F32, BF16, BF16_MATH) or t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
+            raise ValueError(f"PackedWeight: format {fmt} needs a contiguous {dtype} CPU tensor")
         panels = -(-self.out_features // PANEL)
-        if t.dim() < 3 or t.shape[-1] != PANEL or self.out_features < 1 or t.shape[-3] != panels:
-            raise ValueError(f"PackedWeight: a tensor {tuple(t.shape)} does not hold {self.out_features} output "
-                             f"columns in panels of {PANEL}")
+        tail = (panels, -(-self.in_features // 2), PANEL, 2) if fmt == BF16_MATH else (panels, self.in_features, PANEL)
+        if t.dim() < len(tail) or tuple(t.shape[-len(tail):]) != tail or self.out_features < 1 or self.in_features < 1:
+            raise ValueError(f"PackedWeight: a tensor {tuple(t.shape)} does not hold a [{self.out_features}, "
+                             f"{self.in_features}] weight in format {fmt}")
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, bf16: bool | None = None) -> PackedWeight:
-        """bf16: store bfloat16 (refused unless every value is one), float32 (False), or whichever is
-        exact (None: bfloat16 when `holds_bf16`)."""
+    def pack(cls, weight: torch.Tensor, fmt: int | None = None) -> PackedWeight:
+        """fmt: F32, BF16 (refused unless every value is a bf16 value), BF16_MATH (the weight rounded to
+        bf16: bf16 arithmetic is lossy by choice), or None: BF16 when `holds_bf16`, else F32."""
         if weight.dim() < 2 or weight.dtype != torch.float32 or not weight.is_cpu:
             raise ValueError(f"pack: need a float32 CPU weight [..., out, in], got {weight.dtype} "
                              f"{tuple(weight.shape)}")
-        if bf16 is None:
-            bf16 = holds_bf16(weight)
-        elif bf16 and not holds_bf16(weight):
+        if fmt is None:
+            fmt = BF16 if holds_bf16(weight) else F32
+        elif fmt == BF16 and not holds_bf16(weight):
             raise ValueError("pack: the weight holds values bfloat16 cannot represent; store it as float32")
+        fmt = int(fmt)
         *lead, C, Kd = weight.shape
         panels = -(-C // PANEL)
-        padded = weight.detach().new_zeros(*lead, panels * PANEL, Kd, dtype=torch.bfloat16 if bf16 else torch.float32)
-        padded[..., :C, :] = weight.detach()
-        return cls(padded.view(*lead, panels, PANEL, Kd).transpose(-1, -2).contiguous(), C)
+        Kp = Kd + Kd % 2 if fmt == BF16_MATH else Kd
+        dtype = torch.float32 if fmt == F32 else torch.bfloat16
+        padded = weight.detach().new_zeros(*lead, panels * PANEL, Kp, dtype=dtype)
+        padded[..., :C, :Kd] = weight.detach()
+        panel_major = padded.view(*lead, panels, PANEL, Kp).transpose(-1, -2)  # [..., P, Kp, 64]
+        if fmt == BF16_MATH:  # [..., P, Kp / 2, 2, 64] -> [..., P, Kp / 2, 64, 2]
+            panel_major = panel_major.reshape(*lead, panels, Kp // 2, 2, PANEL).transpose(-1, -2)
+        return cls(panel_major.contiguous(), C, Kd, fmt)
 
     @property
     def bf16(self) -> bool:
@@ -53,22 +72,29 @@ class PackedWeight:
 
     @property
     def lead(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape[:-3])
-
-    @property
-    def in_features(self) -> int:
-        return self.tensor.shape[-2]
+        return tuple(self.tensor.shape[:-4 if self.format == BF16_MATH else -3])
 
     @property
     def stride(self) -> int:
-        """Floats between consecutive matrices of the leading dims (0 for a single matrix)."""
-        return self.tensor.stride(-4) if self.lead else 0
+        """Weights between consecutive matrices of the leading dims (0 for a single matrix)."""
+        lead = self.lead
+        return self.tensor.stride(len(lead) - 1) if lead else 0
 
     def data_ptr(self) -> int:
         return self.tensor.data_ptr()
 
     def __repr__(self) -> str:
-        return f"PackedWeight({[*self.lead, self.out_features, self.in_features]})"
+        return f"PackedWeight({[*self.lead, self.out_features, self.in_features]}, format {self.format})"
+
+
+def panel_format(math: str, *weights: torch.Tensor) -> int:
+    """The one format for weights a kernel call reads together: bf16 arithmetic if asked (math="bf16"),
+    else bf16 panels where every value is a bf16 value, else float32."""
+    if math not in MATHS:
+        raise ValueError(f"math must be one of {MATHS}, got {math!r}")
+    if math == "bf16":
+        return BF16_MATH
+    return BF16 if holds_bf16(*weights) else F32
 
 
 def holds_bf16(*weights: torch.Tensor) -> bool:

@@ -99,10 +99,12 @@ def load_model(directory: Path, dtype: torch.dtype = torch.float32) -> Transform
 
 def load_for_inference(directory: Path, dtype: torch.dtype = torch.float32,
                        kernels: Kernels | None = None, kernel_window_max: int = KERNEL_WINDOW_MAX,
-                       fused_attention: bool = True, kernel_threads: KernelThreads = ONE_THREAD) -> Transformer:
+                       fused_attention: bool = True, kernel_threads: KernelThreads = ONE_THREAD,
+                       math: str = "fp32") -> Transformer:
     """load_model with the projections fused for decoding (not for training: the copies would drift);
-    with kernels (float32 only), the fast step (see Transformer.fuse_for_inference)."""
+    with kernels (float32 only), the fast step (see Transformer.fuse_for_inference), its matrix products
+    in `math`."""
     model = load_model(directory, dtype)
     model.fuse_for_inference(kernels if dtype == torch.float32 else None, kernel_window_max, fused_attention,
-                             kernel_threads)
+                             kernel_threads, math)
     return model
