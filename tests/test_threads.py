@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,6 +109,19 @@ def test_serve_without_threads_prints_its_pick_and_serves():
     assert cores == threads.usable_cores() and picked in threads.candidates(cores)
     # The kernels split big passes over every usable core by default, and it says so.
     assert re.search(rf"kernel threads: {cores} \(|kernel threads: 1 \(no pass is split\)", err), err
+    # bf16 products by default exactly where the CPU says (its own flags, read here) it has them.
+    native = "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
+    assert f"matrix products in {'bf16' if native else 'fp32'} (" in err, err
+
+
+def test_an_unknown_math_is_refused_naming_it():
+    done = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--port", "0", "--math", "fp16"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--math" in done.stderr and "'fp16'" in done.stderr, done.stderr
+    from service.engine import Engine, EngineConfig
+
+    with pytest.raises(ValueError, match="math must be one of .* got 'fp16'"):
+        Engine(EngineConfig(math="fp16"))
 
 
 def test_kernel_threads_below_one_exit_2_naming_the_flag():
