@@ -137,6 +137,16 @@ static inline float bf16_value(uint16_t h) {
 #define LOAD_F32(p) _mm512_loadu_ps(p)
 #define LOAD_BF16(p) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+/* A tile's accumulators acc[ROWS][4] + bias to out (only the `valid` first columns of the panel). */
+#define STORE_TILE(ROWS)                                                                               \
+    for (int v = 0; v < 4; v++) {                                                                      \
+        const int64_t left = valid - 16 * v;                                                           \
+        if (left <= 0) break;                                                                          \
+        const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);         \
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + c0 + 16 * v) : _mm512_setzero_ps(); \
+        for (int i = 0; i < ROWS; i++)                                                                 \
+            _mm512_mask_storeu_ps(out + i * C + c0 + 16 * v, keep, _mm512_add_ps(acc[i][v], b));       \
+    }
 /* A ROWS x 64 tile of out from one panel of W-typed weights, its accumulators in registers; only the
    `valid` first columns are stored (the last panel of a C that is not a multiple of 64). */
 #define MATMUL_TILE(NAME, ROWS, W, LOAD)                                                               \
@@ -153,14 +163,7 @@ static void NAME(const float *x, int64_t Kd, const W *panel, int64_t C, int64_t 
             for (int v = 0; v < 4; v++) acc[i][v] = _mm512_fmadd_ps(xb, wv[v], acc[i][v]);             \
         }                                                                                              \
     }                                                                                                  \
-    for (int v = 0; v < 4; v++) {                                                                      \
-        const int64_t left = valid - 16 * v;                                                           \
-        if (left <= 0) break;                                                                          \
-        const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);         \
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + c0 + 16 * v) : _mm512_setzero_ps(); \
-        for (int i = 0; i < ROWS; i++)                                                                 \
-            _mm512_mask_storeu_ps(out + i * C + c0 + 16 * v, keep, _mm512_add_ps(acc[i][v], b));       \
-    }                                                                                                  \
+    STORE_TILE(ROWS)                                                                                   \
 }
 /* 2- and 3-row tiles for the rows left over: in a batched step most experts serve 1-3 positions,
    which would otherwise reload each weight vector once per row. */
@@ -230,14 +233,7 @@ static void NAME(const uint32_t *xp, int64_t Kd2, const uint16_t *panel, int64_t
             for (int v = 0; v < 4; v++) DP_PAIR(acc[i][v], pair, wv[v]);                               \
         }                                                                                              \
     }                                                                                                  \
-    for (int v = 0; v < 4; v++) {                                                                      \
-        const int64_t left = valid - 16 * v;                                                           \
-        if (left <= 0) break;                                                                          \
-        const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);         \
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + c0 + 16 * v) : _mm512_setzero_ps(); \
-        for (int i = 0; i < ROWS; i++)                                                                 \
-            _mm512_mask_storeu_ps(out + i * C + c0 + 16 * v, keep, _mm512_add_ps(acc[i][v], b));       \
-    }                                                                                                  \
+    STORE_TILE(ROWS)                                                                                   \
 }
 DP_TILE(dp_tile_4x64, 4)
 DP_TILE(dp_tile_3x64, 3)
