@@ -6,8 +6,9 @@ contiguous, so there is no horizontal sum per output, each weight streams in ord
 that share a weight share each loaded vector), `rms_norm` and `linear`; the ctypes wrappers of every
 kernel, with the checks that keep the C code's pointers in bounds; and `build`. Panels hold bf16 where
 every value of the weight is one (the shipped checkpoint), widened exactly on load: the same results
-as fp32 panels for half the bytes. A call may split its work over a `KernelPool`'s threads
-(kernel_pool.py; `KernelThreads` says when), which changes no bit of the result.
+as fp32 panels for half the bytes; or, for bf16 arithmetic (math="bf16"), bf16 pairs that VDPBF16PS
+multiplies with the rows rounded to bf16 (`matmul_panels_bf16_math`). A call may split its work over
+a `KernelPool`'s threads (kernel_pool.py; `KernelThreads` says when), which changes no bit of the result.
 
 `swiglu_experts(x, gate_up, down, ids, weights, out, accumulate)` and `moe_block(block, x)`: the MoE
 kernels; their C source and contract are in moe_kernel.py.

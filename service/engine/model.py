@@ -15,7 +15,8 @@ Contract:
   sub-block in one kernel call (attention_kernel.py: no padding, no mask, every token at its own slot
   and position; prefill passes too), passes of up to kernel_window_max positions the MoE block too,
   windows of up to UNION_WINDOW_MAX the MLPs and the output layer too (kernels.py); in all of them
-  each position's result does not depend on the rest of its pass. Without kernels, the eager step.
+  each position's result does not depend on the rest of its pass; `math="bf16"` runs their matrix
+  products in bf16 arithmetic (packed.py), still row by row. Without kernels, the eager step.
 
 Shape legend: w window positions, N tokens of a ragged pass, B sequences in it, T training tokens,
 H hidden, A attention heads, K kv heads, D head dim, E routed experts, m experts per token,
