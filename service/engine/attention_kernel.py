@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from service.engine.packed import F32, PackedWeight, panel_format
+from service.engine.packed import PackedWeight, panel_format
 
 SOURCE = r"""
 /* Rotate one head in place: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. */
@@ -267,8 +267,7 @@ class AttentionWeights:
         # Packed copies for matmul_p (which streams each weight panel in order); they and the tensors
         # given stay referenced while the pointers below are in use.
         # One format for both packed projections (one kernel flag), see panel_format.
-        self.format = panel_format(math, qkv_weight, o_weight) if bf16 is None or math == "bf16" else int(bf16)
-        self.bf16 = self.format != F32
+        self.format = panel_format(math, qkv_weight, o_weight, bf16=bf16)
         qkv_p, o_p = PackedWeight.pack(qkv_weight, self.format), PackedWeight.pack(o_weight, self.format)
         self.tensors = dict(given, qkv_p=qkv_p, o_p=o_p)
         self.args = (norm_weight.data_ptr(), float(eps), qkv_p.data_ptr(), qkv_bias.data_ptr(), n_heads, n_kv,

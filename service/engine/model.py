@@ -39,7 +39,7 @@ from service.engine.attention_kernel import AttentionPass, AttentionWeights
 from service.engine.kernel_pool import ONE_THREAD, KernelThreads
 from service.engine.kernels import Kernels
 from service.engine.moe_kernel import MoeBlock
-from service.engine.packed import PackedWeight, holds_bf16, panel_format
+from service.engine.packed import PackedWeight, panel_format
 
 # Windows up to this many positions run every expert of the union on every position (a few
 # batched matmuls, cost ~ U), or the fused kernel (kernels.py) when the model has one; longer ones
@@ -143,9 +143,9 @@ class MLP(nn.Module):
         self.kernels = kernels
         # [1, 2I, H] and [1, H, I] packed: this MLP as the only "expert", in the kernel's layout (copies)
         gate_up, down = torch.cat([self.gate_proj.weight, self.up_proj.weight])[None], self.down_proj.weight[None]
-        bf16 = holds_bf16(gate_up, down)  # one type for both: one kernel flag
-        self.kernel_weights = () if kernels is None else (PackedWeight.pack(gate_up, bf16),
-                                                          PackedWeight.pack(down, bf16))
+        fmt = panel_format("fp32", gate_up, down)  # one format for both: one kernel flag
+        self.kernel_weights = () if kernels is None else (PackedWeight.pack(gate_up, fmt),
+                                                          PackedWeight.pack(down, fmt))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.dim() == 2 and x.shape[0] <= UNION_WINDOW_MAX and x.is_cpu \

@@ -278,6 +278,11 @@ class MoeBlock:
     """One Qwen2-MoE layer's weights, checked once, for `Kernels.moe_block` (a decode step calls it
     every layer, so the per-call work is only the window's own tensors)."""
 
+    @property
+    def bf16(self) -> bool:
+        """Its panels hold bf16 (exact values, or for bf16 arithmetic)."""
+        return self.format != F32
+
     def __init__(self, router_and_gate: torch.Tensor, top_k: int, norm_topk: bool, gate_up: torch.Tensor,
                  down: torch.Tensor, shared_gate: torch.Tensor, shared_up: torch.Tensor, shared_down: torch.Tensor,
                  bf16: bool | None = None, math: str = "fp32"):
@@ -302,8 +307,7 @@ class MoeBlock:
         shared_gate_up = torch.cat([shared_gate, shared_up])
         # One format for all its packed weights (one kernel flag), see panel_format.
         parts = dict(gate_up=gate_up, down=down, shared_gate_up=shared_gate_up, shared_down=shared_down)
-        self.format = panel_format(math, *parts.values()) if bf16 is None or math == "bf16" else int(bf16)
-        self.bf16 = self.format != F32
+        self.format = panel_format(math, *parts.values(), bf16=bf16)
         packed = {name: PackedWeight.pack(w, self.format) for name, w in parts.items()}
         self.tensors = dict(given, **packed)
         self.args = (router_and_gate.data_ptr(), E, top_k, int(norm_topk), packed["gate_up"].data_ptr(),

@@ -87,13 +87,16 @@ class PackedWeight:
         return f"PackedWeight({[*self.lead, self.out_features, self.in_features]}, format {self.format})"
 
 
-def panel_format(math: str, *weights: torch.Tensor) -> int:
+def panel_format(math: str, *weights: torch.Tensor, bf16: bool | None = None) -> int:
     """The one format for weights a kernel call reads together: bf16 arithmetic if asked (math="bf16"),
-    else bf16 panels where every value is a bf16 value, else float32."""
+    else bf16 panels where every value is a bf16 value (or as `bf16` forces: True, refused by `pack`
+    unless exact, or False), else float32."""
     if math not in MATHS:
         raise ValueError(f"math must be one of {MATHS}, got {math!r}")
     if math == "bf16":
         return BF16_MATH
+    if bf16 is not None:
+        return BF16 if bf16 else F32
     return BF16 if holds_bf16(*weights) else F32
 
 
