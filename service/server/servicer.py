@@ -29,6 +29,7 @@ import grpc
 
 from otel.api import RequestObservation, Telemetry
 from otel.telemetry import NoTelemetry
+from service.policy_ids import derived_id
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
 from service.server import convert
@@ -83,14 +84,13 @@ class PolicyStore:
         return split if split.seed is not None else replace(split, seed=self._seed_source())
 
     def check(self, policy: DraftPolicy) -> DraftPolicy:
-        """Validate against this backend's bounds; an empty policy_id is derived from the fields."""
+        """Validate against this backend's bounds; an empty policy_id is derived from the policy's
+        canonical form (service.policy_ids), so policies that run alike share one id."""
         policy.validate(self._info.max_draft_length)
         if policy.draft_length and policy.drafter not in self._info.drafters:
             raise InvalidRequest("policy.drafter", f"{policy.drafter.value!r} is not offered by this backend")
         if not policy.policy_id:
-            policy = replace(
-                policy, policy_id=f"{policy.drafter.value}-k{policy.draft_length}-t{policy.draft_temperature:g}"
-            )
+            policy = replace(policy, policy_id=derived_id(policy))
         return policy
 
 
@@ -260,18 +260,33 @@ class PolicyAdminServicer(pb_grpc.PolicyAdminServicer):
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
         presented = _bearer_token(context.invocation_metadata() or ())
+        if isinstance(presented, _NoBearer):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, presented.reason)
         # compare_digest on bytes: constant time in the token's content.
-        if presented is None or not hmac.compare_digest(presented.encode(), self._token):
-            reason = "missing" if presented is None else "wrong"
+        if not hmac.compare_digest(presented.encode(), self._token):
             await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED, f"{reason} admin token: send 'authorization: Bearer <token>'"
+                grpc.StatusCode.UNAUTHENTICATED, "wrong admin token: send 'authorization: Bearer <token>'"
             )
 
 
-def _bearer_token(metadata) -> str | None:
-    for key, value in metadata:
-        if key.lower() == "authorization" and isinstance(value, str):
-            scheme, _, token = value.partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-    return None
+@dataclass(frozen=True)
+class _NoBearer:
+    """Why the metadata holds no bearer token (the answer says which part is missing)."""
+
+    reason: str
+
+
+def _bearer_token(metadata) -> str | _NoBearer:
+    headers = [value for key, value in metadata if key.lower() == "authorization" and isinstance(value, str)]
+    if not headers:
+        return _NoBearer("missing admin token: send 'authorization: Bearer <token>'")
+    for value in headers:
+        scheme, _, token = value.strip().partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    scheme, _, token = headers[0].strip().partition(" ")
+    if scheme.lower() == "bearer":
+        return _NoBearer("missing admin token after the Bearer scheme: send 'authorization: Bearer <token>'")
+    if not token:  # a bare value, such as the token itself
+        return _NoBearer("the authorization header lacks the Bearer scheme: send 'authorization: Bearer <token>'")
+    return _NoBearer(f"unsupported authorization scheme {scheme!r}: send 'authorization: Bearer <token>'")
