@@ -100,6 +100,13 @@ class GenerationRequest:
         self.sampling.validate()
 
 
+def new_token_budget(max_new_tokens: int, prompt_tokens: int, max_context: int) -> int:
+    """Tokens a request may generate: its max_new_tokens, cut to the context's room after the prompt
+    (a long prompt shortens the generation instead of failing it). Every backend applies this, and
+    the response reports it (GenerateResponse.max_new_tokens / max_new_tokens_cut)."""
+    return min(max_new_tokens, max_context - prompt_tokens)
+
+
 @dataclass(frozen=True)
 class BatchPassRecord:
     """One target pass of continuous batching: the windows of every running request, verified at once.

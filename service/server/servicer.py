@@ -9,6 +9,11 @@ Contract:
   with the field; the field is also the trailing metadata "moespec-invalid-field"), Overloaded ->
   RESOURCE_EXHAUSTED, a deadline that stopped the engine -> DEADLINE_EXCEEDED, anything else from
   the backend -> INTERNAL (a server fault). A cancelled RPC stops its generation (see runner).
+- While the server drains (`draining()` true: shutting down) new generations are refused with
+  UNAVAILABLE before they are queued; those already admitted run on, and if the grace period stops
+  them (runner.stop_running) they answer normally with finish_reason "cancelled".
+- Every response reports the token budget it ran with (convert.Budget: max_new_tokens cut to the
+  context's room after the prompt, and whether that cut it).
 - PolicyAdmin wants `authorization: Bearer <token>`, compared in constant time. With no token
   configured GetPolicy is open (the policy is public in every response anyway) and SetPolicy is
   refused with PERMISSION_DENIED.
@@ -48,6 +53,8 @@ from service.types import (
 log = logging.getLogger(__name__)
 
 INVALID_FIELD_KEY = "moespec-invalid-field"
+SHUTTING_DOWN = ("the server is shutting down and takes no new generations (health reads NOT_SERVING): "
+                 "send the request to another replica")
 
 
 class PolicyStore:
@@ -109,8 +116,9 @@ class _Failure(Exception):
 
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, runner: EngineRunner, info: ModelInfo, policies: PolicyStore, telemetry: Telemetry | None,
-                 live_info: Callable[[], ModelInfo] | None = None):
+                 live_info: Callable[[], ModelInfo] | None = None, draining: Callable[[], bool] = lambda: False):
         self._runner = runner
+        self._draining = draining
         self._info = info
         # Some fields change while serving (SGLang's policy_switches / policy_switch_seconds,
         # decode_step_seconds), so GetModelInfo reads the backend's current info when given it.
@@ -120,10 +128,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         try:
-            result, trace_id = await self._generate(request, context, on_delta=None)
+            result, trace_id, budget = await self._generate(request, context, on_delta=None)
         except _Failure as f:
             await f.abort(context)
-        return convert.response_to_pb(result, trace_id)
+        return convert.response_to_pb(result, trace_id, budget)
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -148,7 +156,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     text += delta.text
                     token_ids += delta.token_ids
                     yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids)
-            result, trace_id = task.result()
+            result, trace_id, budget = task.result()
         except _Failure as f:
             await f.abort(context)
         finally:
@@ -160,7 +168,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         # concatenated stream always equals the unary response.
         tail_text = result.text[len(text):] if result.text.startswith(text) else ""
         tail_ids = result.token_ids[len(token_ids):]
-        yield convert.final_chunk_to_pb(result, trace_id, tail_text, tail_ids)
+        yield convert.final_chunk_to_pb(result, trace_id, budget, tail_text, tail_ids)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         return convert.info_to_pb(self._live_info())
@@ -170,7 +178,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         request_pb: pb.GenerateRequest,
         context: grpc.aio.ServicerContext,
         on_delta: Callable[[StreamDelta], None] | None,
-    ) -> tuple[GenerationResult, str]:
+    ) -> tuple[GenerationResult, str, convert.Budget]:
+        if self._draining():
+            raise _Failure(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         request = convert.request_from_pb(request_pb)
         policy = self._policies.assign()
         remaining = context.time_remaining()
@@ -200,7 +210,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             trace_id = obs.trace_id
         if result.finish_reason is FinishReason.CANCELLED and deadline is not None and time.monotonic() >= deadline:
             raise _Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
-        return result, trace_id
+        return result, trace_id, convert.Budget.of(request, result.prompt_tokens, self._info.max_context)
 
     def _observe(
         self, request: GenerationRequest, policy: DraftPolicy
