@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -65,6 +66,10 @@ def test_sigterm_drains_on_an_open_port_and_ends_the_stream_with_cancelled(servi
                                      sampling=pb.SamplingParams(temperature=0.0))
         stream = inference.GenerateStream(request, timeout=120)
         chunks = [next(stream)]  # in flight
+        unary: list = []
+        unary_call = threading.Thread(target=lambda: unary.append(inference.Generate(request, timeout=120)))
+        unary_call.start()
+        time.sleep(0.5)  # the unary call reaches the engine (its generation takes seconds)
         proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         time.sleep(0.3)  # well past the moment the old server closed its port (~60 ms)
@@ -83,6 +88,7 @@ def test_sigterm_drains_on_an_open_port_and_ends_the_stream_with_cancelled(servi
         assert time.monotonic() - signalled < GRACE_SECONDS, "the checks above ran after the grace period"
 
         chunks += list(stream)  # ends without an error status
+        unary_call.join(30)
     final = chunks[-1]
     assert final.finish_reason == "cancelled"
     assert all(c.finish_reason == "" for c in chunks[:-1])
@@ -90,12 +96,14 @@ def test_sigterm_drains_on_an_open_port_and_ends_the_stream_with_cancelled(servi
     assert 0 < final.completion_tokens == len(streamed) < LONG_GENERATION
     assert final.spec.verify_steps > 0 and final.max_new_tokens == LONG_GENERATION
     assert time.monotonic() - signalled >= GRACE_SECONDS - 0.2  # it ran until the grace period ended
+    (response,) = unary  # the unary call in flight answers too, with what it generated
+    assert response.finish_reason == "cancelled" and 0 < response.completion_tokens < LONG_GENERATION
 
     assert proc.wait(timeout=30) == 0
     log.seek(0)
     stderr = log.read()
     assert "Traceback" not in stderr, stderr
-    assert "grace period" in stderr and "stopping 1 generation" in stderr  # the operator is told why
+    assert "grace period" in stderr and "stopping 2 generation" in stderr  # the operator is told why
 
 
 def test_sigterm_with_nothing_in_flight_exits_at_once(serving):
