@@ -3,7 +3,7 @@ counts iff i < that step's accepted count. Checked against a recount from the to
 drafts each verify window held vs the tokens the step committed), never from the engine's flags.
 
 The SGLang half of the claim (its step records, built from a real SGLang dump) is in
-tests/test_sglang_accepted_positions.py; both use `recount` below.
+tests/test_sglang_accepted_positions.py; both recount with tests/acceptance_recount.py.
 """
 
 from __future__ import annotations
@@ -12,37 +12,11 @@ import json
 
 import pytest
 
-from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams, StepRecord
+from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
+from tests.acceptance_recount import committed_per_step, per_position_totals, recount
 from tests.engine_helpers import PROMPTS_FILE, make_engine
 
 REPEAT_PROMPTS = PROMPTS_FILE.parent / "repeat.jsonl"
-
-
-def recount(drafts: list[int], committed: list[int]) -> tuple[bool, ...]:
-    """Per drafted position: accepted iff it and every draft before it equal the token committed there.
-
-    A step commits its accepted drafts and then the target's own token, which differs from the first
-    rejected draft (greedy: it is the argmax the draft missed; sampled: the residual has no mass on
-    the rejected token), so the matching prefix is exactly the accepted run."""
-    out, run = [], True
-    for i, token in enumerate(drafts):
-        run = run and i < len(committed) and committed[i] == token
-        out.append(run)
-    return tuple(out)
-
-
-def committed_per_step(steps: tuple[StepRecord, ...], token_ids: tuple[int, ...], skip: int = 0) -> list[list[int]]:
-    """The output tokens each step committed, in order (`skip`: leading tokens no step committed)."""
-    out, at = [], skip
-    for s in steps:
-        out.append(list(token_ids[at:at + s.committed]))
-        at += s.committed
-    assert at == len(token_ids), "the steps' committed counts must cover the output"
-    return out
-
-
-def per_position_totals(flags: list[tuple[bool, ...]], k: int) -> tuple[int, ...]:
-    return tuple(sum(int(f[i]) for f in flags if i < len(f)) for i in range(k))
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +52,24 @@ def test_torch_per_position_acceptance_equals_the_recount_from_tokens(engine, dr
         assert result.spec.accepted_per_position == per_position_totals(recounted, k)
         assert sum(result.spec.accepted_per_position) == result.spec.accepted_tokens
     assert tested > 0, "no step drafted anything: the check tested nothing"
+
+
+def test_a_recording_with_old_style_flags_reads_back_as_the_accepted_prefix(tmp_path):
+    """Recordings written before the fix hold flags of later drafts that matched after a rejection
+    ("1001" with 1 accepted); read back, a step says what was accepted, as the replay assumes."""
+    from service.recording import header_for, read_recording, step_line
+    from service.types import ModelInfo, StepRecord
+
+    info = ModelInfo(backend="torch", model_name="m", draft_model_name="d", num_layers=1, num_experts=16, top_k=2,
+                     shared_experts=1, vocab_size=100, max_context=64, max_draft_length=8, drafters=(Drafter.NGRAM,),
+                     tunable=("draft_length",), expert_bytes=1, decode_step_seconds=0.01)
+    old = StepRecord(drafter=Drafter.NGRAM, draft_length=4, draft_temperature=1.0, policy_id="p", drafted=4, accepted=1,
+                     committed=2, accepted_per_position=(True, False, False, True), window=5, unique_experts=(4,),
+                     shared_experts=1, unique_experts_bound=10, draft_seconds=0.0, verify_seconds=0.01,
+                     decode_step_equivalents=1.0, topk_ids=(tuple((0, 1) for _ in range(5)),),
+                     window_ids=(1, 2, 3, 4, 5))
+    path = tmp_path / "old.steps.jsonl"
+    path.write_text(json.dumps(header_for(info, hidden_size=8)) + "\n" + step_line(old, 0, 16) + "\n")
+    assert '"flags":"1001"' in path.read_text()
+    (steps,) = read_recording(path).requests
+    assert steps[0].accepted_per_position == (True, False, False, False)

@@ -17,7 +17,7 @@ from service.sglang_backend.model_config import moe_geometry
 from service.sglang_backend.policy import effective_policy
 from service.sglang_backend.records import load_dump
 from service.types import Drafter, DraftPolicy
-from tests.test_accepted_per_position import committed_per_step, per_position_totals, recount
+from tests.acceptance_recount import committed_per_step, per_position_totals, recount
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sglang" / "real_cpu"
 GEOMETRY = moe_geometry(MODELS_DIR / "target")
