@@ -158,3 +158,12 @@ def test_the_shipped_descriptor_set_is_what_the_protos_compile_to(tmp_path):
         for field in message.field:
             field.ClearField("json_name")
     assert stub == bare
+
+
+def test_every_comment_in_the_api_is_a_leading_one():
+    """Some reflection clients (grpcurl among them) print leading comments only, so the contract is
+    written above each declaration, never after it."""
+    f = next(f for f in shipped_files() if f.name == "moespec/v1/moespec.proto")
+    trailing = [(list(loc.path), loc.trailing_comments) for loc in f.source_code_info.location
+                if loc.trailing_comments]
+    assert trailing == []
