@@ -23,6 +23,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from service.cli import UsageError
+from service.redact import redact_url
 from service.server.client import MoespecClient
 from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
 from tuner.assemble import TuneSettings, assemble
@@ -181,7 +182,8 @@ def continuous_config(args: argparse.Namespace) -> ContinuousConfig:
 
 
 def dashboard_hint(storage_url: str) -> str:
-    target = storage_url.removeprefix("journal:") if storage_url.startswith("journal:") else storage_url
+    """The command that opens the study, with any password in the URL redacted (it gets printed)."""
+    target = storage_url.removeprefix("journal:") if storage_url.startswith("journal:") else redact_url(storage_url)
     return f"pip install optuna-dashboard && optuna-dashboard {target}"
 
 
@@ -216,8 +218,8 @@ def run(args: argparse.Namespace) -> int:
             receiver.start()
         except (OSError, RuntimeError) as e:
             raise UsageError(f"--otlp-listen: cannot listen on {args.otlp_listen}: {e}") from None
-        print(f"tuner: receiving spans on {receiver.endpoint}; study {settings.study_name!r} in {args.storage}",
-              file=err, flush=True)
+        print(f"tuner: receiving spans on {receiver.endpoint}; study {settings.study_name!r} in "
+              f"{redact_url(args.storage)}", file=err, flush=True)
         print(f"tuner: sampler {rationale(settings.sampler)}", file=err, flush=True)
         if settings.whatif_recording is not None:
             there = "" if settings.whatif_recording.is_file() else " (not there yet: no hint until it is)"

@@ -151,6 +151,13 @@ def create_backend(args: argparse.Namespace) -> Backend:
     ep = ep_spec(args)
     if args.record_steps is not None and not args.record_steps.resolve().parent.is_dir():
         raise UsageError(f"--record-steps: no folder {args.record_steps.resolve().parent}")
+    if args.record_steps is not None:
+        from service.private_files import create_private
+
+        try:  # before the model loads: a symlink or another user's file exits 2 at once
+            create_private(args.record_steps)
+        except OSError as e:
+            raise UsageError(f"--record-steps: {e}") from None
     try:
         engine = Engine(EngineConfig(threads=args.threads or default_threads(), kernel_threads=args.kernel_threads,
                                      ep=ep, record_steps=args.record_steps, max_batch=args.max_batch,
