@@ -2,7 +2,8 @@
 
 It listens for the server's request spans on --otlp-listen (OTLP/gRPC), keeps its Optuna study in
 --storage, and sets policies through PolicyAdmin. Environment read here, at run time:
-MOESPEC_ADMIN_TOKEN (when --admin-token is not given).
+MOESPEC_ADMIN_TOKEN (when neither --admin-token-file nor --admin-token is given). With --tls-ca the
+tuner talks TLS to the server, so the token is never sent in plaintext.
 
 --continuous keeps it running after the search (tuner/continuous.py); its incumbent gauge goes to
 --metrics-endpoint (default $OTEL_EXPORTER_OTLP_METRICS_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT).
@@ -22,7 +23,7 @@ import threading
 from contextlib import suppress
 from pathlib import Path
 
-from service.cli import UsageError
+from service.cli import UsageError, admin_token
 from service.redact import redact_url
 from service.server.client import MoespecClient
 from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
@@ -38,7 +39,7 @@ from tuner.study import StorageError, StudyMismatch, open_storage
 from tuner.tuning import NoTraffic
 from tuner.window import Objective, WindowSpec
 
-ADMIN_TOKEN_ENV = "MOESPEC_ADMIN_TOKEN"
+ADMIN_TOKEN_ENV = admin_token.ADMIN_TOKEN_ENV
 DEFAULT_STORAGE = "sqlite:///moespec-tuner.db"
 EXIT_UNREACHABLE, EXIT_REJECTED, EXIT_NO_TRAFFIC = 3, 4, 5
 
@@ -65,7 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trials", type=int, default=30,
                         help="search trials the study should have in total; a restart continues to this number "
                              "(default 30; re-measurements come on top)")
-    parser.add_argument("--admin-token", default=None, help=f"PolicyAdmin bearer token (default ${ADMIN_TOKEN_ENV})")
+    admin_token.add_arguments(parser, "for PolicyAdmin")
+    parser.add_argument("--tls-ca", type=Path, default=None, metavar="FILE",
+                        help="PEM file of the CA that signed the server's certificate: talk TLS to --server "
+                             "(without it the channel, admin token included, is plaintext)")
+    parser.add_argument("--tls-server-name", default=None, metavar="NAME",
+                        help="with --tls-ca: the name the server's certificate must carry, when --server's host "
+                             "is another (an IP address, an internal alias)")
     parser.add_argument("--objective", choices=[o.value for o in Objective], default=Objective.MEASURED.value,
                         help="measured: seconds per committed token; modelled: weight bytes touched per token")
     parser.add_argument("--sampler", choices=[s.value for s in SamplerKind], default=SamplerKind.TPE.value,
@@ -191,7 +198,10 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     parse_hostport(args.server, "--server", allow_zero=False)
     listen_host, listen_port = parse_hostport(args.otlp_listen, "--otlp-listen", allow_zero=True)
-    token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
+    token = admin_token.resolve(args, os.environ)
+    if args.tls_server_name and args.tls_ca is None:
+        raise UsageError("--tls-server-name needs --tls-ca")
+    tls_ca = _read_ca(args.tls_ca)
     err = sys.stderr
     if threading.current_thread() is threading.main_thread():
         # SIGTERM takes the Ctrl-C path: the running trial is told FAIL and the incumbent restored.
@@ -205,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
 
     collector = SpanCollector(request_sample)
     receiver = OtlpTraceReceiver(listen_host, listen_port, on_spans=collector.on_spans)
-    client = MoespecClient(args.server, admin_token=token)
+    client = MoespecClient(args.server, admin_token=token, tls_ca=tls_ca, tls_server_name=args.tls_server_name)
     admin = PolicyAdmin(client, args.server, retry_seconds=args.connect_timeout)
     printer = ProgressPrinter(err, settings.objective.value)
     built = None
@@ -296,6 +306,15 @@ def _continuous(args, settings, storage, admin, collector, printer, root, metric
 
     return provider, ContinuousTuner(root.study, make, continuous_config(args), settings.trials, metrics, log,
                                      waiting)
+
+
+def _read_ca(path: Path | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"--tls-ca: cannot read {path}: {e.strerror}") from None
 
 
 def _raise_interrupt(signum, frame) -> None:
