@@ -26,10 +26,12 @@ from pathlib import Path
 from service.cli import UsageError, admin_token
 from service.redact import redact_url
 from service.server.client import MoespecClient
+from tuner import intake
 from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
 from tuner.assemble import TuneSettings, assemble
 from tuner.collector import SpanCollector
 from tuner.continuous import ContinuousConfig, ContinuousTuner
+from tuner.intake import intake_security
 from tuner.measure import TrialMode
 from tuner.progress import ProgressPrinter, fmt_cost
 from tuner.pruning import PruneRule
@@ -121,6 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pairing.add_argument("--metrics-endpoint", default=None,
                          help="OTLP/gRPC endpoint for the tuner's metrics (moespec.tuner.incumbent); default "
                               "$OTEL_EXPORTER_OTLP_METRICS_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT; none = off")
+    intake.add_arguments(parser)
     parser.add_argument("--whatif-recording", type=Path, default=None, metavar="FILE",
                         help="the server's --record-steps FILE (same machine): after each measured trial at draft "
                              "length k, replay its recorded steps, store the predicted cost of every k' <= k in the "
@@ -199,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
     parse_hostport(args.server, "--server", allow_zero=False)
     listen_host, listen_port = parse_hostport(args.otlp_listen, "--otlp-listen", allow_zero=True)
     token = admin_token.resolve(args, os.environ)
+    security = intake_security(args, os.environ, listen_host)
     if args.tls_server_name and args.tls_ca is None:
         raise UsageError("--tls-server-name needs --tls-ca")
     tls_ca = _read_ca(args.tls_ca)
@@ -214,7 +218,9 @@ def run(args: argparse.Namespace) -> int:
     from otel.receiver import OtlpTraceReceiver  # grpc server machinery: only once the arguments are good
 
     collector = SpanCollector(request_sample)
-    receiver = OtlpTraceReceiver(listen_host, listen_port, on_spans=collector.on_spans)
+    receiver = OtlpTraceReceiver(listen_host, listen_port, on_spans=collector.on_spans,
+                                 bearer_token=security.bearer_token, tls_cert=security.tls_cert,
+                                 tls_key=security.tls_key)
     client = MoespecClient(args.server, admin_token=token, tls_ca=tls_ca, tls_server_name=args.tls_server_name)
     admin = PolicyAdmin(client, args.server, retry_seconds=args.connect_timeout)
     printer = ProgressPrinter(err, settings.objective.value)
@@ -228,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
             receiver.start()
         except (OSError, RuntimeError) as e:
             raise UsageError(f"--otlp-listen: cannot listen on {args.otlp_listen}: {e}") from None
-        print(f"tuner: receiving spans on {receiver.endpoint}; study {settings.study_name!r} in "
+        guard = "bearer token required" if security.bearer_token else "no token: loopback only"
+        print(f"tuner: receiving spans on {receiver.endpoint} ({guard}); study {settings.study_name!r} in "
               f"{redact_url(args.storage)}", file=err, flush=True)
         print(f"tuner: sampler {rationale(settings.sampler)}", file=err, flush=True)
         if settings.whatif_recording is not None:
