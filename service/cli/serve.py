@@ -43,7 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain; with --tls-key serves TLS only")
     parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
     parser.add_argument("--max-message-bytes", type=int, default=1 << 20,
-                        help="largest request or response message accepted")
+                        help="largest response message; also caps the default --max-request-bytes (default 1 MiB)")
+    parser.add_argument("--max-request-bytes", type=int, default=None,
+                        help="largest request message; larger ones get RESOURCE_EXHAUSTED before any work "
+                             "(default: twice what a full context needs, e.g. ~110 KB for the shipped model)")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds in-flight requests get to finish after SIGTERM")
     parser.add_argument("--threads", type=int, default=None,
@@ -119,6 +122,8 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
         raise UsageError("--tls-cert and --tls-key go together")
     if args.max_message_bytes < 1024:
         raise UsageError("--max-message-bytes must be at least 1024")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1024:
+        raise UsageError("--max-request-bytes must be at least 1024")
     policy = DraftPolicy(Drafter(args.drafter), args.draft_length, args.draft_temperature, policy_id="default")
     try:
         policy.validate()
@@ -133,6 +138,7 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
         tls_cert=_read(args.tls_cert),
         tls_key=_read(args.tls_key),
         max_message_bytes=args.max_message_bytes,
+        max_request_bytes=args.max_request_bytes,
         grace_seconds=args.grace,
         initial_policy=policy,
     )
