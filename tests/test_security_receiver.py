@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -151,3 +152,28 @@ def test_tune_listens_beyond_loopback_with_a_token(tmp_path):
         result = tune("--otlp-listen", "0.0.0.0:0", *extra, env=env, cwd=tmp_path)
         assert result.returncode == 3, result.stderr  # got past the intake check; the server is not there
         assert "bearer token required" in result.stderr
+
+
+@pytest.mark.parametrize("with_header", [True, False], ids=["token-in-headers", "no-headers"])
+def test_a_real_server_exports_to_a_token_receiver_through_the_standard_headers_variable(with_header):
+    """`moespec serve` with OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer%20<token>: its request spans
+    reach a receiver that requires the token; without the variable they are refused, never delivered."""
+    from service.server.client import MoespecClient
+    from service.types import GenerationRequest
+    from tuner.server_proc import start_server, telemetry_env
+
+    with OtlpTraceReceiver(bearer_token=TOKEN) as receiver:
+        env = telemetry_env(receiver.endpoint)
+        if with_header:
+            env["OTEL_EXPORTER_OTLP_HEADERS"] = f"authorization=Bearer%20{TOKEN}"
+        with start_server(env, "admin", ("--threads", "1", "--kernel-threads", "1", "--max-batch", "2")) as server, \
+                MoespecClient(server.address) as client:
+            client.generate(GenerationRequest(prompt="def f(", max_new_tokens=4), timeout=60)
+            if with_header:
+                spans = receiver.wait_for(lambda s: any(x["name"].startswith("text_completion") for x in s), 30)
+                assert spans and receiver.rejected_exports == 0
+            else:
+                deadline = time.monotonic() + 30
+                while receiver.rejected_exports == 0 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert receiver.rejected_exports >= 1 and receiver.spans == []
