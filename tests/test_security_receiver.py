@@ -177,3 +177,30 @@ def test_a_real_server_exports_to_a_token_receiver_through_the_standard_headers_
                 while receiver.rejected_exports == 0 and time.monotonic() < deadline:
                     time.sleep(0.1)
                 assert receiver.rejected_exports >= 1 and receiver.spans == []
+
+
+def test_tune_reports_the_exports_it_refused(tmp_path):
+    """A Collector with a wrong token shows up in the tuner's own output, not only as missing spans."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = tmp_path / "otlp-token"
+    token.write_text(TOKEN + "\n")
+    environ = {k: v for k, v in os.environ.items() if k != "MOESPEC_OTLP_TOKEN"}
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "tune", "--server", "127.0.0.1:1",
+                             "--connect-timeout", "8", "--otlp-listen", f"127.0.0.1:{port}",
+                             "--otlp-token-file", str(token)], stderr=subprocess.PIPE, text=True, env=environ,
+                            cwd=tmp_path)
+    try:
+        first = proc.stderr.readline()
+        assert "receiving spans on" in first and "bearer token required" in first, first
+        assert export_one_span(f"http://127.0.0.1:{port}", headers={"authorization": "Bearer wrong"}) == \
+            SpanExportResult.FAILURE
+        rest = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3
+    assert "refused 1 OTLP exports without the right bearer token" in rest

@@ -279,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         receiver.stop(grace=0.5)
         client.close()
+        _report_intake(receiver, collector, err)
         if meter_provider is not None:
             with suppress(Exception):
                 meter_provider.shutdown()
@@ -313,6 +314,16 @@ def _continuous(args, settings, storage, admin, collector, printer, root, metric
 
     return provider, ContinuousTuner(root.study, make, continuous_config(args), settings.trials, metrics, log,
                                      waiting)
+
+
+def _report_intake(receiver, collector: SpanCollector, err) -> None:
+    """What the intake refused or dropped: a wrong token on the exporter side shows up here."""
+    if receiver.rejected_exports:
+        print(f"tuner: refused {receiver.rejected_exports} OTLP exports without the right bearer token",
+              file=err, flush=True)
+    dropped = collector.traffic().dropped_spans
+    if dropped:
+        print(f"tuner: dropped {dropped} request spans beyond a full trial window", file=err, flush=True)
 
 
 def _read_ca(path: Path | None) -> bytes | None:
