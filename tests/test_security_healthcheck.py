@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -105,3 +106,20 @@ def test_healthcheck_fails_once_the_server_is_gone(tmp_path):
     server.stop()
     result = moespec("healthcheck", "--pid", str(pid))
     assert result.returncode == 1 and "Traceback" not in result.stderr
+
+
+def test_without_a_pid_it_finds_the_server_under_an_init_process(tmp_path):
+    """`docker run --init` puts an init process at PID 1 and the server below it: the health check finds
+    the only `moespec serve` instead. Run in a fresh PID namespace (unshare), where a shell is PID 1."""
+    if shutil.which("unshare") is None or os.getuid() != 0:
+        pytest.skip("needs unshare and root for a private PID namespace")
+    port, log = free_port(), tmp_path / "serve.log"
+    serve = " ".join([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                      *FAST_START])
+    script = (f"{serve} > {log} 2>&1 & "
+              f"for i in $(seq 1 240); do grep -q 'moespec serving on' {log} && break; sleep 0.5; done; "
+              f"{sys.executable} -m service.cli healthcheck; echo rc=$?; kill %1; wait")
+    result = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "bash", "-c", script],
+                            capture_output=True, text=True, timeout=180, env=os.environ.copy())
+    assert f"SERVING (127.0.0.1:{port}, plaintext)" in result.stdout, result.stdout + result.stderr + log.read_text()
+    assert "rc=0" in result.stdout

@@ -2,9 +2,9 @@
 
 A Docker HEALTHCHECK line is fixed in the image while `moespec serve`'s --port, --host and --tls-cert
 come from the container's command. So this command reads the server process's command line
-(/proc/PID/cmdline, PID 1 in a container), parses it with `moespec serve`'s own parser, and asks
-the standard grpc.health.v1 service where that server really listens: plaintext, or TLS when it was
-started with --tls-cert.
+(/proc/PID/cmdline: PID 1 in a container, else the only `moespec serve` of this user), parses it
+with `moespec serve`'s own parser, and asks the standard grpc.health.v1 service where that server
+really listens: plaintext, or TLS when it was started with --tls-cert.
 
 TLS: the certificate is verified against --tls-ca (default $MOESPEC_HEALTHCHECK_TLS_CA, else the
 server's own --tls-cert file, which is enough for a self-signed certificate) for the name
@@ -38,8 +38,9 @@ class Target:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.split("\n\n")[1].replace("\n", " ")
-    parser.add_argument("--pid", type=int, default=1,
-                        help="process id of the `moespec serve` to check (default 1: the container's server)")
+    parser.add_argument("--pid", type=int, default=None,
+                        help="process id of the `moespec serve` to check (default: PID 1, the container's server, "
+                             "or else the only `moespec serve` of this user, e.g. under docker run --init)")
     parser.add_argument("--timeout", type=float, default=4.0, help="seconds to wait for the answer (default 4)")
     parser.add_argument("--tls-ca", type=Path, default=None,
                         help=f"CA to verify a TLS server with (default ${TLS_CA_ENV}, else its own --tls-cert)")
@@ -51,18 +52,49 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         raise UsageError("--timeout must be > 0")
     try:
-        target = target_of(serve_argv(args.pid), Path(f"/proc/{args.pid}/cwd"))
+        pid = args.pid if args.pid is not None else find_server_pid()
+        target = target_of(serve_argv(pid), Path(f"/proc/{pid}/cwd"))
     except (OSError, LookupError) as e:
         print(f"moespec healthcheck: {e}", file=sys.stderr)
         return 1
     return check(target, args, os.environ)
 
 
+def find_server_pid() -> int:
+    """PID 1 when it is the server (a container's entrypoint), else the one `moespec serve` process
+    of this user (an init process such as tini sits at PID 1 with the server as its child)."""
+    try:
+        serve_argv(1)
+        return 1
+    except (OSError, LookupError):
+        pass
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if entry.stat().st_uid == os.getuid() and _is_moespec_serve(serve_argv_raw(int(entry.name))):
+                found.append(int(entry.name))
+        except (OSError, LookupError):
+            continue
+    if len(found) != 1:
+        raise LookupError(f"found {len(found)} `moespec serve` processes of this user; give --pid")
+    return found[0]
+
+
+def serve_argv_raw(pid: int) -> list[str]:
+    raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    return [a.decode("utf-8", errors="replace") for a in raw.split(b"\0") if a]
+
+
+def _is_moespec_serve(argv: list[str]) -> bool:
+    return "serve" in argv and any("moespec" in a or "service.cli" in a for a in argv[:argv.index("serve")])
+
+
 def serve_argv(pid: int) -> list[str]:
     """The arguments after `serve` on process `pid`'s command line."""
-    raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    argv = [a.decode("utf-8", errors="replace") for a in raw.split(b"\0") if a]
-    if "serve" not in argv:
+    argv = serve_argv_raw(pid)
+    if not _is_moespec_serve(argv):
         raise LookupError(f"process {pid} is not `moespec serve`: {' '.join(argv)[:200]}")
     return argv[argv.index("serve") + 1:]
 
