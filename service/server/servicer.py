@@ -182,10 +182,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self._limits.check(request_pb)
         except InvalidRequest as e:
             raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
+        # Assigned before the first await: arms follow the order requests start in (service.traffic).
+        policy = self._policies.assign()
         # Copying and validating up to a context of ids runs in a worker thread, never on the event
         # loop that answers health checks and every other RPC.
         request = await asyncio.to_thread(convert.request_from_pb, request_pb)
-        policy = self._policies.assign()
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         with self._observe(request, policy) as obs:
