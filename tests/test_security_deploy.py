@@ -89,7 +89,7 @@ def test_the_compose_tuner_passes_the_tuners_own_intake_check(resolved):
     """Its command line, parsed by `moespec tune`'s parser, with its environment from compose."""
     from service.cli import UsageError, build_parser
     from tuner.cli import parse_hostport
-    from tuner.intake import intake_security
+    from tuner.receiver_auth import intake_security
 
     tuner = resolved["services"]["tuner"]
     assert tuner["entrypoint"] == ["moespec", "tune"]

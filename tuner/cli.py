@@ -26,15 +26,15 @@ from pathlib import Path
 from service.cli import UsageError, admin_token
 from service.redact import redact_url
 from service.server.client import MoespecClient
-from tuner import intake
+from tuner import receiver_auth
 from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
 from tuner.assemble import TuneSettings, assemble
 from tuner.collector import SpanCollector
 from tuner.continuous import ContinuousConfig, ContinuousTuner
-from tuner.intake import intake_security
 from tuner.measure import TrialMode
 from tuner.progress import ProgressPrinter, fmt_cost
 from tuner.pruning import PruneRule
+from tuner.receiver_auth import intake_security
 from tuner.sampler import InitialDesign, SamplerKind, rationale
 from tuner.spans import request_sample
 from tuner.study import StorageError, StudyMismatch, open_storage
@@ -123,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pairing.add_argument("--metrics-endpoint", default=None,
                          help="OTLP/gRPC endpoint for the tuner's metrics (moespec.tuner.incumbent); default "
                               "$OTEL_EXPORTER_OTLP_METRICS_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT; none = off")
-    intake.add_arguments(parser)
+    receiver_auth.add_arguments(parser)
     parser.add_argument("--whatif-recording", type=Path, default=None, metavar="FILE",
                         help="the server's --record-steps FILE (same machine): after each measured trial at draft "
                              "length k, replay its recorded steps, store the predicted cost of every k' <= k in the "
