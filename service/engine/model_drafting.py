@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from service.engine.model import RaggedBatch
+from service.engine.draft_head import DraftHead
+from service.engine.model import KVCache, RaggedBatch
 from service.engine.sampling import draft_probs, point_mass, sample
 from service.engine.sequence import Sequence
 
@@ -74,7 +75,8 @@ def draft_with_head(e: Engine, seqs: list[Sequence], ks: list[int]) -> list[tupl
         batch = RaggedBatch.build([s.slot for s in seqs], [s.draft_valid for s in seqs], lengths)
         logits, fhat = head.forward_ragged(e.target.embed_tokens(torch.cat(pending)), torch.cat(features), batch,
                                            e.draft_cache, torch.tensor(lengths).cumsum(0) - 1)  # [B, Vd], [B, H]
-        chains = [chain_reference(e, s, k, logits[j], fhat[j], s.policy.draft_temperature, u)
+        chains = [chain_reference(head, e.target.embed_tokens, e.draft_cache, s.slot, len(s.ids), k, logits[j], fhat[j],
+                                  s.policy.draft_temperature, u)
                   for j, (s, k, u) in enumerate(zip(seqs, ks, uniforms, strict=True))]
     out = []
     for picks, q in chains:
@@ -86,19 +88,21 @@ def draft_with_head(e: Engine, seqs: list[Sequence], ks: list[int]) -> list[tupl
     return out
 
 
-def chain_reference(e: Engine, s: Sequence, k: int, logits: torch.Tensor, feature: torch.Tensor,
-                    temperature: float, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`Kernels.head_chain` in torch ops: the same picks from the same uniforms."""
-    head, picks, qs = e.draft, [], []
+def chain_reference(head: DraftHead, embed: torch.nn.Embedding, cache: KVCache, slot: int, position: int, k: int,
+                    logits: torch.Tensor, feature: torch.Tensor, temperature: float,
+                    uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`Kernels.head_draft`'s chain in torch ops (after a catch-up whose last row gave logits [Vd] and
+    feature [H]; the chain's entries go to positions position.. of `slot`): the same picks from the
+    same uniforms."""
+    picks, qs = [], []
     for j in range(k):
         index, q = pick(logits, temperature, None if uniforms is None else float(uniforms[j]))
         picks.append(index)
         qs.append(q)
         if j == k - 1:
             break
-        batch = RaggedBatch.build([s.slot], [len(s.ids) + j], [1])
-        token = head.vocab[index:index + 1]
-        logits, feature = head.forward_ragged(e.target.embed_tokens(token), feature[None], batch, e.draft_cache,
+        batch = RaggedBatch.build([slot], [position + j], [1])
+        logits, feature = head.forward_ragged(embed(head.vocab[index:index + 1]), feature[None], batch, cache,
                                               torch.zeros(1, dtype=torch.long))
         logits, feature = logits[0], feature[0]
     return torch.tensor(picks), None if uniforms is None else torch.stack(qs)
