@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from service.engine.draft_head import DraftHead, head_config, save_head
+from service.engine.draft_head import DraftHead, head_config, load_head, save_head
 from service.engine.model import Transformer
-from service.engine.weights import DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, MODELS_DIR, load_model
-from training.train import batch, corpus_files, encode, lr_at
+from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, MODELS_DIR, load_model
+from training.common import batch, combine, corpus_files, encode, lr_at
 
 DRAFT_VOCAB = 1024
 INTERMEDIATE = 512
@@ -37,6 +37,22 @@ def draft_vocabulary(train_ids: torch.Tensor, size: int, eos: int) -> torch.Tens
     counts = torch.bincount(train_ids, minlength=int(train_ids.max()) + 1)
     counts[eos] = counts.max() + 1
     return counts.topk(size).indices.sort().values
+
+
+def new_head(target: Transformer, train_ids: torch.Tensor) -> DraftHead:
+    """A fresh head for `target`: the draft vocabulary from the corpus, its output layer started from
+    the target's rows for those tokens."""
+    vocab = draft_vocabulary(train_ids, DRAFT_VOCAB, target.cfg.eos_token_id)
+    head = DraftHead(head_config(target.cfg, DRAFT_VOCAB, INTERMEDIATE), target.cfg.vocab_size)
+    head.vocab.copy_(vocab)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight[vocab])
+    return head
+
+
+def head_report(head: DraftHead, run: dict, metrics: dict, threads: int) -> dict:
+    return {**run, "draft_vocab": head.cfg.vocab_size, "intermediate": head.cfg.intermediate_size, "unroll": UNROLL,
+            "threads": threads, **metrics}
 
 
 def target_view(target: Transformer, tokens: torch.Tensor, vocab: torch.Tensor
@@ -103,6 +119,35 @@ def evaluate_head(target: Transformer, head: DraftHead, data: torch.Tensor, wind
             "head_vocab_covers_target_greedy": round(in_vocab, 3)}
 
 
+@torch.no_grad()
+def dense_agreement(target: Transformer, draft: Transformer, data: torch.Tensor, windows: int = 24) -> float:
+    """The dense draft's teacher-forced greedy agreement on the same windows as `evaluate_head`."""
+    tokens = batch(data, windows, 256, torch.Generator().manual_seed(1234))[:, :-1]
+    return round((target.forward_train(tokens)[0].argmax(-1) == draft.forward_train(tokens)[0].argmax(-1))
+                 .float().mean().item(), 3)
+
+
+def unlike_corpus_files() -> list[Path]:
+    """Code unlike the training set: this repository's own Python sources (never trained on)."""
+    root = Path(__file__).resolve().parents[1]
+    return sorted(p for d in ("service", "tuner", "otel", "tests", "training") for p in (root / d).rglob("*.py")
+                  if "proto_gen" not in p.parts)
+
+
+def evaluate_shipped(tok, heldout_ids: torch.Tensor) -> dict:
+    """Both drafters on held-out standard-library code and on code unlike it."""
+    target, head = load_model(DEFAULT_TARGET_DIR), load_head(DEFAULT_HEAD_DIR, for_inference=False)
+    dense = load_model(DEFAULT_DRAFT_DIR)
+    unlike = unlike_corpus_files()
+    corpora = {"heldout_stdlib": heldout_ids, "moespec_sources": encode(tok, unlike)}
+    out = {}
+    for name, ids in corpora.items():
+        out[name] = {**evaluate_head(target, head, ids), "tokens": ids.numel(),
+                     "dense_draft_greedy_agreement": dense_agreement(target, dense, ids)}
+    out["moespec_sources"]["files"] = len(unlike)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=60)
@@ -111,6 +156,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--out", type=Path, default=DEFAULT_HEAD_DIR)
+    ap.add_argument("--resume", action="store_true",
+                    help="continue training the head in --out with a fresh schedule (new batches)")
+    ap.add_argument("--evaluate", action="store_true",
+                    help="only evaluate the shipped head and dense draft (held-out and unlike code) into the report")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -118,19 +167,25 @@ def main() -> None:
 
     tok = Tokenizer.from_file(str(DEFAULT_TARGET_DIR / "tokenizer.json"))
     train_files, heldout_files = corpus_files()
-    train_ids, heldout_ids = encode(tok, train_files), encode(tok, heldout_files)
-    target = load_model(DEFAULT_TARGET_DIR)
-    vocab = draft_vocabulary(train_ids, DRAFT_VOCAB, target.cfg.eos_token_id)
-    head = DraftHead(head_config(target.cfg, DRAFT_VOCAB, INTERMEDIATE), target.cfg.vocab_size)
-    head.vocab.copy_(vocab)
-    with torch.no_grad():  # start the output layer from the target's rows for those tokens
-        head.lm_head.weight.copy_(target.lm_head.weight[vocab])
-    run = train_head(target, head, train_ids, args.minutes, args.lr, args.out, args.batch, args.seq)
-    metrics = evaluate_head(target, head, heldout_ids)
     report_path = MODELS_DIR / "training_report.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
-    report["draft_head"] = {**run, "draft_vocab": DRAFT_VOCAB, "intermediate": INTERMEDIATE, "unroll": UNROLL,
-                            "threads": args.threads, **metrics}
+    if args.evaluate:
+        report.setdefault("draft_head", {})["evaluation"] = evaluate_shipped(tok, encode(tok, heldout_files))
+        report_path.write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report["draft_head"]["evaluation"], indent=2))
+        return
+    train_ids, heldout_ids = encode(tok, train_files), encode(tok, heldout_files)
+    target = load_model(DEFAULT_TARGET_DIR)
+    previous = report.get("draft_head") if args.resume else None
+    if args.resume:
+        head = load_head(args.out, for_inference=False).requires_grad_(True)
+        head.vocab.requires_grad_(False)
+    else:
+        head = new_head(target, train_ids)
+    seed = len((previous or {}).get("runs", [previous] if previous else []))  # a resumed run draws new batches
+    run = train_head(target, head, train_ids, args.minutes, args.lr, args.out, args.batch, args.seq, seed=seed)
+    metrics = evaluate_head(target, head, heldout_ids)
+    report["draft_head"] = head_report(head, combine(previous, run), metrics, args.threads)
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report["draft_head"], indent=2))
 
