@@ -88,11 +88,15 @@ def test_streamed_deltas_concatenate_to_the_final_text(engine):
     free_request = GenerationRequest(prompt=heldout_prompts(2)[1], max_new_tokens=32,
                                      sampling=SamplingParams(temperature=1.0, seed=11))
     free = engine.generate(free_request, DraftPolicy(draft_length=3))
-    # A stop string from the middle of this seed's own output: the same seed reaches it again.
-    middle = len(free.text) // 2
-    stop = free.text[middle:middle + 4]
-    cut = free.text.find(stop)
-    assert len(stop) == 4 and cut > 0, free.text
+    # A stop string from this seed's own output (the same seed reaches it again) that straddles two
+    # steps: its first half is text a stream must hold back until the next step tells.
+    ends, done = [], 0
+    for step in free.steps:
+        done += step.committed
+        ends.append(len(engine.decode(list(free.token_ids[:done]))))
+    cut = next(b - 2 for b in ends[len(ends) // 3:] if b - 2 > 0 and free.text.find(free.text[b - 2:b + 2]) == b - 2
+               and len(free.text[b - 2:b + 2]) == 4)
+    stop = free.text[cut:cut + 4]
     deltas = []
     result = engine.generate(dataclasses.replace(free_request, stop=(stop,)), DraftPolicy(draft_length=3),
                              on_delta=deltas.append)
