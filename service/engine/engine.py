@@ -51,6 +51,7 @@ from service.types import (
     InvalidRequest,
     ModelInfo,
     StreamDelta,
+    new_token_budget,
 )
 
 __all__ = ["Engine", "EngineConfig", "unique_experts_per_layer"]
@@ -171,7 +172,7 @@ class Engine:
         if len(prompt) >= self.max_context:
             raise InvalidRequest("prompt", f"{len(prompt)} tokens; the context holds {self.max_context} "
                                            "including at least one new token")
-        budget = min(request.max_new_tokens, self.max_context - len(prompt))
+        budget = new_token_budget(request.max_new_tokens, len(prompt), self.max_context)
         result = self._scheduler.submit(Sequence(request, policy, prompt, budget, should_stop, on_delta))
         if self.recorder is not None:
             self.recorder.write(result.steps)  # never raises: a full disk loses the recording, not the request
@@ -232,6 +233,7 @@ class Engine:
             expert_bytes=3 * cfg.hidden_size * cfg.moe_intermediate_size * bytes_per_param,
             decode_step_seconds=self.decode_step_seconds,
             concurrent_policies=True,  # the policy is a per-call argument: any mix of arms at once
+            device="cpu",  # the fused kernels and the torch fallbacks run on the CPU only
             shared_passes=self.config.max_batch > 1,  # continuous batching: one target pass serves them all
         )
 

@@ -47,6 +47,7 @@ from service.types import (
     InvalidRequest,
     ModelInfo,
     StreamDelta,
+    new_token_budget,
 )
 
 log = logging.getLogger(__name__)
@@ -184,7 +185,7 @@ class SGLangBackend:
         rid = uuid.uuid4().hex
         params = sampling_params(request, greedy=greedy)
         # As the embedded engine: the context bounds the budget instead of failing the request.
-        params["max_new_tokens"] = min(params["max_new_tokens"], self.info.max_context - len(prompt))
+        params["max_new_tokens"] = new_token_budget(params["max_new_tokens"], len(prompt), self.info.max_context)
         t0 = time.perf_counter()
         ttft, output, text, meta, cancelled = 0.0, (), "", {}, False
         for chunk in self._slot.stream(prompt, params, rid):
