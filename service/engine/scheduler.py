@@ -84,6 +84,11 @@ def unique_experts_per_window(routed: torch.Tensor, lengths: list[int], num_expe
     return [tuple(c) for c in own], tuple(touched.any(1).sum(-1).tolist())
 
 
+def uses_head(seq: Sequence) -> bool:
+    """The sequence drafts with the model drafter (a draft head, where the engine has one)."""
+    return seq.policy.drafter is Drafter.MODEL and seq.policy.draft_length > 0
+
+
 @dataclass(frozen=True)
 class PrefillChunk:
     """Prompt tokens [start, start+length) of a sequence, riding in one pass."""
@@ -249,8 +254,7 @@ class Scheduler:
         batch = RaggedBatch.build([c.seq.slot for c in chunks], [c.start for c in chunks], [c.length for c in chunks])
         e = self.e
         # A draft head reads the target's features of the prompt too (one more MLP per pass).
-        head_users = e.draft_is_head and any(c.seq.policy.drafter is Drafter.MODEL and c.seq.policy.draft_length
-                                             for c in chunks)
+        head_users = e.draft_is_head and any(uses_head(c.seq) for c in chunks)
         features = e.target.fill_cache(tokens, batch, e.target_cache, features=head_users)
         if features is not None:
             e.target_features[batch.token_slot, batch.positions] = features
@@ -273,7 +277,7 @@ class Scheduler:
         out = e.target.forward_ragged(torch.tensor([t for w in windows for t in w]), batch, e.target_cache)
         pass_id = next(self._pass_ids)
         logits, routed = out.logits, out.routed_ids  # [n, V], [L, n, m]
-        if e.draft_is_head:  # what the head's next catch-up reads
+        if e.draft_is_head and any(uses_head(s) for s in seqs):  # what the head's next catch-up reads
             e.target_features[batch.token_slot, batch.positions] = out.features
         verdicts = self._accept(seqs, proposals, logits, lengths)
         t2 = time.perf_counter()
