@@ -34,7 +34,7 @@ from service.engine.weights import (  # noqa: E402
     save_model,
 )
 from training.common import EOS, batch, combine, corpus_files, encode, lr_at, read  # noqa: E402
-from training.head import evaluate_head, head_report, new_head, train_head  # noqa: E402
+from training.head import evaluate_head, evaluate_shipped, head_report, new_head, train_head  # noqa: E402
 from training.model_card import render as render_model_card  # noqa: E402
 
 VOCAB = 4096
@@ -137,7 +137,7 @@ def evaluate(target: Transformer, draft: Transformer, data: torch.Tensor, window
     h = target.embed_tokens(x)
     cos, sin = target.rope_cos[:x.shape[1]], target.rope_sin[:x.shape[1]]
     for layer in target.layers:
-        h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, None, 0, 0)
+        h = h + layer.self_attn(layer.input_layernorm(h), cos, sin)
         flat = layer.post_attention_layernorm(h).reshape(-1, cfg.hidden_size)
         out, _, ids = layer.mlp(flat)
         h = h + out.view_as(h)
@@ -202,6 +202,7 @@ def main() -> None:
         previous_head = (previous or {}).get("draft_head")
         metrics["draft_head"] = head_report(head, combine(previous_head, head_run),
                                             evaluate_head(target, head, heldout_ids), args.threads)
+        metrics["draft_head"]["evaluation"] = evaluate_shipped(tok, heldout_ids)  # both drafts, as shipped
     elif previous and "draft_head" in previous:
         metrics["draft_head"] = previous["draft_head"]
     card = {"corpus": f"CPython {sys.version.split()[0]} standard library, non-test .py files",
