@@ -11,6 +11,8 @@ Format (JSON Lines, appendable, one complete line per step so a killed server le
   "draft_s", "verify_s", "dse": decode-step equivalents, "tokens": [w] window token ids,
   "topk": base64 of the [L, w, m] routed ids as little-endian uint8 (uint16 when E > 256)}.
   About 0.5 kB per step for a 9-position window of a 4-layer top-8 model.
+The file is created 0600 (an existing one is narrowed to 0600) and never opened through a symlink:
+its token ids let anyone who reads it rebuild the requests' outputs.
 A file may hold several headers (a server restarted on the same file); they must describe the same
 model, and request numbers restart under each.
 On load the per-position acceptance is derived from "accepted" (service.types.accepted_positions),
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from service.private_files import open_private
 from service.types import Drafter, ModelInfo, StepRecord, accepted_positions
 
 FORMAT = "moespec.steps"
@@ -77,7 +80,8 @@ class StepRecorder:
         self._requests = 0
         self.errors = 0
         # Opened once, up front: an unwritable path fails `serve` at start-up, not the first request.
-        self._file = self.path.open("a", encoding="utf-8")
+        # Mode 0600 and never through a symlink: the file holds every request's token ids.
+        self._file = open_private(self.path, append=True)
         self._file.write(json.dumps(header_for(info, hidden_size)) + "\n")
         self._file.flush()
 

@@ -41,6 +41,7 @@ from service.engine.scheduler import Scheduler, unique_experts_per_layer
 from service.engine.sequence import Sequence
 from service.engine.threads import usable_cores
 from service.engine.weights import DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, load_for_inference
+from service.limits import PromptLimits, tokenizer_prompt_bytes
 from service.recording import StepRecorder
 from service.types import (
     MAX_DRAFT_LENGTH,
@@ -142,6 +143,9 @@ class Engine:
         # machine's current speed instead of the start-up calibration (which a busy CPU distorts).
         self._plain_steps: deque[float] = deque(maxlen=64)
         self.info = self._model_info()
+        # What the server checks before any work (service/limits.py): context and prompt bytes.
+        self.prompt_limits = PromptLimits(self.max_context, tokenizer_prompt_bytes(self.tokenizer, self.max_context),
+                                          cfg.vocab_size)
         self.ep = (expert_parallel.make_placement(config.ep.size, cfg.num_hidden_layers, cfg.num_experts,
                                                   config.ep.physical_to_logical) if config.ep else None)
         self.ep_token_bytes = cfg.hidden_size * (config.ep.dtype_bytes if config.ep else 0)

@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from otel.api import Telemetry
 from service.backend import Backend
+from service.limits import PromptLimits, default_request_limit
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
 from service.server import reflection
@@ -60,7 +61,10 @@ class ServerConfig:
     admin_token: str | None = None  # None: SetPolicy refused
     tls_cert: bytes | None = None  # PEM; with tls_key, serve TLS only
     tls_key: bytes | None = None
-    max_message_bytes: int = 1 << 20  # larger requests are refused by gRPC (RESOURCE_EXHAUSTED)
+    max_message_bytes: int = 1 << 20  # largest response; larger requests are refused too
+    # Largest request message (gRPC answers RESOURCE_EXHAUSTED beyond it); None: twice what a full
+    # context needs (service.limits.default_request_limit), at most max_message_bytes.
+    max_request_bytes: int | None = None
     grace_seconds: float = 10.0  # in-flight requests get this long after SIGTERM
     initial_policy: DraftPolicy = field(default_factory=DraftPolicy)
 
@@ -79,6 +83,11 @@ class MoespecServer:
         workers = config.workers or max(1, getattr(backend, "max_batch", 1))
         self.runner = EngineRunner(backend, workers=workers, max_queue=config.max_queue)
         self.policies = PolicyStore(self.info, config.initial_policy)
+        # Checked before any work on a request; a backend without its own says only the context.
+        self.limits: PromptLimits = getattr(backend, "prompt_limits", None) or PromptLimits(
+            self.info.max_context, None, self.info.vocab_size)
+        self.max_request_bytes = config.max_request_bytes or min(default_request_limit(self.limits),
+                                                                 config.max_message_bytes)
         self._telemetry = telemetry
         self._interceptors = tuple(interceptors)
         self._server: grpc.aio.Server | None = None
@@ -93,14 +102,15 @@ class MoespecServer:
     async def start(self) -> int:
         cfg = self.config
         options = [
-            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_request_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),  # port 0 must really be free, not shared with another server
         ]
         server = grpc.aio.server(options=options, interceptors=self._interceptors)
         pb_grpc.add_InferenceServicer_to_server(
             InferenceServicer(self.runner, self.info, self.policies, self._telemetry,
-                              live_info=lambda: self._backend.info, draining=lambda: self._draining), server
+                              live_info=lambda: self._backend.info, draining=lambda: self._draining,
+                              limits=self.limits), server
         )
         pb_grpc.add_PolicyAdminServicer_to_server(PolicyAdminServicer(self.policies, cfg.admin_token), server)
         self._health = health.aio.HealthServicer()

@@ -5,6 +5,9 @@ Contract:
   reported in spec.policy_id and its spans; see service.traffic) and inside `telemetry.request(...)`,
   opened in the RPC's own context, ended by exactly one of `finish(result)` (also for a partial,
   cancelled generation) or `fail(error, ...)`.
+- Limits before work: a prompt longer than the context (ids) or than its tokenizer can ever fit in
+  it (text bytes) is refused from its lengths alone, before conversion; conversion and validation
+  then run in a worker thread, so the event loop (health, other RPCs) never waits on them.
 - Errors map to status codes here and only here: InvalidRequest -> INVALID_ARGUMENT (message starts
   with the field; the field is also the trailing metadata "moespec-invalid-field"), Overloaded ->
   RESOURCE_EXHAUSTED, a deadline that stopped the engine -> DEADLINE_EXCEEDED, anything else from
@@ -34,6 +37,7 @@ import grpc
 
 from otel.api import RequestObservation, Telemetry
 from otel.telemetry import NoTelemetry
+from service.limits import PromptLimits
 from service.policy_ids import derived_id
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
@@ -116,10 +120,12 @@ class _Failure(Exception):
 
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, runner: EngineRunner, info: ModelInfo, policies: PolicyStore, telemetry: Telemetry | None,
-                 live_info: Callable[[], ModelInfo] | None = None, draining: Callable[[], bool] = lambda: False):
+                 live_info: Callable[[], ModelInfo] | None = None, draining: Callable[[], bool] = lambda: False,
+                 limits: PromptLimits | None = None):
         self._runner = runner
         self._draining = draining
         self._info = info
+        self._limits = limits or PromptLimits(info.max_context, None, info.vocab_size)
         # Some fields change while serving (SGLang's policy_switches / policy_switch_seconds,
         # decode_step_seconds), so GetModelInfo reads the backend's current info when given it.
         self._live_info = live_info or (lambda: info)
@@ -181,14 +187,23 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     ) -> tuple[GenerationResult, str, convert.Budget]:
         if self._draining():
             raise _Failure(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
-        request = convert.request_from_pb(request_pb)
+        try:
+            # Lengths only, before the ids are copied or the text tokenized: a prompt that can never fit
+            # costs nothing (it gets no request span: no work was done for it).
+            self._limits.check(request_pb)
+        except InvalidRequest as e:
+            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
+        # Assigned before the first await: arms follow the order requests start in (service.traffic).
         policy = self._policies.assign()
+        # Copying and validating up to a context of ids runs in a worker thread, never on the event
+        # loop that answers health checks and every other RPC.
+        request = await asyncio.to_thread(convert.request_from_pb, request_pb)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         with self._observe(request, policy) as obs:
             try:
                 # Checked here as well as in the engine so bad input never waits in the queue.
-                request.validate(self._info.vocab_size, self._info.max_context)
+                await asyncio.to_thread(request.validate, self._info.vocab_size, self._info.max_context)
                 result = await self._runner.run(request, policy, deadline=deadline, on_delta=on_delta)
             except GenerationCancelled as e:
                 if e.result is not None:
