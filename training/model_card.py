@@ -48,6 +48,8 @@ def render(report: dict) -> str:
          f"{h['steps']} steps x {h['batch']} x {h['seq']} tokens ({h['tokens'] / 1e6:.1f}M tokens), {h['minutes']} "
          f"min on the frozen target: soft cross-entropy on the target's distribution + 0.1 x smooth-L1 to its "
          f"feature, over {h['unroll']} unrolled drafting steps (later steps read the head's own feature)"),
+        ("held-out loss (nats/token)", str(report["target_heldout_loss"]), str(report["draft_heldout_loss"]),
+         "(drafts over its own vocabulary; see the agreement below)"),
         ("used by", "both backends", "SGLang's STANDALONE speculative mode; `moespec serve --draft-model`",
          "the embedded engine's model drafter (default)"),
     ]
