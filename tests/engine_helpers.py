@@ -13,6 +13,7 @@ import torch
 from scipy.stats import chi2, chisquare, ncx2
 
 from service.engine import Engine, EngineConfig, sampling
+from service.engine.model import KVCache, RaggedBatch
 from service.engine.weights import MODELS_DIR
 from tests.conftest import RecordingBackend
 
@@ -32,6 +33,23 @@ def heldout_prompts(count: int) -> list[str]:
 def make_engine(**overrides) -> Engine:
     # One intra-op thread: the per-step ops are small, and other test processes may share the cores.
     return Engine(EngineConfig(**{"threads": 1, "math": "fp32", **overrides}))
+
+
+def draft_next_token_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """The engine's draft logits [1, V] for the token after ids, from fresh caches (a draft head's
+    are -inf outside its vocabulary: probability 0 there)."""
+    tokens = torch.tensor(ids)
+    with torch.inference_mode():
+        if not engine.draft_is_head:
+            return engine.draft.forward(tokens, 0, KVCache(engine.draft.cfg, len(ids))).logits[-1:]
+        features = engine.target.forward(tokens, 0, KVCache(engine.target.cfg, len(ids))).features
+        entry_features = torch.cat([features.new_zeros(1, features.shape[1]), features[:-1]])  # entry p reads p - 1
+        logits, _ = engine.draft.forward_ragged(engine.target.embed_tokens(tokens), entry_features,
+                                                RaggedBatch.build([0], [0], [len(ids)]),
+                                                KVCache(engine.draft.cfg, len(ids)), torch.tensor([len(ids) - 1]))
+    full = logits.new_full((1, engine.target.cfg.vocab_size), float("-inf"))
+    full[0, engine.draft.vocab] = logits[0]
+    return full
 
 
 def patch_engine_sampling(monkeypatch, **functions: Callable) -> None:

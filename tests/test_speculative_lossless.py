@@ -20,6 +20,7 @@ from tests.engine_helpers import (
     accept_bonus_from_q,
     accept_residual_from_p,
     accept_told_q_at_temperature,
+    draft_next_token_logits,
     fit_power,
     fit_pvalue,
     heldout_prompts,
@@ -65,8 +66,8 @@ def test_greedy_ngram_drafts_give_the_plain_decoding_output(engine, plain_output
 SAMPLING = SamplingParams(temperature=0.9, top_p=0.95)
 E2E_REQUESTS = 400  # seeded requests per end-to-end fit test
 ALPHA = 1e-3  # the fit test's level: a lossless engine must stay above it, every wrong engine fall below
-# A cool draft (T = 0.5): its q differs from p enough that every wrong engine below is visible.
-MODEL_DRAFTS = DraftPolicy(draft_length=3, draft_temperature=0.5)
+# A cool draft (T = 0.3): its q differs from p enough that every wrong engine below is visible.
+MODEL_DRAFTS = DraftPolicy(draft_length=3, draft_temperature=0.3)
 
 
 def next_token_probs(engine, ids: list[int], sampling: SamplingParams = SAMPLING) -> torch.Tensor:
@@ -86,9 +87,7 @@ def assert_spread(p: torch.Tensor) -> None:
 
 
 def draft_next_token_probs(engine, ids: list[int], temperature: float) -> torch.Tensor:
-    with torch.inference_mode():
-        logits = engine.draft.forward(torch.tensor(ids), 0, KVCache(engine.draft.cfg, len(ids))).logits[-1:]
-    return draft_probs(logits, temperature)[0]
+    return draft_probs(draft_next_token_logits(engine, ids), temperature)[0]
 
 
 def first_token_law_told_q(p: torch.Tensor, q: torch.Tensor, told: torch.Tensor) -> torch.Tensor:
@@ -111,7 +110,7 @@ def wrong_first_token_laws(p: torch.Tensor, q: torch.Tensor) -> dict[str, torch.
 
 @pytest.fixture(scope="module")
 def spread_prompt(engine):
-    """The short held-out snippet (last 3, 4 or 6 tokens of a prompt; the hundreds of prefills
+    """The short held-out snippet (its last 2-8 tokens; the hundreds of prefills
     stay cheap) whose first token best tells the wrong engines from the right one, among those
     whose next token is spread (several likely tokens: the fit test has bins to compare)."""
     def weakest_signal(ids: tuple[int, ...]) -> float:
@@ -121,7 +120,7 @@ def spread_prompt(engine):
         q = draft_next_token_probs(engine, list(ids), MODEL_DRAFTS.draft_temperature)
         return min(float(((w - p) ** 2 / p.clamp(min=1e-12)).sum()) for w in wrong_first_token_laws(p, q).values())
 
-    candidates = {tuple(engine.tokenizer.encode(p).ids[-n:]) for p in heldout_prompts(32) for n in (3, 4, 6)}
+    candidates = {tuple(engine.tokenizer.encode(p).ids[-n:]) for p in heldout_prompts(64) for n in (2, 3, 4, 5, 6, 8)}
     ids = max(sorted(candidates), key=weakest_signal)
     p = next_token_probs(engine, list(ids))
     assert_spread(p)
@@ -164,9 +163,7 @@ def repeated_prompt(engine):
 def next_token_distributions(engine, spread_prompt):
     """The target's p (temperature 0.9, top-p 0.95) and the draft's logits after a real prompt."""
     _, ids, p = spread_prompt
-    with torch.inference_mode():
-        draft_logits = engine.draft.forward(torch.tensor(ids), 0, KVCache(engine.draft.cfg, len(ids))).logits[-1:]
-    return p.unsqueeze(0), draft_logits
+    return p.unsqueeze(0), draft_next_token_logits(engine, ids)
 
 
 def _committed_first_tokens(p, q_sampled, q_claimed, n, seed=0):

@@ -102,7 +102,19 @@ def test_prompt_subset_is_the_first_n_and_checked():
         first_prompts(PROMPTS, 4)
 
 
-@pytest.mark.parametrize("argv", [["--concurrency", "0"], ["--rate", "-1"], ["--count", "0"], ["--duration", "0"]])
+def test_sampled_requests_carry_temperature_top_p_and_a_seed_each():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    spec = spec_from_args(parser.parse_args(["--count", "4", "--temperature", "0.8", "--top-p", "0.9",
+                                             "--seed", "7", "--concurrency", "1"]))
+    client = FakeClient()
+    LoadGenerator(client, PROMPTS, spec).run()
+    assert [(r.sampling.temperature, r.sampling.top_p) for r in client.requests] == [(0.8, 0.9)] * 4
+    assert sorted(r.sampling.seed for r in client.requests) == [7, 8, 9, 10]
+
+
+@pytest.mark.parametrize("argv", [["--concurrency", "0"], ["--rate", "-1"], ["--count", "0"], ["--duration", "0"],
+                                  ["--top-p", "0"], ["--top-p", "1.5"]])
 def test_bad_arguments_are_usage_errors(argv):
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -13,7 +13,7 @@ import sysconfig
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from training.train import corpus_files, read  # noqa: E402
+from training.common import corpus_files, read  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "service" / "prompts" / "heldout.jsonl"
 

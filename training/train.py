@@ -1,22 +1,20 @@
-"""Reproduce the shipped model pair: tokenizer, Qwen2-MoE target, distilled Qwen2 draft, model card.
+"""Reproduce the shipped models: tokenizer, Qwen2-MoE target, distilled dense Qwen2 draft, the draft
+head on the frozen target (training/head.py), model card.
 
 Corpus: the non-test Python sources of the CPython standard library that runs this script (present
 wherever Python runs, PSF licence). Files are split into train / held-out by a hash of their path,
 so the held-out set (and the shipped prompt set cut from it) never appears in training.
 
-    python training/train.py --target-minutes 28 --draft-minutes 12
+    python training/train.py --target-minutes 28 --draft-minutes 12 --head-minutes 60
 
-Writes service/models/{target,draft}/ and service/models/MODEL_CARD.md.
+Writes service/models/{target,draft,draft-head}/ and service/models/MODEL_CARD.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import math
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -25,28 +23,22 @@ import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from service.engine.draft_head import load_head  # noqa: E402
 from service.engine.model import ModelConfig, Transformer, init_weights  # noqa: E402
-from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, MODELS_DIR, load_model, save_model  # noqa: E402
+from service.engine.weights import (  # noqa: E402
+    DEFAULT_DRAFT_DIR,
+    DEFAULT_HEAD_DIR,  # noqa: E402
+    DEFAULT_TARGET_DIR,
+    MODELS_DIR,
+    load_model,
+    save_model,
+)
+from training.common import EOS, batch, combine, corpus_files, encode, lr_at, read  # noqa: E402
+from training.head import evaluate_head, evaluate_shipped, head_report, new_head, train_head  # noqa: E402
 from training.model_card import render as render_model_card  # noqa: E402
 
-EOS = "<|endoftext|>"
 VOCAB = 4096
 CONTEXT = 512
-
-
-def corpus_files(heldout_every: int = 25) -> tuple[list[Path], list[Path]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
-    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
-    train, heldout = [], []
-    for p in files:
-        digest = int(hashlib.sha256(str(p.relative_to(root)).encode()).hexdigest(), 16)
-        (heldout if digest % heldout_every == 0 else train).append(p)
-    return train, heldout
-
-
-def read(p: Path) -> str:
-    return p.read_text(encoding="utf-8", errors="replace")
 
 
 # Qwen2's pre-tokenization (transformers' Qwen2Tokenizer rebuilds exactly this pipeline around the
@@ -77,15 +69,6 @@ def save_tokenizer(tok: Tokenizer, directory: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def encode(tok: Tokenizer, files: list[Path]) -> torch.Tensor:
-    eos = tok.token_to_id(EOS)
-    ids: list[int] = []
-    for enc in tok.encode_batch([read(p) for p in files]):
-        ids.extend(enc.ids)
-        ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long)
-
-
 def target_config(eos: int) -> ModelConfig:
     return ModelConfig(model_type="qwen2_moe", vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
@@ -100,17 +83,6 @@ def draft_config(eos: int) -> ModelConfig:
                        num_attention_heads=4, num_key_value_heads=2, intermediate_size=768,
                        max_position_embeddings=CONTEXT, rope_theta=10000.0, rms_norm_eps=1e-6,
                        tie_word_embeddings=True, eos_token_id=eos)
-
-
-def batch(data: torch.Tensor, size: int, length: int, gen: torch.Generator) -> torch.Tensor:
-    starts = torch.randint(0, data.numel() - length - 1, (size,), generator=gen)
-    return torch.stack([data[s:s + length + 1] for s in starts.tolist()])  # [B, T+1]
-
-
-def lr_at(step_frac: float, peak: float, warm: float = 0.03) -> float:
-    if step_frac < warm:
-        return peak * step_frac / warm
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step_frac - warm) / (1 - warm)))))
 
 
 def train(model: Transformer, data: torch.Tensor, minutes: float, peak_lr: float, out_dir: Path,
@@ -165,7 +137,7 @@ def evaluate(target: Transformer, draft: Transformer, data: torch.Tensor, window
     h = target.embed_tokens(x)
     cos, sin = target.rope_cos[:x.shape[1]], target.rope_sin[:x.shape[1]]
     for layer in target.layers:
-        h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, None, 0, 0)
+        h = h + layer.self_attn(layer.input_layernorm(h), cos, sin)
         flat = layer.post_attention_layernorm(h).reshape(-1, cfg.hidden_size)
         out, _, ids = layer.mlp(flat)
         h = h + out.view_as(h)
@@ -178,22 +150,15 @@ def evaluate(target: Transformer, draft: Transformer, data: torch.Tensor, window
             "uniform_routing_5_window": round(E * (1 - (1 - m / E) ** 5), 1)}
 
 
-def combine(previous: dict | None, run: dict) -> dict:
-    """Cumulative figures over a resumed model's runs; each run kept under "runs"."""
-    if not previous:
-        return {**run, "runs": [run]}
-    runs = previous.get("runs", [previous]) + [run]
-    total = {k: sum(r[k] for r in runs) for k in ("steps", "tokens")}
-    total["minutes"] = round(sum(r["minutes"] for r in runs), 1)
-    return {**run, **total, "peak_lr": "/".join(str(r["peak_lr"]) for r in runs), "runs": runs}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target-minutes", type=float, default=28)
     ap.add_argument("--draft-minutes", type=float, default=12)
     ap.add_argument("--target-lr", type=float, default=3e-3)
     ap.add_argument("--draft-lr", type=float, default=3e-3)
+    ap.add_argument("--head-minutes", type=float, default=60,
+                    help="the draft head's training (0: keep the shipped one)")
+    ap.add_argument("--head-lr", type=float, default=2e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--resume", action="store_true",
                     help="continue training the shipped checkpoints (same tokenizer) with a fresh schedule")
@@ -227,6 +192,19 @@ def main() -> None:
     draft_run = train(draft, train_ids, args.draft_minutes, args.draft_lr, DEFAULT_DRAFT_DIR, teacher=target,
                       seed=seed + 1)
     metrics = evaluate(target, draft, heldout_ids)
+    if args.head_minutes > 0:  # on the final target, frozen
+        head = load_head(DEFAULT_HEAD_DIR, for_inference=False).requires_grad_(True) if args.resume \
+            else new_head(target, train_ids)
+        head.vocab.requires_grad_(False)
+        target.requires_grad_(False)
+        head_run = train_head(target, head, train_ids, args.head_minutes, args.head_lr, DEFAULT_HEAD_DIR, 16, 256,
+                              seed=seed + 2)
+        previous_head = (previous or {}).get("draft_head")
+        metrics["draft_head"] = head_report(head, combine(previous_head, head_run),
+                                            evaluate_head(target, head, heldout_ids), args.threads)
+        metrics["draft_head"]["evaluation"] = evaluate_shipped(tok, heldout_ids)  # both drafts, as shipped
+    elif previous and "draft_head" in previous:
+        metrics["draft_head"] = previous["draft_head"]
     card = {"corpus": f"CPython {sys.version.split()[0]} standard library, non-test .py files",
             "train_files": len(train_files), "heldout_files": len(heldout_files),
             "train_tokens": train_ids.numel(), "heldout_tokens": heldout_ids.numel(),

@@ -108,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0, help="the requests' sampling temperature")
+    parser.add_argument("--top-p", type=float, default=1.0, help="the requests' nucleus sampling (temperature > 0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="server torch threads")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
@@ -187,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
         client = stack.enter_context(MoespecClient(server.address, admin_token=token))
         client.wait_ready(timeout=60)
         load = LoadGenerator(client, prompts, LoadSpec(concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
-                                                       temperature=args.temperature, seed=args.seed))
+                                                       temperature=args.temperature, top_p=args.top_p,
+                                                       seed=args.seed))
         load_thread = threading.Thread(target=load.run, args=(stop_load,), daemon=True)
         load_thread.start()
         stack.callback(load_thread.join, 30)

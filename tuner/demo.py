@@ -71,7 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=2, help="load generator callers")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens per request")
     parser.add_argument("--temperature", type=float, default=0.0,
-                        help="the requests' sampling temperature (0 = greedy, the code-completion default)")
+                        help="the requests' sampling temperature (0 = greedy, the code-completion default; "
+                             "e.g. 0.8 to see the draft temperature matter)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="the requests' nucleus sampling (temperature > 0)")
     parser.add_argument("--objective", choices=[o.value for o in Objective], default=Objective.MEASURED.value)
     parser.add_argument("--sampler", choices=("tpe", "grid", "random"), default="tpe")
     parser.add_argument("--seed", type=int, default=0, help="sampler and load seed")
@@ -89,6 +91,7 @@ def check_args(args: argparse.Namespace) -> None:
         (args.max_window_seconds > 0, "--max-window-seconds must be > 0"),
         (args.concurrency >= 1 and args.max_new_tokens >= 1, "--concurrency and --max-new-tokens must be >= 1"),
         (args.temperature >= 0, "--temperature must be >= 0"),
+        (0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
     ]:
         if not ok:
             raise UsageError(reason)
@@ -132,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         "elapsed_seconds": round(time.monotonic() - started, 1),
         "tuning_seconds": round(session.tune_seconds, 1),
         "load": {**session.load.as_dict(), "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens,
-                 "temperature": args.temperature, "prompts": str(args.prompts)},
+                 "temperature": args.temperature, "top_p": args.top_p, "prompts": str(args.prompts)},
         "settings": {"trials": args.trials, "remeasure": args.remeasure, "min_tokens": args.min_tokens,
                      "prompt_count": args.prompt_count,
                      "min_steps": args.min_steps, "objective": args.objective, "sampler": args.sampler,
@@ -164,7 +167,8 @@ def run_session(args: argparse.Namespace, storage, prompts: list[str], err: Text
         client = stack.enter_context(MoespecClient(server.address, admin_token=token))
         client.wait_ready(timeout=60)
         load = LoadGenerator(client, prompts, LoadSpec(concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
-                                                       temperature=args.temperature, seed=args.seed))
+                                                       temperature=args.temperature, top_p=args.top_p,
+                                                       seed=args.seed))
         load_thread = threading.Thread(target=load.run, args=(stop_load,), daemon=True, name="loadgen")
         load_thread.start()
         stack.callback(load_thread.join, 30)

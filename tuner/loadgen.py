@@ -79,6 +79,7 @@ class LoadSpec:
     count: int | None = None
     max_new_tokens: int = 64
     temperature: float = 0.0
+    top_p: float = 1.0  # nucleus sampling of the requests (with temperature > 0)
     seed: int | None = None  # arrival times and, when set, per-request sampling seeds
 
 
@@ -205,7 +206,7 @@ class LoadGenerator:
         return GenerationRequest(
             prompt=self._prompts[n % len(self._prompts)],
             max_new_tokens=self._spec.max_new_tokens,
-            sampling=SamplingParams(temperature=self._spec.temperature, seed=seed),
+            sampling=SamplingParams(temperature=self._spec.temperature, top_p=self._spec.top_p, seed=seed),
         )
 
     def _send(self, n: int) -> None:
@@ -243,6 +244,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-count", type=int, default=None, help="use only the first N prompts (cycled)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (default 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="request sampling temperature (0 = greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="request nucleus sampling, with --temperature > 0")
     parser.add_argument("--seed", type=int, default=None, help="seed arrivals and per-request sampling")
     parser.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the server")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -262,6 +264,8 @@ def spec_from_args(args: argparse.Namespace) -> LoadSpec:
         raise UsageError("--max-new-tokens must be >= 1")
     if not args.temperature >= 0:
         raise UsageError("--temperature must be >= 0")
+    if not 0 < args.top_p <= 1:
+        raise UsageError("--top-p must be in (0, 1]")
     duration = args.duration if args.duration is not None or args.count is not None else 30.0
     return LoadSpec(
         concurrency=None if args.rate else (args.concurrency or 2),
@@ -270,6 +274,7 @@ def spec_from_args(args: argparse.Namespace) -> LoadSpec:
         count=args.count,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
+        top_p=args.top_p,
         seed=args.seed,
     )
 

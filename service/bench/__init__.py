@@ -1,6 +1,8 @@
 """`moespec bench SUITE`: each suite measures side by side in one run and prints figures.
 
     moespec bench engine      policies vs plain decoding vs transformers, verify cost, capture overhead
+    moespec bench draft       the drafters through `moespec serve`: greedy and sampled requests, every draft
+                              length x draft temperature, draft and verify cost in plain decode steps
     moespec bench server      gRPC overhead vs in-process, throughput and latency at concurrency 1/4/16/32,
                               policies x concurrency under continuous batching (cost per token, batch union)
     moespec bench telemetry   throughput with telemetry off / live receiver / unreachable endpoint
@@ -18,6 +20,7 @@ import importlib
 
 SUITES: dict[str, tuple[str, str]] = {
     "engine": ("service.bench.engine", "the embedded engine: every policy vs plain decoding and transformers"),
+    "draft": ("service.bench.draft", "the drafters through moespec serve, greedy and sampled, interleaved"),
     "server": ("service.bench.server", "the gRPC server: overhead vs in-process, load at several concurrencies"),
     "telemetry": ("otel.bench", "throughput with telemetry off, on, and with an unreachable endpoint"),
     "tuner": ("tuner.bench", "exhaustive grid vs the tuner's pick"),

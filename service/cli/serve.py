@@ -65,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=2048,
                         help="torch backend: newcomers' prompt tokens per pass while others decode (chunked "
                              "prefill: bounds how long a long prompt stalls the running requests)")
+    parser.add_argument("--draft-model", type=Path, default=None,
+                        help="torch backend: the model drafter's weights, a draft head directory (default: the "
+                             "shipped service/models/draft-head) or a dense draft model directory "
+                             "(service/models/draft, the one SGLang's STANDALONE mode loads)")
     parser.add_argument("--drafter", choices=[d.value for d in Drafter], default=Drafter.MODEL.value,
                         help="initial draft policy: drafter")
     parser.add_argument("--draft-length", type=int, default=0,
@@ -163,12 +167,19 @@ def create_backend(args: argparse.Namespace) -> Backend:
             create_private(args.record_steps)
         except OSError as e:
             raise UsageError(f"--record-steps: {e}") from None
+    draft = {} if args.draft_model is None else {"draft_dir": args.draft_model}
+    if args.draft_model is not None and not args.draft_model.is_dir():
+        raise UsageError(f"--draft-model: no folder {args.draft_model}")
     try:
         engine = Engine(EngineConfig(threads=args.threads or default_threads(), kernel_threads=args.kernel_threads,
                                      ep=ep, record_steps=args.record_steps, max_batch=args.max_batch,
-                                     prefill_chunk=args.prefill_chunk, math=args.math))
+                                     prefill_chunk=args.prefill_chunk, math=args.math, **draft))
     except expert_parallel.PlacementError as e:  # a placement that does not fit the model
         raise UsageError(f"--ep-placement: {e}") from None
+    except (FileNotFoundError, ValueError) as e:
+        if args.draft_model is None:
+            raise
+        raise UsageError(f"--draft-model: {e}") from None
     if engine.step_kind == "fast":
         print(f"moespec: {engine.kernel_threads.describe()}", file=sys.stderr, flush=True)
         print(f"moespec: matrix products in {engine.math} ({MATH_REASONS[engine.math, args.math is not None]})",

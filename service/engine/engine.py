@@ -1,4 +1,5 @@
-"""The embedded engine: a Qwen2-MoE target and a dense draft on PyTorch, speculative decoding,
+"""The embedded engine: a Qwen2-MoE target and its draft (a draft head or a dense draft model) on
+PyTorch, speculative decoding,
 and per-layer expert unions of every verification pass.
 
 Contract:
@@ -31,6 +32,7 @@ import torch
 from tokenizers import Tokenizer
 
 from service import expert_parallel
+from service.engine.draft_head import is_head_dir, load_head
 from service.engine.kernel_pool import ONE_THREAD, KernelPool, KernelThreads
 from service.engine.kernels import build as build_kernels
 from service.engine.model import KERNEL_WINDOW_MAX, KVCache
@@ -38,7 +40,7 @@ from service.engine.packed import MATHS
 from service.engine.scheduler import Scheduler, unique_experts_per_layer
 from service.engine.sequence import Sequence
 from service.engine.threads import usable_cores
-from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_for_inference
+from service.engine.weights import DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, load_for_inference
 from service.limits import PromptLimits, tokenizer_prompt_bytes
 from service.recording import StepRecorder
 from service.types import (
@@ -59,7 +61,9 @@ __all__ = ["Engine", "EngineConfig", "unique_experts_per_layer"]
 @dataclass(frozen=True)
 class EngineConfig:
     target_dir: Path = DEFAULT_TARGET_DIR
-    draft_dir: Path | None = DEFAULT_DRAFT_DIR  # None: only the n-gram drafter is offered
+    # The model drafter: a draft head (draft_head.py, the default) or a dense draft model directory
+    # (models/draft); None: only the n-gram drafter is offered.
+    draft_dir: Path | None = DEFAULT_HEAD_DIR
     max_context: int | None = None  # default: the target's max_position_embeddings
     threads: int | None = None  # torch intra-op threads; None leaves torch's default
     # Threads the fused kernels split a pass's work over (KernelThreads says from how many positions on;
@@ -106,14 +110,21 @@ class Engine:
         self.target = load_for_inference(config.target_dir, kernels=kernels, kernel_window_max=config.kernel_window_max,
                                          fused_attention=config.fused_attention, kernel_threads=self.kernel_threads,
                                          math=self.math)
-        self.draft = load_for_inference(config.draft_dir, kernels=kernels, fused_attention=config.fused_attention,
-                                        kernel_threads=self.kernel_threads) if config.draft_dir else None
+        self.draft_is_head = bool(config.draft_dir) and is_head_dir(config.draft_dir)
+        if self.draft_is_head:
+            self.draft = load_head(config.draft_dir, kernels=kernels, kernel_threads=self.kernel_threads)
+        else:
+            self.draft = load_for_inference(config.draft_dir, kernels=kernels, fused_attention=config.fused_attention,
+                                            kernel_threads=self.kernel_threads) if config.draft_dir else None
         self.tokenizer = Tokenizer.from_file(str(Path(config.target_dir) / "tokenizer.json"))
         cfg = self.target.cfg
         if not cfg.is_moe:
             raise ValueError(f"{config.target_dir}: the target must be a qwen2_moe model")
-        if self.draft is not None and self.draft.cfg.vocab_size != cfg.vocab_size:
+        if self.draft is not None and (self.draft.target_vocab if self.draft_is_head
+                                       else self.draft.cfg.vocab_size) != cfg.vocab_size:
             raise ValueError("draft and target vocabularies differ")
+        if self.draft_is_head and self.draft.cfg.hidden_size != cfg.hidden_size:
+            raise ValueError(f"{config.draft_dir}: the draft head's hidden size differs from the target's")
         self.max_context = min(config.max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.eos_id = cfg.eos_token_id
         if config.max_batch < 1:
@@ -121,6 +132,12 @@ class Engine:
         # Static caches, one slot per batch place, sized for the context; a window never writes past it.
         self.target_cache = KVCache(cfg, self.max_context, slots=config.max_batch)
         self.draft_cache = KVCache(self.draft.cfg, self.max_context, slots=config.max_batch) if self.draft else None
+        # The target's features per slot and position: what the draft head's catch-up reads.
+        self.target_features = (torch.zeros(config.max_batch, self.max_context, cfg.hidden_size)
+                                if self.draft_is_head else None)
+        # The head's drafting chain in one C call per sequence (None: no kernels, the torch rounds run).
+        self.head_chain = self.draft.chain_weights(self.target.embed_tokens.weight, self.draft_cache) \
+            if self.draft_is_head else None
         self.decode_step_seconds = self._calibrate_decode_step()
         # Recent plain (one-position) verify passes: the unit of decode_step_equivalents follows the
         # machine's current speed instead of the start-up calibration (which a busy CPU distorts).

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from service.engine import attention_kernel, bf16_kernel, kernel_cache, kernel_pool, moe_kernel
+from service.engine import attention_kernel, bf16_kernel, head_kernel, kernel_cache, kernel_pool, moe_kernel
 from service.engine.attention_kernel import AttentionPass, AttentionWeights
 from service.engine.kernel_pool import ONE_THREAD, KernelPool, KernelThreads
 from service.engine.moe_kernel import MoeBlock
@@ -258,7 +258,7 @@ void linear(const float *x, int64_t w, int64_t H, const void *Wt, int fmt, int64
 }
 """
 
-_SOURCE += moe_kernel.SOURCE + attention_kernel.SOURCE  # they use the helpers above
+_SOURCE += moe_kernel.SOURCE + attention_kernel.SOURCE + head_kernel.SOURCE  # they use the helpers above
 
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-pthread")
 
@@ -290,6 +290,9 @@ class Kernels:
         self._attention.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr, i64, i64, i64, ctypes.c_int,
                                     ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
         self._attention.restype = None
+        self._head_draft = lib.head_draft
+        self._head_draft.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
+        self._head_draft.restype = ctypes.c_int
         self.bf16_dot_native = bool(lib.bf16_dot_native())  # see `default_math`
 
     def swiglu_experts(self, x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight, ids: torch.Tensor,
@@ -350,6 +353,35 @@ class Kernels:
         self._attention(x.data_ptr(), where.n, weights.H, *weights.args, *where.args(layer), weights.o_ptr,
                         scratch.data_ptr(), out.data_ptr(), _handle(pool), int(kv_only))
         return None if kv_only else out
+
+    def head_draft(self, weights: head_kernel.HeadWeights, tokens: torch.Tensor, features: torch.Tensor,
+                   slot: int, start: int, k: int, temperature: float,
+                   uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft head's catch-up over tokens [m] (target ids) with features [m, H] at positions
+        start.. of `slot`, then its k picks (draft-vocabulary indices [k]) and, when temperature > 0,
+        the distributions they were drawn from [k, Vd]; see head_kernel.py."""
+        H, Vd = weights.H, weights.Vd
+        m = tokens.shape[0]
+        if tokens.dtype != torch.int64 or tokens.dim() != 1 or m < 1 or features.shape != (m, H) \
+                or features.dtype != torch.float32:
+            raise ValueError(f"head_draft: tokens must be int64 [m >= 1] and features float32 [m, {H}]")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= weights.V:
+            raise ValueError(f"head_draft: token ids must lie in [0, {weights.V})")
+        if k < 1 or start < 0 or start + m + k - 1 > weights.S or not 0 <= slot < weights.slots:
+            raise ValueError(f"head_draft: {m} entries and {k} drafts from position {start} of slot {slot} do "
+                             f"not fit the cache ({weights.slots} slots of {weights.S})")
+        sampled = temperature > 0
+        if sampled and (uniforms is None or uniforms.shape != (k,) or uniforms.dtype != torch.float32):
+            raise ValueError(f"head_draft: a sampled draft needs float32 uniforms [{k}]")
+        tokens, features = tokens.contiguous(), features.contiguous()
+        picks = torch.empty(k, dtype=torch.long)
+        q = features.new_empty(k, Vd) if sampled else None
+        status = self._head_draft(ctypes.addressof(weights), m, tokens.data_ptr(), features.data_ptr(), slot, start, k,
+                                  float(temperature), uniforms.data_ptr() if sampled else None, picks.data_ptr(),
+                                  q.data_ptr() if sampled else None)
+        if status != 0:
+            raise MemoryError("head_draft: out of memory")
+        return picks, q
 
     def default_math(self) -> str:
         """The arithmetic of the matrix products where none is asked for: bf16 where this CPU multiplies

@@ -434,6 +434,7 @@ class KVCache:
 class ForwardOutput:
     logits: torch.Tensor  # [w, V]
     routed_ids: torch.Tensor | None  # [L, w, m] for MoE models
+    features: torch.Tensor | None = None  # [w, H] final hidden states after the norm (what a draft head reads)
 
 
 class Transformer(nn.Module):
@@ -510,13 +511,19 @@ class Transformer(nn.Module):
         x, ids = self._layers(tokens, batch, cache, last_mlp=True)
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
-        return ForwardOutput(logits=self.output_logits(self.norm(x)), routed_ids=torch.stack(ids) if ids else None)
+        features = self.norm(x)
+        return ForwardOutput(logits=self.output_logits(features), routed_ids=torch.stack(ids) if ids else None,
+                             features=features)
 
-    def fill_cache(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache) -> None:
+    def fill_cache(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache,
+                   features: bool = False) -> torch.Tensor | None:
         """Prefill: write the keys and values of `tokens` to the cache and compute nothing else. No
         prompt row's logits are read (the last prompt token opens the first verify window), and the
-        last layer's MLP feeds only those logits, so both are skipped: the same cache, less work."""
-        self._layers(tokens, batch, cache, last_mlp=False)
+        last layer's MLP feeds only those logits, so both are skipped: the same cache, less work.
+        With `features`, the whole last layer runs and the normed final hidden states [N, H] are
+        returned (a draft head reads them)."""
+        x, _ = self._layers(tokens, batch, cache, last_mlp=features)
+        return self.norm(x) if features else None
 
     def _layers(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache,
                 last_mlp: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -561,6 +568,12 @@ class Transformer(nn.Module):
 
     def forward_train(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] -> (logits [B, T, V], load-balancing loss); no cache."""
+        features, balance = self.features_train(tokens)
+        return self.lm_head(features), balance
+
+    def features_train(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, T] -> (final hidden states after the norm [B, T, H]: what the output layer and a
+        draft head read, load-balancing loss); no cache."""
         B, T = tokens.shape
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.embed_tokens(tokens)  # [B, T, H]
@@ -574,7 +587,7 @@ class Transformer(nn.Module):
             else:
                 h = layer.mlp(h)
             x = x + h.view(B, T, -1)
-        return self.lm_head(self.norm(x)), balance / max(1, len(self.layers))
+        return self.norm(x), balance / max(1, len(self.layers))
 
 
 def load_balancing_loss(router_logits: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -48,9 +48,9 @@ import numpy as np
 import torch
 
 from service import expert_parallel
-from service.engine import ngram
+from service.engine import model_drafting, ngram
 from service.engine.model import RaggedBatch
-from service.engine.sampling import accept, accept_greedy_ids, draft_probs, point_mass, sample, target_probs
+from service.engine.sampling import accept, accept_greedy_ids, point_mass, target_probs
 from service.engine.sequence import Sequence
 from service.types import BatchPassRecord, Drafter, FinishReason, GenerationResult, StepRecord, accepted_positions
 
@@ -82,6 +82,11 @@ def unique_experts_per_window(routed: torch.Tensor, lengths: list[int], num_expe
     touched = touched.reshape(L, B, num_experts)
     own = touched.sum(-1).T.tolist()  # [B, L]
     return [tuple(c) for c in own], tuple(touched.any(1).sum(-1).tolist())
+
+
+def uses_head(seq: Sequence) -> bool:
+    """The sequence drafts with the model drafter (a draft head, where the engine has one)."""
+    return seq.policy.drafter is Drafter.MODEL and seq.policy.draft_length > 0
 
 
 @dataclass(frozen=True)
@@ -247,7 +252,12 @@ class Scheduler:
         """One target pass over prompt chunks (no verify windows): their keys/values go to the cache."""
         tokens = torch.tensor([t for c in chunks for t in c.tokens()])
         batch = RaggedBatch.build([c.seq.slot for c in chunks], [c.start for c in chunks], [c.length for c in chunks])
-        self.e.target.fill_cache(tokens, batch, self.e.target_cache)
+        e = self.e
+        # A draft head reads the target's features of the prompt too (one more MLP per pass).
+        head_users = e.draft_is_head and any(uses_head(c.seq) for c in chunks)
+        features = e.target.fill_cache(tokens, batch, e.target_cache, features=head_users)
+        if features is not None:
+            e.target_features[batch.token_slot, batch.positions] = features
         next(self._pass_ids)  # prefill passes are numbered too: a gap in a request's pass ids is a pass it waited
         for chunk in chunks:
             chunk.seq.prefilled += chunk.length
@@ -267,6 +277,8 @@ class Scheduler:
         out = e.target.forward_ragged(torch.tensor([t for w in windows for t in w]), batch, e.target_cache)
         pass_id = next(self._pass_ids)
         logits, routed = out.logits, out.routed_ids  # [n, V], [L, n, m]
+        if e.draft_is_head and any(uses_head(s) for s in seqs):  # what the head's next catch-up reads
+            e.target_features[batch.token_slot, batch.positions] = out.features
         verdicts = self._accept(seqs, proposals, logits, lengths)
         t2 = time.perf_counter()
         if len(seqs) == 1 and lengths[0] == 1:
@@ -281,8 +293,9 @@ class Scheduler:
                 seqs, proposals, windows, window_ids, own_unique, verdicts, strict=True):
             k = len(drafts)
             if seq.policy.drafter is Drafter.MODEL and k > 0:
-                # The draft cache holds the old tokens plus drafts 1..k-1; keep those that were accepted.
-                seq.draft_valid = len(seq.ids) + min(n_ok, k - 1)
+                # The draft cache holds the old tokens plus drafts 1..k-1. A dense draft's entries of
+                # accepted drafts stay valid; a head's read its own feature estimates, so they are redone.
+                seq.draft_valid = len(seq.ids) + (0 if e.draft_is_head else min(n_ok, k - 1))
             record = self._record(seq, k, n_ok, window, ids, unique, draft_s, t2 - t1, step_unit, pass_record)
             try:
                 finish = seq.commit([*drafts[:n_ok], bonus], record, e.eos_id, e.decode)
@@ -344,38 +357,12 @@ class Scheduler:
                     model_rows.append((i, k))
         if model_rows:
             t0 = time.perf_counter()
-            drafted = self._draft_with_model([seqs[i] for i, _ in model_rows], [k for _, k in model_rows])
+            draft_rounds = model_drafting.draft_with_head if self.e.draft_is_head else model_drafting.draft_dense
+            drafted = draft_rounds(self.e, [seqs[i] for i, _ in model_rows], [k for _, k in model_rows])
             seconds = time.perf_counter() - t0
             for (i, _), (drafts, q) in zip(model_rows, drafted, strict=True):
                 out[i] = (drafts.tolist(), q, seconds)
         return out
-
-    def _draft_with_model(self, seqs: list[Sequence], ks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Draft k_b tokens for each sequence: round r is one ragged draft pass over the sequences
-        still drafting; each first catches up on the committed tokens its draft cache lacks."""
-        e = self.e
-        pending = [torch.tensor(s.ids[s.draft_valid:], dtype=torch.long) for s in seqs]  # tokens each still has to feed
-        starts = [s.draft_valid for s in seqs]
-        drafts: list[list[torch.Tensor]] = [[] for _ in seqs]
-        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        for r in range(max(ks)):
-            active = [b for b, k in enumerate(ks) if k > r]
-            lengths = [pending[b].shape[0] for b in active]
-            batch = RaggedBatch.build([seqs[b].slot for b in active], [starts[b] for b in active], lengths)
-            last_rows = torch.tensor(lengths).cumsum(0) - 1  # each sequence's last position: the only logits read
-            last = e.draft.forward_ragged(torch.cat([pending[b] for b in active]), batch, e.draft_cache,
-                                          logit_rows=last_rows).logits  # [B', V]
-            for j, b in enumerate(active):
-                row = last[j:j + 1]  # [1, V]
-                temperature = seqs[b].policy.draft_temperature
-                q = draft_probs(row, temperature)
-                # A greedy draft's q is a point mass: its argmax is the sample, no random draw needed.
-                token = row.argmax(-1) if temperature == 0 else sample(q, seqs[b].gen)
-                drafts[b].append(token)
-                qs[b].append(q)
-                starts[b] += pending[b].shape[0]
-                pending[b] = token
-        return [(torch.cat(d), torch.cat(q)) for d, q in zip(drafts, qs, strict=True)]
 
     # ------------------------------------------------------------------ records
     def _pass_record(self, pass_id: int, lengths: list[int], routed: torch.Tensor, unique: tuple[int, ...],

@@ -21,6 +21,7 @@ from service.engine.model import KERNEL_WINDOW_MAX, ModelConfig, Transformer
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_TARGET_DIR = MODELS_DIR / "target"
 DEFAULT_DRAFT_DIR = MODELS_DIR / "draft"
+DEFAULT_HEAD_DIR = MODELS_DIR / "draft-head"
 
 _EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
