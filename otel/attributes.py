@@ -113,6 +113,8 @@ VERIFY_BATCH_SPAN_KEYS = (
 # ------------------------------------------------------------------ resource
 # No semantic convention names a served model on the resource, so these live under moespec.
 RESOURCE_SERVICE_NAME = "service.name"
+# The semantic convention's replica identity: one value per server process (GetModelInfo.instance_id).
+RESOURCE_SERVICE_INSTANCE_ID = "service.instance.id"
 RESOURCE_MODEL_NAME = "moespec.model.name"
 RESOURCE_DRAFT_MODEL_NAME = "moespec.model.draft"
 RESOURCE_BACKEND = "moespec.backend"

@@ -223,6 +223,7 @@ def info_to_pb(info: ModelInfo) -> pb.ModelInfo:
         concurrent_policies=info.concurrent_policies,
         device=info.device,
         shared_passes=info.shared_passes,
+        instance_id=info.instance_id,
     )
 
 
@@ -247,4 +248,5 @@ def info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
         concurrent_policies=msg.concurrent_policies,
         device=msg.device,
         shared_passes=msg.shared_passes,
+        instance_id=msg.instance_id,
     )

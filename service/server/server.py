@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,7 +28,7 @@ from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
 from service.server.runner import EngineRunner
 from service.server.servicer import InferenceServicer, PolicyAdminServicer, PolicyStore
-from service.types import DraftPolicy
+from service.types import DraftPolicy, ModelInfo
 
 SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in ("Inference", "PolicyAdmin"))
 
@@ -45,6 +45,7 @@ class ServerConfig:
     max_message_bytes: int = 1 << 20  # larger requests are refused by gRPC (RESOURCE_EXHAUSTED)
     grace_seconds: float = 10.0  # in-flight requests get this long after SIGTERM
     initial_policy: DraftPolicy = field(default_factory=DraftPolicy)
+    instance_id: str = ""  # reported in GetModelInfo (and, by the caller, as service.instance.id); "" = none
 
 
 class MoespecServer:
@@ -57,7 +58,7 @@ class MoespecServer:
     ):
         self.config = config
         self._backend = backend
-        self.info = backend.info
+        self.info = self._with_instance(backend.info)
         workers = config.workers or max(1, getattr(backend, "max_batch", 1))
         self.runner = EngineRunner(backend, workers=workers, max_queue=config.max_queue)
         self.policies = PolicyStore(self.info, config.initial_policy)
@@ -66,6 +67,9 @@ class MoespecServer:
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self.port = 0
+
+    def _with_instance(self, info: ModelInfo) -> ModelInfo:
+        return replace(info, instance_id=self.config.instance_id) if self.config.instance_id else info
 
     @property
     def address(self) -> str:
@@ -81,7 +85,7 @@ class MoespecServer:
         server = grpc.aio.server(options=options, interceptors=self._interceptors)
         pb_grpc.add_InferenceServicer_to_server(
             InferenceServicer(self.runner, self.info, self.policies, self._telemetry,
-                              live_info=lambda: self._backend.info), server
+                              live_info=lambda: self._with_instance(self._backend.info)), server
         )
         pb_grpc.add_PolicyAdminServicer_to_server(PolicyAdminServicer(self.policies, cfg.admin_token), server)
         self._health = health.aio.HealthServicer()
