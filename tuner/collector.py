@@ -5,6 +5,7 @@ spans whose policy id is being watched, so memory stays bounded however long the
 `wait` blocks until the watched window changes or a timeout passes and returns a snapshot copy.
 Counters of everything seen (watched or not) make "no traffic" diagnosable: zero spans at all means
 telemetry is not reaching the tuner; spans for other ids mean the server runs another policy.
+`admit` (tuner/intake.py) refuses spans before anything is counted: another replica's, impossible ones.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ class SpanCollector:
         self,
         parse: Callable[[Mapping], RequestSample | None],
         clock: Callable[[], float] = time.monotonic,
+        admit: Callable[[RequestSample], bool] = lambda sample: True,
     ):
         self._parse = parse
+        self._admit = admit
         self._clock = clock
         self._cond = threading.Condition()
         self._windows: dict[str, WindowStats] = {}
@@ -40,7 +43,7 @@ class SpanCollector:
         self._last_span_at: float | None = None
 
     def on_spans(self, spans: Iterable[Mapping]) -> None:
-        samples = [s for s in (self._parse(span) for span in spans) if s is not None]
+        samples = [s for s in (self._parse(span) for span in spans) if s is not None and self._admit(s)]
         if not samples:
             return
         with self._cond:
