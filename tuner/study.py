@@ -31,6 +31,10 @@ ROLE_REMEASURE = "remeasure"
 ROLE_CHALLENGE = "challenge"  # continuous mode: a challenger beside the incumbent at the exploration share
 FAIL_INTERRUPTED = "interrupted"
 FAIL_STARVED = "starved"  # prefix of a starved window's fail_reason
+FAIL_BUSY = "busy"  # prefix: another worker of the fleet was measuring that policy (tuner/fleet.py)
+FAIL_UNREACHABLE = "server unreachable"  # prefix: the trial's server went away before it was measured
+# Trials failed for these reasons measured nothing and are redone: they never count towards --trials.
+NOT_MEASURED = (FAIL_STARVED, FAIL_BUSY, FAIL_UNREACHABLE)
 
 
 class StorageError(Exception):
@@ -111,15 +115,15 @@ def role(trial: FrozenTrial) -> str:
 
 
 def search_trials_done(study: optuna.Study) -> int:
-    """Finished search trials that count towards --trials: measured ones. Interrupted and starved
-    trials are redone (a starved window measured nothing; `max_consecutive_failures` of them in a
-    row stop the search instead, so no traffic cannot loop forever); re-proposals of a measured
-    policy reuse its result and spend no traffic, so they do not
-    count either (the budget is traffic spent, not sampler calls)."""
+    """Finished search trials that count towards --trials: measured ones. Interrupted, starved, busy
+    (another worker had the policy) and server-unreachable trials are redone (they measured nothing;
+    `max_consecutive_failures` starved ones in a row stop the search instead, so no traffic cannot
+    loop forever); re-proposals of a measured policy reuse its result and spend no traffic, so they
+    do not count either (the budget is traffic spent, not sampler calls)."""
     done = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
         reason = str(t.user_attrs.get("fail_reason", ""))
-        if (role(t) == ROLE_SEARCH and reason != FAIL_INTERRUPTED and not reason.startswith(FAIL_STARVED)
+        if (role(t) == ROLE_SEARCH and reason != FAIL_INTERRUPTED and not reason.startswith(NOT_MEASURED)
                 and "duplicate_of" not in t.user_attrs):
             done += 1
     return done
