@@ -257,6 +257,10 @@ class Tuner:
     def apply(self, policy: DraftPolicy) -> None:
         self._admin.apply(policy)
 
+    def ensure(self, policy: DraftPolicy) -> bool:
+        """Re-apply `policy` where the server runs another one (it restarted); True when it had to."""
+        return self._admin.ensure(policy)
+
     def apply_incumbent(self) -> st.PolicyScore | None:
         best = st.incumbent(self._study, self._space)
         if best is not None:
@@ -292,7 +296,10 @@ class Tuner:
         if holder is None:
             self._claimed = (trial.number, key)
             return True
-        self._fail(trial, f"{st.FAIL_BUSY}: {key.label()} is being measured by {holder}")
+        reason = f"{st.FAIL_BUSY}: {key.label()} is being measured by {holder}"
+        self._fail(trial, reason)
+        self._emit(TunerEvent(EventKind.TRIAL_FINISHED, trial.number, str(trial.user_attrs.get("role", "")), policy,
+                              TrialState.FAIL.name, message=f"{reason}; not counted, asking again"))
         return False
 
     def _release_claim(self) -> None:
