@@ -38,7 +38,12 @@ class PolicyClaims:
             sa.Column("worker", sa.String(512), nullable=False),
             sa.Column("claimed_at", sa.Float, nullable=False),
         )
-        meta.create_all(self._engine, checkfirst=True)
+        try:
+            meta.create_all(self._engine, checkfirst=True)
+        except sa.exc.DBAPIError:
+            # Two workers starting at once both saw no table and both created it (PostgreSQL refuses
+            # the second CREATE): the other one's table is there now, which is all we need.
+            meta.create_all(self._engine, checkfirst=True)
 
     def claim(self, study: str, policy: str, trial: int, worker: str, live: Callable[[int], bool]) -> str | None:
         for _ in range(3):  # insert; on conflict take over a dead holder's row, then insert again

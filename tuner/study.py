@@ -96,7 +96,10 @@ def recover_interrupted(
     failed = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner = trial.user_attrs.get("tuner_id")
-        heartbeat = float(trial.user_attrs.get("heartbeat", 0.0))
+        # A trial just asked for has no owner or heartbeat yet (its worker sets them next): its start
+        # is its last sign of life, or a fleet worker would fail another's trial in that gap.
+        started = trial.datetime_start.timestamp() if trial.datetime_start else 0.0
+        heartbeat = float(trial.user_attrs.get("heartbeat", started))
         if owner != tuner_id and now - heartbeat < grace_seconds:
             continue  # another tuner's live trial
         tid = trial_id(storage, study, trial.number)

@@ -275,6 +275,10 @@ class Tuner:
         trial = self._study.ask()
         try:
             return self._run_asked(trial, role, control), trial.number
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # Another worker took this one for dead (no heartbeat for stale_seconds: a stalled machine)
+            # and failed it: its result is lost, not counted, and the search goes on.
+            return TrialState.FAIL, trial.number
         except ServerUnavailable as e:
             self._fail(trial, f"{st.FAIL_UNREACHABLE}: {e}")
             raise
