@@ -224,7 +224,7 @@ TUNER_DECISIONS = MetricSpec(
     "The continuous tuner's decisions: promotions, re-opened searches, challenges that kept the incumbent.",
     None, (TUNER_DECISION, TUNER_STUDY))
 TUNER_METRICS = (TUNER_INCUMBENT, TUNER_DECISIONS)
-# The tuner's span intake (tuner/intake.py): request spans refused before they reach a trial window.
+# The tuner's span intake (tuner/span_admission.py): request spans refused before they reach a trial window.
 TUNER_DROP_REASON = "moespec.tuner.drop_reason"  # foreign_instance | non_finite_seconds | negative_seconds | ...
 TUNER_SPANS_DROPPED = MetricSpec(
     "moespec.tuner.spans_dropped", Kind.COUNTER, "{span}",

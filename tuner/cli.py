@@ -30,11 +30,11 @@ from tuner.claims import claims_for
 from tuner.collector import SpanCollector
 from tuner.continuous import ContinuousConfig, ContinuousTuner
 from tuner.fleet import Fleet
-from tuner.intake import SpanIntake
 from tuner.measure import TrialMode
 from tuner.progress import ProgressPrinter, fmt_cost
 from tuner.pruning import PruneRule
 from tuner.sampler import InitialDesign, SamplerKind, rationale
+from tuner.span_admission import SpanAdmission
 from tuner.spans import request_sample
 from tuner.study import StorageError, StudyMismatch, open_storage
 from tuner.tuning import NoTraffic
@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     metrics_endpoint = (args.metrics_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
                         or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
     meter_provider = _meter_provider(metrics_endpoint)
-    intake = SpanIntake(log=lambda line: print(f"tuner: {line}", file=err, flush=True),
+    intake = SpanAdmission(log=lambda line: print(f"tuner: {line}", file=err, flush=True),
                         meter=meter_provider.get_meter("moespec.tuner") if meter_provider else None,
                         study=settings.study_name)
     collector = SpanCollector(request_sample, admit=intake.admit)

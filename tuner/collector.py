@@ -5,7 +5,7 @@ spans whose policy id is being watched, so memory stays bounded however long the
 `wait` blocks until the watched window changes or a timeout passes and returns a snapshot copy.
 Counters of everything seen (watched or not) make "no traffic" diagnosable: zero spans at all means
 telemetry is not reaching the tuner; spans for other ids mean the server runs another policy.
-`admit` (tuner/intake.py) refuses spans before anything is counted: another replica's, impossible ones.
+`admit` (tuner/span_admission.py) refuses spans before anything is counted: another replica's, impossible ones.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The tuner's span intake: which request spans may enter a trial window at all.
+"""The tuner's span admission: which request spans may enter a trial window at all.
 
-Contract: `SpanIntake.admit(sample)` is True only for a span that
+Contract: `SpanAdmission.admit(sample)` is True only for a span that
 - comes from the replica this tuner measures: its `service.instance.id` resource attribute equals the
   instance id that replica reports in GetModelInfo (`expect`; updated when the server restarts under
   a new id). Where the server reports no id (an older server) every instance is admitted;
@@ -59,7 +59,7 @@ def impossible(sample: RequestSample) -> tuple[DropReason, str] | None:
     return None
 
 
-class SpanIntake:
+class SpanAdmission:
     def __init__(
         self,
         expected_instance: str = "",

@@ -1,6 +1,6 @@
-"""The tuner's span intake (tuner/intake.py): spans of a replica the tuner does not measure, and spans
-with impossible aggregates, never enter a trial window; each is counted by reason, as a real SDK
-counter and in the log. Spans travel the real way: an OpenTelemetry SDK exporter per sender, over
+"""The tuner's span admission (tuner/span_admission.py): spans of a replica the tuner does not
+measure, and spans with impossible aggregates, never enter a trial window; each is counted by
+reason, as a real SDK counter and in the log. Spans travel the real way: an OpenTelemetry SDK exporter per sender, over
 OTLP/gRPC into the tuner's receiver, into the collector the tuner measures with."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from otel.receiver import OtlpTraceReceiver
 from tests.real_backends import wait_until
 from tests.tuner_fixtures import request_span
 from tuner.collector import SpanCollector
-from tuner.intake import DropReason, SpanIntake
+from tuner.span_admission import DropReason, SpanAdmission
 from tuner.spans import request_sample
 
 
@@ -52,7 +52,7 @@ def intake_rig():
     reader = InMemoryMetricReader()
     meter = MeterProvider(metric_readers=[reader]).get_meter("t")
     lines: list[str] = []
-    intake = SpanIntake("replica-a", lines.append, meter, study="s")
+    intake = SpanAdmission("replica-a", lines.append, meter, study="s")
     collector = SpanCollector(request_sample, admit=intake.admit)
     with OtlpTraceReceiver(on_spans=collector.on_spans) as receiver:
         yield intake, collector, receiver, reader, lines
@@ -123,7 +123,7 @@ def test_impossible_aggregates_are_dropped_counted_and_logged_and_never_reach_th
 def test_without_an_instance_id_to_expect_every_replica_is_admitted():
     """Negative control: a server that reports no instance id (one from before the field) keeps the
     old behaviour, so the foreign-instance test above fails for the filter, not for the transport."""
-    intake = SpanIntake("")
+    intake = SpanAdmission("")
     collector = SpanCollector(request_sample, admit=intake.admit)
     collector.watch("s/1")
     for instance in ("replica-a", "replica-b"):
@@ -134,7 +134,7 @@ def test_without_an_instance_id_to_expect_every_replica_is_admitted():
 
 def test_the_intake_follows_a_restarted_replica_to_its_new_instance_id():
     lines: list[str] = []
-    intake = SpanIntake("old", lines.append)
+    intake = SpanAdmission("old", lines.append)
     span = request_span("s/1") | {"resource": {attr.RESOURCE_SERVICE_INSTANCE_ID: "new"}}
     assert not intake.admit(request_sample(span))
     intake.expect("new")
