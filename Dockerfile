@@ -1,7 +1,7 @@
 # moespec on CPU: the embedded torch engine and the shipped tiny MoE model pair, served over gRPC.
 #
 #   docker build -t moespec .
-#   docker run --rm -p 50051:50051 -e MOESPEC_ADMIN_TOKEN=change-me moespec
+#   docker run --rm -p 127.0.0.1:50051:50051 -e MOESPEC_ADMIN_TOKEN="$(openssl rand -hex 32)" moespec
 #   moespec client generate --server 127.0.0.1:50051 --prompt "def add(a, b):"
 #
 # Extra `moespec serve` flags go after the image name (they replace CMD), e.g.
@@ -37,9 +37,13 @@ USER moespec
 WORKDIR /home/moespec
 EXPOSE 50051
 
-# The standard grpc.health.v1 check: SERVING exits 0; NOT_SERVING (draining after SIGTERM) or no answer exits 1.
+# The standard grpc.health.v1 check, where the server's own flags say it listens: `moespec healthcheck`
+# reads PID 1's command line (--host, --port, --tls-cert) and checks over TLS when the server serves
+# TLS (verified against its own certificate, or MOESPEC_HEALTHCHECK_TLS_CA, for the name localhost or
+# MOESPEC_HEALTHCHECK_TLS_SERVER_NAME). SERVING exits 0; NOT_SERVING (draining after SIGTERM) or no
+# answer exits 1.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["moespec", "client", "health", "--server", "127.0.0.1:50051", "--timeout", "4"]
+    CMD ["moespec", "healthcheck", "--timeout", "4"]
 
 # SIGTERM (docker stop) drains: health goes NOT_SERVING and in-flight requests get --grace seconds;
 # give docker stop a longer timeout than that (docker stop -t 15).

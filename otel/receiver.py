@@ -8,6 +8,12 @@ worker thread; without a callback the spans are kept in `.spans`. Port 0 picks a
 same endpoint are accepted and discarded (counted in `metric_exports`), so a service pointed here
 with its generic OTLP endpoint does not log export errors.
 
+Who may export: with `bearer_token`, every Export (traces and metrics) must carry the metadata
+`authorization: Bearer <token>` (what an OTLP exporter's `headers` / OTEL_EXPORTER_OTLP_HEADERS send),
+compared in constant time; anything else is answered UNAUTHENTICATED, counted in
+`rejected_exports`, and never reaches `on_spans`. With `tls_cert` and `tls_key` (PEM bytes) the
+receiver serves TLS only. Without either, anyone who can reach the port is believed: bind loopback.
+
 A span dict: trace_id / span_id / parent_span_id (hex, "" for a root), name, kind ("SERVER",
 "INTERNAL", ...), start_ns, end_ns, status_code ("UNSET" | "OK" | "ERROR"), status_message,
 attributes {key: str | bool | int | float | tuple}, resource {key: value}, scope (name), links
@@ -16,6 +22,7 @@ attributes {key: str | bool | int | float | tuple}, resource {key: value}, scope
 
 from __future__ import annotations
 
+import hmac
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -74,12 +81,23 @@ def spans_from_request(request: trace_service_pb2.ExportTraceServiceRequest) -> 
     return out
 
 
+def bearer_token(metadata) -> str | None:
+    """The token of an `authorization: Bearer <token>` metadata entry, if any."""
+    for key, value in metadata or ():
+        if key.lower() == "authorization" and isinstance(value, str):
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
 class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, deliver: OnSpans):
-        self.deliver = deliver
+    def __init__(self, owner: OtlpTraceReceiver):
+        self.owner = owner
 
     def Export(self, request, context):  # noqa: N802 (the generated servicer's method name)
-        self.deliver(spans_from_request(request))
+        self.owner._authenticate(context)
+        self.owner._deliver(spans_from_request(request))
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
@@ -88,6 +106,7 @@ class _MetricsSink(metrics_service_pb2_grpc.MetricsServiceServicer):
         self.owner = owner
 
     def Export(self, request, context):  # noqa: N802
+        self.owner._authenticate(context)
         with self.owner._cond:
             self.owner.metric_exports += 1
         return metrics_service_pb2.ExportMetricsServiceResponse()
@@ -95,14 +114,20 @@ class _MetricsSink(metrics_service_pb2_grpc.MetricsServiceServicer):
 
 class OtlpTraceReceiver:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, on_spans: OnSpans | None = None,
-                 max_workers: int = 4):
+                 max_workers: int = 4, bearer_token: str | None = None, tls_cert: bytes | None = None,
+                 tls_key: bytes | None = None):
+        if bool(tls_cert) != bool(tls_key):
+            raise ValueError("tls_cert and tls_key go together")
         self.host = host
         self.requested_port = port
         self.port: int | None = None
         self.on_spans = on_spans
         self.max_workers = max_workers
+        self._token = bearer_token.encode() if bearer_token else None
+        self._tls = (tls_key, tls_cert) if tls_cert else None
         self.spans: list[SpanDict] = []  # kept only when there is no callback
         self.metric_exports = 0
+        self.rejected_exports = 0  # Export calls refused for a missing or wrong bearer token
         self._cond = threading.Condition()
         self._server: grpc.Server | None = None
 
@@ -112,15 +137,19 @@ class OtlpTraceReceiver:
 
     @property
     def endpoint(self) -> str:
-        return f"http://{self.address}"
+        return f"{'https' if self._tls else 'http'}://{self.address}"
 
     def start(self) -> int:
         """Bind and serve; returns the bound port."""
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.max_workers,
                                                         thread_name_prefix="otlp-receiver"))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self._deliver), server)
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self), server)
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsSink(self), server)
-        self.port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        target = f"{self.host}:{self.requested_port}"
+        if self._tls:
+            self.port = server.add_secure_port(target, grpc.ssl_server_credentials([self._tls]))
+        else:
+            self.port = server.add_insecure_port(target)
         if not self.port:
             raise OSError(f"cannot listen on {self.host}:{self.requested_port}")
         server.start()
@@ -149,6 +178,19 @@ class OtlpTraceReceiver:
                     raise TimeoutError(f"received {len(self.spans)} spans; condition not met in {timeout}s")
                 self._cond.wait(left)
             return list(self.spans)
+
+    def _authenticate(self, context: grpc.ServicerContext) -> None:
+        if self._token is None:
+            return
+        presented = bearer_token(context.invocation_metadata())
+        # compare_digest on bytes: constant time in the token's content.
+        if presented is not None and hmac.compare_digest(presented.encode(), self._token):
+            return
+        with self._cond:
+            self.rejected_exports += 1
+        reason = "missing" if presented is None else "wrong"
+        context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                      f"{reason} bearer token: send 'authorization: Bearer <token>' (the exporter's headers)")
 
     def _deliver(self, spans: list[SpanDict]) -> None:
         if self.on_spans is not None:

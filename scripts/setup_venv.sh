@@ -25,5 +25,10 @@ if [[ ",$extras," == *",test,"* ]]; then
   if [ ${#apt_packages[@]} -gt 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${apt_packages[@]}"
   fi
+  # docker-compose (Debian's, no Docker engine needed): tests/test_security_deploy.py has its real
+  # parser resolve deploy/docker-compose.yml (interpolation, required variables, port bindings).
+  if ! command -v docker-compose >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose
+  fi
   bash scripts/setup_phoenix.sh
 fi

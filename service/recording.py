@@ -6,12 +6,17 @@ Format (JSON Lines, appendable, one complete line per step so a killed server le
   {"format": "moespec.steps", "version": 1, "model": ..., "num_layers": L, "num_experts": E,
    "top_k": m, "shared_experts": ..., "hidden_size": H, "decode_step_seconds": ...}
 - one line per step: {"r": request number (within this header), "drafter", "k", "temp", "policy",
-  "drafted", "accepted", "committed", "flags": "1101" (per drafted position), "w": window,
+  "drafted", "accepted", "committed", "flags": "1100" (per drafted position: 1 = before the first
+  rejection), "w": window,
   "draft_s", "verify_s", "dse": decode-step equivalents, "tokens": [w] window token ids,
   "topk": base64 of the [L, w, m] routed ids as little-endian uint8 (uint16 when E > 256)}.
   About 0.5 kB per step for a 9-position window of a 4-layer top-8 model.
+The file is created 0600 (an existing one is narrowed to 0600) and never opened through a symlink:
+its token ids let anyone who reads it rebuild the requests' outputs.
 A file may hold several headers (a server restarted on the same file); they must describe the same
 model, and request numbers restart under each.
+On load the per-position acceptance is derived from "accepted" (service.types.accepted_positions),
+not read from "flags": files written before the flags meant the accepted prefix replay the same.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from service.types import Drafter, ModelInfo, StepRecord
+from service.private_files import open_private
+from service.types import Drafter, ModelInfo, StepRecord, accepted_positions
 
 FORMAT = "moespec.steps"
 VERSION = 1
@@ -74,7 +80,8 @@ class StepRecorder:
         self._requests = 0
         self.errors = 0
         # Opened once, up front: an unwritable path fails `serve` at start-up, not the first request.
-        self._file = self.path.open("a", encoding="utf-8")
+        # Mode 0600 and never through a symlink: the file holds every request's token ids.
+        self._file = open_private(self.path, append=True)
         self._file.write(json.dumps(header_for(info, hidden_size)) + "\n")
         self._file.flush()
 
@@ -143,7 +150,8 @@ def _step(row: dict, header: dict, where: str) -> StepRecord:
         return StepRecord(
             drafter=Drafter(row["drafter"]), draft_length=int(row["k"]), draft_temperature=float(row["temp"]),
             policy_id=str(row["policy"]), drafted=int(row["drafted"]), accepted=int(row["accepted"]),
-            committed=int(row["committed"]), accepted_per_position=tuple(c == "1" for c in row["flags"]),
+            committed=int(row["committed"]),
+            accepted_per_position=accepted_positions(int(row["drafted"]), int(row["accepted"])),
             window=w, unique_experts=tuple(len(np.unique(layer)) for layer in ids),
             shared_experts=int(header.get("shared_experts", 0)), unique_experts_bound=min(E, w * m),
             draft_seconds=float(row["draft_s"]), verify_seconds=float(row["verify_s"]),

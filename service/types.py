@@ -100,6 +100,13 @@ class GenerationRequest:
         self.sampling.validate()
 
 
+def new_token_budget(max_new_tokens: int, prompt_tokens: int, max_context: int) -> int:
+    """Tokens a request may generate: its max_new_tokens, cut to the context's room after the prompt
+    (a long prompt shortens the generation instead of failing it). Every backend applies this, and
+    the response reports it (GenerateResponse.max_new_tokens / max_new_tokens_cut)."""
+    return min(max_new_tokens, max_context - prompt_tokens)
+
+
 @dataclass(frozen=True)
 class BatchPassRecord:
     """One target pass of continuous batching: the windows of every running request, verified at once.
@@ -128,6 +135,16 @@ class BatchPassRecord:
         return self.start_time_ns + int((self.draft_seconds + self.verify_seconds) * 1e9)
 
 
+def accepted_positions(drafted: int, accepted: int) -> tuple[bool, ...]:
+    """[drafted] per-position acceptance of one step: draft i counts iff i < accepted.
+
+    Acceptance is a prefix: the first rejected draft ends the step, so a later draft that happens to
+    equal the target's token was never accepted (the target's own token replaced the rejected one
+    and everything after it was discarded). Every backend and the step-recording loader build the
+    per-position vector here, so the backends cannot disagree on it."""
+    return tuple(i < accepted for i in range(drafted))
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """One draft/verify step (or one plain decode step: window 1, drafted = accepted = 0)."""
@@ -139,7 +156,7 @@ class StepRecord:
     drafted: int  # tokens proposed this step (n-gram may propose fewer than k, or none)
     accepted: int  # drafted tokens the target accepted
     committed: int  # tokens this step added to the output: accepted + the target's own (fewer only if EOS ended it)
-    accepted_per_position: tuple[bool, ...]  # [drafted] acceptance of each draft position
+    accepted_per_position: tuple[bool, ...]  # [drafted] draft i accepted: i < accepted (accepted_positions)
     window: int  # positions in the verify pass = drafted + 1
     unique_experts: tuple[int, ...]  # [L] distinct routed experts per MoE layer over the window
     shared_experts: int  # always-active shared experts per layer

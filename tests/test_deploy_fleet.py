@@ -1,12 +1,15 @@
-"""deploy/'s fleet profile without Docker, checked with the real parsers: PyYAML for the files,
-SQLAlchemy for the storage URL, and moespec's own argument parsers for every command line (a flag
+"""deploy/'s fleet profile without Docker, checked with the real parsers: PyYAML and compose's own
+parser for the files, SQLAlchemy for the storage URL, and moespec's own argument parsers for every command line (a flag
 that `moespec serve` / `moespec tune` does not know, or a bad value, fails here as it would in the
 container)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ import yaml
 from sqlalchemy.engine import make_url
 
 from service.cli import serve as serve_cli
+from tests.real_backends import missing
 from tuner import cli as tune_cli
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -98,3 +102,30 @@ def test_the_collector_sends_request_spans_to_every_fleet_worker(compose, collec
         host, _, port = interpolate(env[variable]).rpartition(":")
         targets.add((host, int(port)))
     assert targets == {(name, port) for name, port in listening.items()}
+
+
+def test_compose_resolves_the_fleet_profile_with_its_own_parser(tmp_path):
+    """Debian's docker-compose, as in tests/test_security_deploy.py: the fleet profile parses, its
+    ports bind to loopback, and the workers get the Collector's span token and the storage password."""
+    from tests.test_security_deploy import SECRETS, published
+
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        missing("docker-compose", "apt-get install docker-compose; scripts/setup_venv.sh test does it")
+    spec = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    spec.pop("name")  # docker-compose 1.29 predates the top-level name key
+    copy = tmp_path / "docker-compose.yml"
+    copy.write_text(yaml.safe_dump(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MOESPEC_", "COMPOSE_"))}
+    env |= SECRETS | {"MOESPEC_POSTGRES_PASSWORD": "pg-secret"}
+    result = subprocess.run([binary, "--project-directory", str(DEPLOY), "-f", str(copy), "--profile", "fleet",
+                             "config"], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    assert {"moespec-b", "postgres", *FLEET_TUNERS} <= set(services)
+    for name in ("moespec-b", "postgres", *FLEET_TUNERS):
+        assert all(b.startswith("127.0.0.1:") for b in published(services[name])), name
+    for name in FLEET_TUNERS:
+        assert services[name]["environment"]["MOESPEC_OTLP_TOKEN"] == "otlp-secret"
+        storage = services[name]["command"][services[name]["command"].index("--storage") + 1]
+        assert make_url(storage).password == "pg-secret"

@@ -76,7 +76,7 @@ def test_unset_seed_is_filled_in_and_ids_are_derived(client, default_policy):
     stored = client.set_split(TrafficSplit((TrafficArm(DraftPolicy(policy_id=""), 1.0),
                                             TrafficArm(DraftPolicy(Drafter.NGRAM, 4, 1.0, ""), 2.0))))
     assert stored.seed is not None
-    assert [a.policy.policy_id for a in stored.arms] == ["model-k0-t1", "ngram-k4-t1"]
+    assert [a.policy.policy_id for a in stored.arms] == ["plain", "ngram-k4"]
 
 
 def arm_pb(drafter=pb.DraftPolicy.MODEL, length=0, weight=1.0, policy_id="", temperature=None) -> pb.TrafficArm:

@@ -26,7 +26,7 @@ BAD_GENERATE = [
     ("empty prompt", gen(prompt=""), "prompt"),
     ("prompt and token ids", gen(prompt_token_ids=[1, 2]), "prompt"),
     ("text prompt over the context", gen(prompt="a b c d " * 600), "prompt"),
-    ("token prompt over the context", gen(prompt="", prompt_token_ids=[5] * 600), "prompt"),
+    ("token prompt over the context", gen(prompt="", prompt_token_ids=[5] * 600), "prompt_token_ids"),
     ("max_new_tokens 0", gen(max_new_tokens=0), "max_new_tokens"),
     ("max_new_tokens negative", gen(max_new_tokens=-3), "max_new_tokens"),
     ("max_new_tokens over the limit", gen(max_new_tokens=100_000), "max_new_tokens"),

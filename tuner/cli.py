@@ -2,7 +2,8 @@
 
 It listens for the server's request spans on --otlp-listen (OTLP/gRPC), keeps its Optuna study in
 --storage, and sets policies through PolicyAdmin. Environment read here, at run time:
-MOESPEC_ADMIN_TOKEN (when --admin-token is not given).
+MOESPEC_ADMIN_TOKEN (when neither --admin-token-file nor --admin-token is given). With --tls-ca the
+tuner talks TLS to the server, so the token is never sent in plaintext.
 
 --continuous keeps it running after the search (tuner/continuous.py); its incumbent gauge goes to
 --metrics-endpoint (default $OTEL_EXPORTER_OTLP_METRICS_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT).
@@ -22,14 +23,17 @@ import threading
 from contextlib import suppress
 from pathlib import Path
 
-from service.cli import UsageError
+from service.cli import UsageError, admin_token
+from service.redact import redact_url
 from service.server.client import MoespecClient
+from tuner import intake
 from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
 from tuner.assemble import TuneSettings, assemble
 from tuner.claims import claims_for
 from tuner.collector import SpanCollector
 from tuner.continuous import ContinuousConfig, ContinuousTuner
 from tuner.fleet import Fleet
+from tuner.intake import intake_security
 from tuner.measure import TrialMode
 from tuner.progress import ProgressPrinter, fmt_cost
 from tuner.pruning import PruneRule
@@ -40,7 +44,7 @@ from tuner.study import StorageError, StudyMismatch, open_storage
 from tuner.tuning import NoTraffic
 from tuner.window import Objective, WindowSpec
 
-ADMIN_TOKEN_ENV = "MOESPEC_ADMIN_TOKEN"
+ADMIN_TOKEN_ENV = admin_token.ADMIN_TOKEN_ENV
 DEFAULT_STORAGE = "sqlite:///moespec-tuner.db"
 EXIT_UNREACHABLE, EXIT_REJECTED, EXIT_NO_TRAFFIC = 3, 4, 5
 
@@ -67,7 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trials", type=int, default=30,
                         help="search trials the study should have in total; a restart continues to this number "
                              "(default 30; re-measurements come on top)")
-    parser.add_argument("--admin-token", default=None, help=f"PolicyAdmin bearer token (default ${ADMIN_TOKEN_ENV})")
+    admin_token.add_arguments(parser, "for PolicyAdmin")
+    parser.add_argument("--tls-ca", type=Path, default=None, metavar="FILE",
+                        help="PEM file of the CA that signed the server's certificate: talk TLS to --server "
+                             "(without it the channel, admin token included, is plaintext)")
+    parser.add_argument("--tls-server-name", default=None, metavar="NAME",
+                        help="with --tls-ca: the name the server's certificate must carry, when --server's host "
+                             "is another (an IP address, an internal alias)")
     parser.add_argument("--objective", choices=[o.value for o in Objective], default=Objective.MEASURED.value,
                         help="measured: seconds per committed token; modelled: weight bytes touched per token")
     parser.add_argument("--sampler", choices=[s.value for s in SamplerKind], default=SamplerKind.TPE.value,
@@ -120,6 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pairing.add_argument("--metrics-endpoint", default=None,
                          help="OTLP/gRPC endpoint for the tuner's metrics (moespec.tuner.incumbent); default "
                               "$OTEL_EXPORTER_OTLP_METRICS_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT; none = off")
+    intake.add_arguments(parser)
     parser.add_argument("--whatif-recording", type=Path, default=None, metavar="FILE",
                         help="the server's --record-steps FILE (same machine): after each measured trial at draft "
                              "length k, replay its recorded steps, store the predicted cost of every k' <= k in the "
@@ -190,7 +201,8 @@ def continuous_config(args: argparse.Namespace) -> ContinuousConfig:
 
 
 def dashboard_hint(storage_url: str) -> str:
-    target = storage_url.removeprefix("journal:") if storage_url.startswith("journal:") else storage_url
+    """The command that opens the study, with any password in the URL redacted (it gets printed)."""
+    target = storage_url.removeprefix("journal:") if storage_url.startswith("journal:") else redact_url(storage_url)
     return f"pip install optuna-dashboard && optuna-dashboard {target}"
 
 
@@ -198,7 +210,11 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     parse_hostport(args.server, "--server", allow_zero=False)
     listen_host, listen_port = parse_hostport(args.otlp_listen, "--otlp-listen", allow_zero=True)
-    token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
+    token = admin_token.resolve(args, os.environ)
+    security = intake_security(args, os.environ, listen_host)
+    if args.tls_server_name and args.tls_ca is None:
+        raise UsageError("--tls-server-name needs --tls-ca")
+    tls_ca = _read_ca(args.tls_ca)
     err = sys.stderr
     if threading.current_thread() is threading.main_thread():
         # SIGTERM takes the Ctrl-C path: the running trial is told FAIL and the incumbent restored.
@@ -211,22 +227,25 @@ def run(args: argparse.Namespace) -> int:
     try:
         claims = claims_for(args.storage)  # policy claims beside the study: several workers may share it
     except Exception as e:  # the same database open_storage just reached: only a broken one fails here
-        raise UsageError(f"cannot open storage {args.storage!r} for policy claims: {type(e).__name__}") from None
+        raise UsageError(f"cannot open storage {redact_url(args.storage)!r} for policy claims: "
+                         f"{type(e).__name__}") from None
 
     from otel.receiver import OtlpTraceReceiver  # grpc server machinery: only once the arguments are good
 
     metrics_endpoint = (args.metrics_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
                         or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
     meter_provider = _meter_provider(metrics_endpoint)
-    intake = SpanAdmission(log=lambda line: print(f"tuner: {line}", file=err, flush=True),
-                        meter=meter_provider.get_meter("moespec.tuner") if meter_provider else None,
-                        study=settings.study_name)
-    collector = SpanCollector(request_sample, admit=intake.admit)
-    receiver = OtlpTraceReceiver(listen_host, listen_port, on_spans=collector.on_spans)
-    client = MoespecClient(args.server, admin_token=token)
+    admission = SpanAdmission(log=lambda line: print(f"tuner: {line}", file=err, flush=True),
+                              meter=meter_provider.get_meter("moespec.tuner") if meter_provider else None,
+                              study=settings.study_name)
+    collector = SpanCollector(request_sample, admit=admission.admit)
+    receiver = OtlpTraceReceiver(listen_host, listen_port, on_spans=collector.on_spans,
+                                 bearer_token=security.bearer_token, tls_cert=security.tls_cert,
+                                 tls_key=security.tls_key)
+    client = MoespecClient(args.server, admin_token=token, tls_ca=tls_ca, tls_server_name=args.tls_server_name)
 
     def follow_restart() -> None:  # a restarted server may come back under a new instance id
-        intake.expect(admin.model_info().instance_id)
+        admission.expect(admin.model_info().instance_id)
 
     admin = PolicyAdmin(client, args.server, retry_seconds=args.connect_timeout, on_reapplied=follow_restart)
     printer = ProgressPrinter(err, settings.objective.value)
@@ -238,14 +257,15 @@ def run(args: argparse.Namespace) -> int:
             receiver.start()
         except (OSError, RuntimeError) as e:
             raise UsageError(f"--otlp-listen: cannot listen on {args.otlp_listen}: {e}") from None
-        print(f"tuner: receiving spans on {receiver.endpoint}; study {settings.study_name!r} in {args.storage}",
-              file=err, flush=True)
+        guard = "bearer token required" if security.bearer_token else "no token: loopback only"
+        print(f"tuner: receiving spans on {receiver.endpoint} ({guard}); study {settings.study_name!r} in "
+              f"{redact_url(args.storage)}", file=err, flush=True)
         print(f"tuner: sampler {rationale(settings.sampler)}", file=err, flush=True)
         if settings.whatif_recording is not None:
             there = "" if settings.whatif_recording.is_file() else " (not there yet: no hint until it is)"
             print(f"tuner: what-if hints from {settings.whatif_recording}{there}", file=err, flush=True)
         built = assemble(settings, storage, admin, collector, printer, fleet)
-        intake.expect(built.info.instance_id)
+        admission.expect(built.info.instance_id)
         bound = settings.policy_check_seconds + admin.call_timeout
         print(f"tuner: worker {settings.tuner_id}; a restarted server gets its policy back within {bound:.0f} s "
               f"of answering again", file=err, flush=True)
@@ -287,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
         receiver.stop(grace=0.5)
         client.close()
         claims.close()
+        _report_intake(receiver, collector, err)
         if meter_provider is not None:
             with suppress(Exception):
                 meter_provider.shutdown()
@@ -328,6 +349,25 @@ def _continuous(args, settings, storage, admin, collector, printer, root, provid
         print(f"tuner: {line}", file=sys.stderr, flush=True)
 
     return ContinuousTuner(root.study, make, continuous_config(args), settings.trials, metrics, log, waiting)
+
+
+def _report_intake(receiver, collector: SpanCollector, err) -> None:
+    """What the intake refused or dropped: a wrong token on the exporter side shows up here."""
+    if receiver.rejected_exports:
+        print(f"tuner: refused {receiver.rejected_exports} OTLP exports without the right bearer token",
+              file=err, flush=True)
+    dropped = collector.traffic().dropped_spans
+    if dropped:
+        print(f"tuner: dropped {dropped} request spans beyond a full trial window", file=err, flush=True)
+
+
+def _read_ca(path: Path | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"--tls-ca: cannot read {path}: {e.strerror}") from None
 
 
 def _raise_interrupt(signum, frame) -> None:

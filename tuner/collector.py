@@ -5,6 +5,9 @@ spans whose policy id is being watched, so memory stays bounded however long the
 `wait` blocks until the watched window changes or a timeout passes and returns a snapshot copy.
 Counters of everything seen (watched or not) make "no traffic" diagnosable: zero spans at all means
 telemetry is not reaching the tuner; spans for other ids mean the server runs another policy.
+A window keeps at most `max_window_requests` requests (each costs a per-request entry for the
+confidence interval); samples beyond that are dropped and counted (`Traffic.dropped_spans`), so a
+flood of spans (real or forged) cannot grow the tuner's memory without bound.
 `admit` (tuner/span_admission.py) refuses spans before anything is counted: another replica's, impossible ones.
 """
 
@@ -23,6 +26,12 @@ class Traffic:
     request_spans: int  # all request spans received
     unwatched_spans: int  # of which for a policy id nobody watches
     last_span_at: float | None  # clock() of the last request span
+    dropped_spans: int = 0  # of which dropped because their window was full (max_window_requests)
+
+
+# Far more than any trial window needs (min_tokens 256 is a few dozen requests; a 60 s window at 100
+# requests per second is 6000), few enough that a full window stays around a megabyte.
+DEFAULT_MAX_WINDOW_REQUESTS = 20_000
 
 
 class SpanCollector:
@@ -30,11 +39,16 @@ class SpanCollector:
         self,
         parse: Callable[[Mapping], RequestSample | None],
         clock: Callable[[], float] = time.monotonic,
+        max_window_requests: int = DEFAULT_MAX_WINDOW_REQUESTS,
         admit: Callable[[RequestSample], bool] = lambda sample: True,
     ):
+        if max_window_requests < 1:
+            raise ValueError(f"max_window_requests must be >= 1, got {max_window_requests}")
         self._parse = parse
         self._admit = admit
         self._clock = clock
+        self._max_window_requests = max_window_requests
+        self._dropped = 0
         self._cond = threading.Condition()
         self._windows: dict[str, WindowStats] = {}
         self._accept: dict[str, Callable[[RequestSample], bool]] = {}
@@ -53,6 +67,8 @@ class SpanCollector:
                 window = self._windows.get(sample.policy_id)
                 if window is None or not self._accept[sample.policy_id](sample):
                     self._unwatched += 1
+                elif window.requests >= self._max_window_requests:
+                    self._dropped += 1
                 else:
                     window.add(sample)
             self._cond.notify_all()
@@ -81,4 +97,4 @@ class SpanCollector:
 
     def traffic(self) -> Traffic:
         with self._cond:
-            return Traffic(self._request_spans, self._unwatched, self._last_span_at)
+            return Traffic(self._request_spans, self._unwatched, self._last_span_at, self._dropped)

@@ -23,6 +23,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from optuna.trial import FrozenTrial, TrialState
 
+from service.redact import redact_url
 from service.types import Drafter, ModelInfo
 from tuner.compare import Compared
 from tuner.paired import PairedRatio
@@ -262,7 +263,7 @@ def write_report(
         states[r.state] += 1
     data = {
         "study": study.study_name,
-        "storage": storage_url,
+        "storage": redact_url(storage_url),
         "open_dashboard": dashboard,
         "model_info": study.user_attrs.get("model_info"),
         "sampler": study.user_attrs.get("sampler"),

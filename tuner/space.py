@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import optuna
 
+from service.policy_ids import is_plain, temperature_matters
 from service.types import MAX_DRAFT_TEMPERATURE, Drafter, DraftPolicy, ModelInfo
 
 DEFAULT_TEMPERATURE = DraftPolicy().draft_temperature
@@ -41,9 +42,11 @@ class PolicyKey:
 
 
 def policy_key(policy: DraftPolicy) -> PolicyKey:
-    if policy.draft_length == 0:
+    """Grouped by the rules the server derives policy ids with (service.policy_ids): the fields a
+    policy's drafter ignores do not tell policies apart."""
+    if is_plain(policy):
         return PolicyKey("plain", 0, None)
-    if policy.drafter is Drafter.NGRAM:
+    if not temperature_matters(policy):
         return PolicyKey(policy.drafter.value, policy.draft_length, None)
     # Rounded so that a re-measured continuous temperature groups with its original trial.
     return PolicyKey(policy.drafter.value, policy.draft_length, round(policy.draft_temperature, 4))

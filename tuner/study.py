@@ -3,7 +3,8 @@
 Contract:
 - `open_storage(url)`: `sqlite:///file.db`, `postgresql://...`, `mysql://...` (RDB), or
   `journal:PATH` (journal file, safe for several processes on one host), or `redis://...`
-  (journal on Redis). Any failure raises `StorageError` with a one-line reason.
+  (journal on Redis). Any failure raises `StorageError` with a one-line reason (password redacted).
+  A SQLite or journal file is created 0600 and never through a symlink (it holds the study).
 - `open_study` creates or loads (`load_if_exists`) a minimising study and refuses one that was
   created for the other objective (their values are not comparable).
 - Trials carry user attributes `role` ("search" | "remeasure"), `tuner_id` and `heartbeat`;
@@ -19,10 +20,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from service.private_files import create_private
+from service.redact import redact_in, redact_url
 from service.types import DraftPolicy
 from tuner.space import PolicyKey, SearchSpace, policy_key
 
@@ -51,17 +55,35 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
             path = url.removeprefix("journal:").removeprefix("//")
             if not path:
                 raise StorageError("journal storage needs a file path, e.g. journal:./tuner.log")
+            create_private(Path(path))
             return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
         if url.startswith("redis://"):
             return optuna.storages.JournalStorage(optuna.storages.journal.JournalRedisBackend(url))
         if "://" not in url:
-            raise StorageError(f"{url!r} is not a storage URL (try sqlite:///tuner.db or journal:tuner.log)")
+            raise StorageError(f"{redact_url(url)!r} is not a storage URL (try sqlite:///tuner.db or "
+                               "journal:tuner.log)")
+        sqlite_file = sqlite_path(url)
+        if sqlite_file is not None:
+            create_private(sqlite_file)  # 0600, not through a symlink; SQLite's journals copy its mode
         return optuna.storages.RDBStorage(url)
     except StorageError:
         raise
     except Exception as e:  # sqlalchemy, driver and OS errors all mean "cannot use this storage"
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise StorageError(f"cannot open storage {url!r}: {type(e).__name__}: {first_line}") from e
+        # Neither the URL nor a driver's echo of it may carry the password into a log.
+        raise StorageError(redact_in(f"cannot open storage {url!r}: {type(e).__name__}: {first_line}", url)) from None
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The database file of a sqlite:/// URL (None for other URLs and in-memory databases)."""
+    if not url.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    database = make_url(url).database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return Path(database)
 
 
 def open_study(

@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tune": ("tuner.cli", "run the online draft-policy tuner against a server"),
     "demo": ("tuner.demo", "server + load + tuner on the embedded model, then a report"),
     "whatif": ("service.cli.whatif", "predict the cost of shorter draft lengths from a step recording"),
+    "healthcheck": ("service.cli.healthcheck", "container health check: ask the running server where its own "
+                                               "flags say it listens (port, TLS)"),
 }
 
 

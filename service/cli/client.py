@@ -1,7 +1,7 @@
 """`moespec client`: talk to a running server — generate, policy get|set|split, info, health.
 
 Exit codes: 0 ok, 1 the server answered with an error (printed as `CODE: details`) or is not
-serving, 2 bad arguments. The admin token comes from --admin-token or MOESPEC_ADMIN_TOKEN.
+serving, 2 bad arguments. The admin token comes from --admin-token-file, --admin-token or MOESPEC_ADMIN_TOKEN.
 """
 
 from __future__ import annotations
@@ -14,18 +14,21 @@ from dataclasses import asdict
 
 import grpc
 
-from service.cli import UsageError
+from service.cli import UsageError, admin_token
 from service.server.client import MoespecClient, Reply
 from service.traffic import TrafficArm, TrafficSplit
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
-ADMIN_TOKEN_ENV = "MOESPEC_ADMIN_TOKEN"
+ADMIN_TOKEN_ENV = admin_token.ADMIN_TOKEN_ENV
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT of the server")
     common.add_argument("--tls-ca", help="PEM file of the CA that signed the server certificate (enables TLS)")
+    common.add_argument("--tls-server-name", default=None, metavar="NAME",
+                        help="with --tls-ca: the name the server certificate must carry, when --server's host is "
+                             "another (an IP address)")
     common.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     common.add_argument("--json", action="store_true", help="print the whole answer as JSON")
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -47,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "split": "serve several policies at once: each request is assigned one --arm by weight"}
     for name in ("get", "set", "split"):
         p = pol_sub.add_parser(name, parents=[common], help=helps[name], description=helps[name])
-        p.add_argument("--admin-token", default=None, help=f"bearer token (default: ${ADMIN_TOKEN_ENV})")
+        admin_token.add_arguments(p, "for PolicyAdmin")
         if name == "get":
             p.add_argument("--split", action="store_true", help="print every arm with its weight and the seed")
         if name == "split":
@@ -65,9 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    token = getattr(args, "admin_token", None) or os.environ.get(ADMIN_TOKEN_ENV) or None
+    token = admin_token.resolve(args, os.environ)
     try:
-        client = MoespecClient(args.server, admin_token=token, tls_ca=args.tls_ca)
+        client = MoespecClient(args.server, admin_token=token, tls_ca=args.tls_ca,
+                               tls_server_name=args.tls_server_name)
     except OSError as e:
         raise UsageError(f"cannot read --tls-ca: {e}") from None
     with client:

@@ -18,16 +18,17 @@ import logging
 import os
 import sys
 import uuid
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
 from otel import cli as otel_cli
 from service.backend import Backend
-from service.cli import UsageError
+from service.cli import UsageError, admin_token
 from service.server.server import MoespecServer, ServerConfig, serve
 from service.types import Drafter, DraftPolicy, InvalidRequest
 
-ADMIN_TOKEN_ENV = "MOESPEC_ADMIN_TOKEN"
+ADMIN_TOKEN_ENV = admin_token.ADMIN_TOKEN_ENV
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,13 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the torch engine's --max-batch)")
     parser.add_argument("--max-queue", type=int, default=16,
                         help="generations that may wait for a worker; beyond that RESOURCE_EXHAUSTED")
-    parser.add_argument("--admin-token", default=None,
-                        help=f"bearer token PolicyAdmin requires (default: ${ADMIN_TOKEN_ENV}); "
-                             "without one SetPolicy is refused")
+    admin_token.add_arguments(parser, "PolicyAdmin requires (without one SetPolicy is refused)")
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain; with --tls-key serves TLS only")
     parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
     parser.add_argument("--max-message-bytes", type=int, default=1 << 20,
-                        help="largest request or response message accepted")
+                        help="largest response message; also caps the default --max-request-bytes (default 1 MiB)")
+    parser.add_argument("--max-request-bytes", type=int, default=None,
+                        help="largest request message; larger ones get RESOURCE_EXHAUSTED before any work "
+                             "(default: twice what a full context needs, e.g. ~110 KB for the shipped model)")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds in-flight requests get to finish after SIGTERM")
     parser.add_argument("--threads", type=int, default=None,
@@ -94,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = server_config(args, os.environ.get(ADMIN_TOKEN_ENV))
+    config = server_config(args, os.environ)
     telemetry_config = otel_cli.config_from_args(args, os.environ)  # bad OTEL_* / flags: exit 2 before loading
     instance = instance_id(args.instance_id, dict(telemetry_config.resource_attributes))
     config = replace(config, instance_id=instance)
@@ -121,7 +123,7 @@ def instance_id(flag: str | None, resource: dict[str, str]) -> str:
     return chosen.strip() if chosen is not None else str(uuid.uuid4())
 
 
-def server_config(args: argparse.Namespace, env_token: str | None) -> ServerConfig:
+def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerConfig:
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_batch < 1:
@@ -138,6 +140,8 @@ def server_config(args: argparse.Namespace, env_token: str | None) -> ServerConf
         raise UsageError("--tls-cert and --tls-key go together")
     if args.max_message_bytes < 1024:
         raise UsageError("--max-message-bytes must be at least 1024")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1024:
+        raise UsageError("--max-request-bytes must be at least 1024")
     policy = DraftPolicy(Drafter(args.drafter), args.draft_length, args.draft_temperature, policy_id="default")
     try:
         policy.validate()
@@ -148,10 +152,11 @@ def server_config(args: argparse.Namespace, env_token: str | None) -> ServerConf
         port=args.port,
         workers=args.workers,
         max_queue=args.max_queue,
-        admin_token=args.admin_token or env_token or None,
+        admin_token=admin_token.resolve(args, environ),
         tls_cert=_read(args.tls_cert),
         tls_key=_read(args.tls_key),
         max_message_bytes=args.max_message_bytes,
+        max_request_bytes=args.max_request_bytes,
         grace_seconds=args.grace,
         initial_policy=policy,
     )
@@ -169,6 +174,13 @@ def create_backend(args: argparse.Namespace) -> Backend:
     ep = ep_spec(args)
     if args.record_steps is not None and not args.record_steps.resolve().parent.is_dir():
         raise UsageError(f"--record-steps: no folder {args.record_steps.resolve().parent}")
+    if args.record_steps is not None:
+        from service.private_files import create_private
+
+        try:  # before the model loads: a symlink or another user's file exits 2 at once
+            create_private(args.record_steps)
+        except OSError as e:
+            raise UsageError(f"--record-steps: {e}") from None
     try:
         engine = Engine(EngineConfig(threads=args.threads or default_threads(), kernel_threads=args.kernel_threads,
                                      ep=ep, record_steps=args.record_steps, max_batch=args.max_batch,

@@ -39,6 +39,7 @@ from service.engine.scheduler import Scheduler, unique_experts_per_layer
 from service.engine.sequence import Sequence
 from service.engine.threads import usable_cores
 from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_for_inference
+from service.limits import PromptLimits, tokenizer_prompt_bytes
 from service.recording import StepRecorder
 from service.types import (
     MAX_DRAFT_LENGTH,
@@ -49,6 +50,7 @@ from service.types import (
     InvalidRequest,
     ModelInfo,
     StreamDelta,
+    new_token_budget,
 )
 
 __all__ = ["Engine", "EngineConfig", "unique_experts_per_layer"]
@@ -124,6 +126,9 @@ class Engine:
         # machine's current speed instead of the start-up calibration (which a busy CPU distorts).
         self._plain_steps: deque[float] = deque(maxlen=64)
         self.info = self._model_info()
+        # What the server checks before any work (service/limits.py): context and prompt bytes.
+        self.prompt_limits = PromptLimits(self.max_context, tokenizer_prompt_bytes(self.tokenizer, self.max_context),
+                                          cfg.vocab_size)
         self.ep = (expert_parallel.make_placement(config.ep.size, cfg.num_hidden_layers, cfg.num_experts,
                                                   config.ep.physical_to_logical) if config.ep else None)
         self.ep_token_bytes = cfg.hidden_size * (config.ep.dtype_bytes if config.ep else 0)
@@ -154,7 +159,7 @@ class Engine:
         if len(prompt) >= self.max_context:
             raise InvalidRequest("prompt", f"{len(prompt)} tokens; the context holds {self.max_context} "
                                            "including at least one new token")
-        budget = min(request.max_new_tokens, self.max_context - len(prompt))
+        budget = new_token_budget(request.max_new_tokens, len(prompt), self.max_context)
         result = self._scheduler.submit(Sequence(request, policy, prompt, budget, should_stop, on_delta))
         if self.recorder is not None:
             self.recorder.write(result.steps)  # never raises: a full disk loses the recording, not the request
@@ -215,6 +220,7 @@ class Engine:
             expert_bytes=3 * cfg.hidden_size * cfg.moe_intermediate_size * bytes_per_param,
             decode_step_seconds=self.decode_step_seconds,
             concurrent_policies=True,  # the policy is a per-call argument: any mix of arms at once
+            device="cpu",  # the fused kernels and the torch fallbacks run on the CPU only
             shared_passes=self.config.max_batch > 1,  # continuous batching: one target pass serves them all
         )
 

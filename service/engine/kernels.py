@@ -22,7 +22,8 @@ same library (it uses `dot`, `exp512`, `matmul_p` and `rms_norm` from here).
 
 The library is compiled with the system C compiler into a cache folder keyed by the source, the
 flags and this CPU's feature flags (so a shared home folder never serves code for another CPU), and
-loaded with ctypes. Without a compiler `build` returns None and callers keep the eager path.
+loaded with ctypes only once kernel_cache has checked the folder, the file and its recorded SHA-256.
+Without a compiler `build` returns None and callers keep the eager path.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from service.engine import attention_kernel, bf16_kernel, kernel_pool, moe_kernel
+from service.engine import attention_kernel, bf16_kernel, kernel_cache, kernel_pool, moe_kernel
 from service.engine.attention_kernel import AttentionPass, AttentionWeights
 from service.engine.kernel_pool import ONE_THREAD, KernelPool, KernelThreads
 from service.engine.moe_kernel import MoeBlock
@@ -404,20 +405,23 @@ def build(cache_dir: Path | None = None, compiler: str | None = None,
     if compiler is None:
         log.warning("no C compiler on the PATH: the fused expert kernel is off, the eager path runs")
         return None
-    folder = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "moespec" / "kernels"
+    folder = Path(cache_dir) if cache_dir else kernel_cache.default_folder()
     key = hashlib.sha256("\n".join([_SOURCE, *flags, compiler, platform.machine(), _cpu_flags()]).encode())
-    library = folder / f"swiglu-{key.hexdigest()[:16]}.so"
     try:
-        if not library.is_file():
-            _compile(compiler, flags, library)
-        return Kernels(library)
+        # Checked (owner, permissions, recorded SHA-256) before ctypes runs any of it; see kernel_cache.
+        library, scratch = kernel_cache.cached_library(folder, f"swiglu-{key.hexdigest()[:16]}.so",
+                                                       lambda path: _compile(compiler, flags, path))
+        try:
+            return Kernels(library)
+        finally:
+            if scratch is not None:
+                scratch.cleanup()  # the loaded library stays mapped
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("could not build the fused expert kernel (%s): the eager path runs", e)
         return None
 
 
 def _compile(compiler: str, flags: tuple[str, ...], library: Path) -> None:
-    library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         source = Path(tmp) / "swiglu.c"
         source.write_text(_SOURCE)

@@ -52,7 +52,7 @@ from service.engine import ngram
 from service.engine.model import RaggedBatch
 from service.engine.sampling import accept, accept_greedy_ids, draft_probs, point_mass, sample, target_probs
 from service.engine.sequence import Sequence
-from service.types import BatchPassRecord, Drafter, FinishReason, GenerationResult, StepRecord
+from service.types import BatchPassRecord, Drafter, FinishReason, GenerationResult, StepRecord, accepted_positions
 
 if TYPE_CHECKING:
     from service.engine.engine import Engine
@@ -277,13 +277,13 @@ class Scheduler:
         # Each window's routed ids, only where a record keeps them (top-k capture, the EP estimate): a
         # batched step does this loop for every request, so it does nothing a request does not need.
         window_ids = routed.split(lengths, dim=1) if self._records_ids() else [None] * len(seqs)
-        for seq, (drafts, _, draft_s), window, ids, unique, (n_ok, flags, bonus) in zip(
+        for seq, (drafts, _, draft_s), window, ids, unique, (n_ok, _, bonus) in zip(
                 seqs, proposals, windows, window_ids, own_unique, verdicts, strict=True):
             k = len(drafts)
             if seq.policy.drafter is Drafter.MODEL and k > 0:
                 # The draft cache holds the old tokens plus drafts 1..k-1; keep those that were accepted.
                 seq.draft_valid = len(seq.ids) + min(n_ok, k - 1)
-            record = self._record(seq, k, n_ok, flags, window, ids, unique, draft_s, t2 - t1, step_unit, pass_record)
+            record = self._record(seq, k, n_ok, window, ids, unique, draft_s, t2 - t1, step_unit, pass_record)
             try:
                 finish = seq.commit([*drafts[:n_ok], bonus], record, e.eos_id, e.decode)
             except Exception as error:  # e.g. the caller's on_delta raised: only this request fails
@@ -397,7 +397,7 @@ class Scheduler:
         """Step records need each window's routed ids: captured top-k ids, or an EP estimate."""
         return self._captures_topk() or self.e.ep is not None
 
-    def _record(self, seq: Sequence, drafted: int, accepted: int, flags: tuple[bool, ...], window: list[int],
+    def _record(self, seq: Sequence, drafted: int, accepted: int, window: list[int],
                 routed: torch.Tensor | None, unique: tuple[int, ...], draft_s: float, verify_s: float,
                 step_unit: float, batch: BatchPassRecord) -> StepRecord:
         """routed: the window's ids [L, w, m] (None unless `_records_ids`)."""
@@ -415,7 +415,7 @@ class Scheduler:
             drafted=drafted,
             accepted=accepted,
             committed=accepted + 1,
-            accepted_per_position=flags[:drafted],
+            accepted_per_position=accepted_positions(drafted, accepted),
             window=len(window),
             unique_experts=unique,
             shared_experts=1,

@@ -9,7 +9,8 @@
 
 Dataclasses in and out (service.types); RPC failures surface as grpc.RpcError. Thread-safe: one
 channel may serve many threads. `tls_ca` is PEM bytes (or a path) of the CA that signed the
-server's certificate; without it the channel is plaintext.
+server's certificate; without it the channel is plaintext. `tls_server_name` is the name the certificate
+must carry when the target's host is another (an IP address).
 """
 
 from __future__ import annotations
@@ -55,9 +56,12 @@ class Chunk:
 
 
 class MoespecClient:
-    def __init__(self, target: str, admin_token: str | None = None, tls_ca: bytes | str | Path | None = None):
+    def __init__(self, target: str, admin_token: str | None = None, tls_ca: bytes | str | Path | None = None,
+                 tls_server_name: str | None = None):
         options = [("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES)]
+        if tls_server_name:  # the certificate is checked against this name instead of the target's host
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
         if tls_ca is not None:
             ca = tls_ca if isinstance(tls_ca, bytes) else Path(tls_ca).read_bytes()
             self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca), options)

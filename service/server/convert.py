@@ -8,6 +8,8 @@ drafter enum number).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.traffic import TrafficArm, TrafficSplit
 from service.types import (
@@ -21,9 +23,24 @@ from service.types import (
     ModelInfo,
     SamplingParams,
     SpecStats,
+    new_token_budget,
 )
 
 DEFAULT_MAX_NEW_TOKENS = GenerationRequest().max_new_tokens
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The token budget a request ran with, as the response reports it."""
+
+    max_new_tokens: int  # after the cut to the context's room
+    cut: bool  # the cut made it smaller than the request asked
+
+    @classmethod
+    def of(cls, request: GenerationRequest, prompt_tokens: int, max_context: int) -> Budget:
+        budget = new_token_budget(request.max_new_tokens, prompt_tokens, max_context)
+        return cls(budget, budget < request.max_new_tokens)
+
 
 _DRAFTER_TO_PB = {Drafter.MODEL: pb.DraftPolicy.MODEL, Drafter.NGRAM: pb.DraftPolicy.NGRAM}
 _DRAFTER_FROM_PB = {v: k for k, v in _DRAFTER_TO_PB.items()}
@@ -163,7 +180,7 @@ def spec_from_pb(msg: pb.SpecStats) -> SpecStats:
     )
 
 
-def response_to_pb(result: GenerationResult, trace_id: str) -> pb.GenerateResponse:
+def response_to_pb(result: GenerationResult, trace_id: str, budget: Budget) -> pb.GenerateResponse:
     return pb.GenerateResponse(
         text=result.text,
         token_ids=list(result.token_ids),
@@ -174,11 +191,13 @@ def response_to_pb(result: GenerationResult, trace_id: str) -> pb.GenerateRespon
         spec=spec_to_pb(result.spec),
         seconds=result.seconds,
         time_to_first_token=result.time_to_first_token,
+        max_new_tokens=budget.max_new_tokens,
+        max_new_tokens_cut=budget.cut,
     )
 
 
 def final_chunk_to_pb(
-    result: GenerationResult, trace_id: str, text: str, token_ids: tuple[int, ...]
+    result: GenerationResult, trace_id: str, budget: Budget, text: str, token_ids: tuple[int, ...]
 ) -> pb.GenerateChunk:
     """The stream's last chunk: the unary response's summary plus whatever was not yet streamed."""
     return pb.GenerateChunk(
@@ -191,6 +210,8 @@ def final_chunk_to_pb(
         spec=spec_to_pb(result.spec),
         seconds=result.seconds,
         time_to_first_token=result.time_to_first_token,
+        max_new_tokens=budget.max_new_tokens,
+        max_new_tokens_cut=budget.cut,
     )
 
 

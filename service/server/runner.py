@@ -10,6 +10,9 @@ Contract:
   raised, so callers can still record what was computed.
 - A deadline (time.monotonic() seconds) makes `should_stop()` true once it passes, so the engine
   stops even if the caller's cancellation arrives late.
+- `stop_running()` (the end of a shutdown's grace period) makes every admitted call's
+  `should_stop()` true without cancelling its caller: each returns its partial result normally,
+  finish_reason CANCELLED, so the RPC can still answer with it.
 
 Backends batch concurrent calls (the torch engine verifies every request in flight in one pass,
 up to its `max_batch`), so the server runs as many workers as the backend has batch
@@ -84,6 +87,14 @@ class EngineRunner:
             # Running: the engine polls should_stop once per step, so this wait is one step long.
             result = await asyncio.wrap_future(job)
             raise GenerationCancelled(result) from None
+
+    def stop_running(self) -> int:
+        """Stop every admitted generation at its next step; their callers get the partial results
+        (finish_reason CANCELLED) as ordinary returns. -> how many were stopped."""
+        with self._lock:
+            for stop in self._stops:
+                stop.set()
+            return len(self._stops)
 
     def close(self) -> None:
         """Stop every running generation, drop waiting ones, join the workers."""

@@ -5,10 +5,18 @@ Contract:
   reported in spec.policy_id and its spans; see service.traffic) and inside `telemetry.request(...)`,
   opened in the RPC's own context, ended by exactly one of `finish(result)` (also for a partial,
   cancelled generation) or `fail(error, ...)`.
+- Limits before work: a prompt longer than the context (ids) or than its tokenizer can ever fit in
+  it (text bytes) is refused from its lengths alone, before conversion; conversion and validation
+  then run in a worker thread, so the event loop (health, other RPCs) never waits on them.
 - Errors map to status codes here and only here: InvalidRequest -> INVALID_ARGUMENT (message starts
   with the field; the field is also the trailing metadata "moespec-invalid-field"), Overloaded ->
   RESOURCE_EXHAUSTED, a deadline that stopped the engine -> DEADLINE_EXCEEDED, anything else from
   the backend -> INTERNAL (a server fault). A cancelled RPC stops its generation (see runner).
+- While the server drains (`draining()` true: shutting down) new generations are refused with
+  UNAVAILABLE before they are queued; those already admitted run on, and if the grace period stops
+  them (runner.stop_running) they answer normally with finish_reason "cancelled".
+- Every response reports the token budget it ran with (convert.Budget: max_new_tokens cut to the
+  context's room after the prompt, and whether that cut it).
 - PolicyAdmin wants `authorization: Bearer <token>`, compared in constant time. With no token
   configured GetPolicy is open (the policy is public in every response anyway) and SetPolicy is
   refused with PERMISSION_DENIED.
@@ -29,6 +37,8 @@ import grpc
 
 from otel.api import RequestObservation, Telemetry
 from otel.telemetry import NoTelemetry
+from service.limits import PromptLimits
+from service.policy_ids import derived_id
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
 from service.server import convert
@@ -47,6 +57,8 @@ from service.types import (
 log = logging.getLogger(__name__)
 
 INVALID_FIELD_KEY = "moespec-invalid-field"
+SHUTTING_DOWN = ("the server is shutting down and takes no new generations (health reads NOT_SERVING): "
+                 "send the request to another replica")
 
 
 class PolicyStore:
@@ -83,14 +95,13 @@ class PolicyStore:
         return split if split.seed is not None else replace(split, seed=self._seed_source())
 
     def check(self, policy: DraftPolicy) -> DraftPolicy:
-        """Validate against this backend's bounds; an empty policy_id is derived from the fields."""
+        """Validate against this backend's bounds; an empty policy_id is derived from the policy's
+        canonical form (service.policy_ids), so policies that run alike share one id."""
         policy.validate(self._info.max_draft_length)
         if policy.draft_length and policy.drafter not in self._info.drafters:
             raise InvalidRequest("policy.drafter", f"{policy.drafter.value!r} is not offered by this backend")
         if not policy.policy_id:
-            policy = replace(
-                policy, policy_id=f"{policy.drafter.value}-k{policy.draft_length}-t{policy.draft_temperature:g}"
-            )
+            policy = replace(policy, policy_id=derived_id(policy))
         return policy
 
 
@@ -109,9 +120,12 @@ class _Failure(Exception):
 
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, runner: EngineRunner, info: ModelInfo, policies: PolicyStore, telemetry: Telemetry | None,
-                 live_info: Callable[[], ModelInfo] | None = None):
+                 live_info: Callable[[], ModelInfo] | None = None, draining: Callable[[], bool] = lambda: False,
+                 limits: PromptLimits | None = None):
         self._runner = runner
+        self._draining = draining
         self._info = info
+        self._limits = limits or PromptLimits(info.max_context, None, info.vocab_size)
         # Some fields change while serving (SGLang's policy_switches / policy_switch_seconds,
         # decode_step_seconds), so GetModelInfo reads the backend's current info when given it.
         self._live_info = live_info or (lambda: info)
@@ -120,10 +134,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         try:
-            result, trace_id = await self._generate(request, context, on_delta=None)
+            result, trace_id, budget = await self._generate(request, context, on_delta=None)
         except _Failure as f:
             await f.abort(context)
-        return convert.response_to_pb(result, trace_id)
+        return convert.response_to_pb(result, trace_id, budget)
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -148,7 +162,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     text += delta.text
                     token_ids += delta.token_ids
                     yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids)
-            result, trace_id = task.result()
+            result, trace_id, budget = task.result()
         except _Failure as f:
             await f.abort(context)
         finally:
@@ -160,7 +174,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         # concatenated stream always equals the unary response.
         tail_text = result.text[len(text):] if result.text.startswith(text) else ""
         tail_ids = result.token_ids[len(token_ids):]
-        yield convert.final_chunk_to_pb(result, trace_id, tail_text, tail_ids)
+        yield convert.final_chunk_to_pb(result, trace_id, budget, tail_text, tail_ids)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         return convert.info_to_pb(self._live_info())
@@ -170,15 +184,26 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         request_pb: pb.GenerateRequest,
         context: grpc.aio.ServicerContext,
         on_delta: Callable[[StreamDelta], None] | None,
-    ) -> tuple[GenerationResult, str]:
-        request = convert.request_from_pb(request_pb)
+    ) -> tuple[GenerationResult, str, convert.Budget]:
+        if self._draining():
+            raise _Failure(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+        try:
+            # Lengths only, before the ids are copied or the text tokenized: a prompt that can never fit
+            # costs nothing (it gets no request span: no work was done for it).
+            self._limits.check(request_pb)
+        except InvalidRequest as e:
+            raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
+        # Assigned before the first await: arms follow the order requests start in (service.traffic).
         policy = self._policies.assign()
+        # Copying and validating up to a context of ids runs in a worker thread, never on the event
+        # loop that answers health checks and every other RPC.
+        request = await asyncio.to_thread(convert.request_from_pb, request_pb)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         with self._observe(request, policy) as obs:
             try:
                 # Checked here as well as in the engine so bad input never waits in the queue.
-                request.validate(self._info.vocab_size, self._info.max_context)
+                await asyncio.to_thread(request.validate, self._info.vocab_size, self._info.max_context)
                 result = await self._runner.run(request, policy, deadline=deadline, on_delta=on_delta)
             except GenerationCancelled as e:
                 if e.result is not None:
@@ -200,7 +225,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             trace_id = obs.trace_id
         if result.finish_reason is FinishReason.CANCELLED and deadline is not None and time.monotonic() >= deadline:
             raise _Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
-        return result, trace_id
+        return result, trace_id, convert.Budget.of(request, result.prompt_tokens, self._info.max_context)
 
     def _observe(
         self, request: GenerationRequest, policy: DraftPolicy
@@ -260,18 +285,33 @@ class PolicyAdminServicer(pb_grpc.PolicyAdminServicer):
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
         presented = _bearer_token(context.invocation_metadata() or ())
+        if isinstance(presented, _NoBearer):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, presented.reason)
         # compare_digest on bytes: constant time in the token's content.
-        if presented is None or not hmac.compare_digest(presented.encode(), self._token):
-            reason = "missing" if presented is None else "wrong"
+        if not hmac.compare_digest(presented.encode(), self._token):
             await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED, f"{reason} admin token: send 'authorization: Bearer <token>'"
+                grpc.StatusCode.UNAUTHENTICATED, "wrong admin token: send 'authorization: Bearer <token>'"
             )
 
 
-def _bearer_token(metadata) -> str | None:
-    for key, value in metadata:
-        if key.lower() == "authorization" and isinstance(value, str):
-            scheme, _, token = value.partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-    return None
+@dataclass(frozen=True)
+class _NoBearer:
+    """Why the metadata holds no bearer token (the answer says which part is missing)."""
+
+    reason: str
+
+
+def _bearer_token(metadata) -> str | _NoBearer:
+    headers = [value for key, value in metadata if key.lower() == "authorization" and isinstance(value, str)]
+    if not headers:
+        return _NoBearer("missing admin token: send 'authorization: Bearer <token>'")
+    for value in headers:
+        scheme, _, token = value.strip().partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    scheme, _, token = headers[0].strip().partition(" ")
+    if scheme.lower() == "bearer":
+        return _NoBearer("missing admin token after the Bearer scheme: send 'authorization: Bearer <token>'")
+    if not token:  # a bare value, such as the token itself
+        return _NoBearer("the authorization header lacks the Bearer scheme: send 'authorization: Bearer <token>'")
+    return _NoBearer(f"unsupported authorization scheme {scheme!r}: send 'authorization: Bearer <token>'")

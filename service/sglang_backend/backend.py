@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from service.limits import PromptLimits, tokenizer_prompt_bytes
 from service.recording import StepRecorder
 from service.sglang_backend.adapter import FinishedRequest, adapt
 from service.sglang_backend.attribution import RequestTokens
@@ -47,6 +48,7 @@ from service.types import (
     InvalidRequest,
     ModelInfo,
     StreamDelta,
+    new_token_budget,
 )
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,11 @@ class SGLangBackend:
         self._lock = threading.Lock()
         self._slot = EngineSlot(sglang, config.base_kwargs, config.record_dir, config.keep_records)
         self._tokenizer = _load_tokenizer(config.tokenizer_path)
+        # Checked by the server before any work (service/limits.py).
+        self.prompt_limits = PromptLimits(
+            self.info.max_context,
+            tokenizer_prompt_bytes(self._tokenizer, self.info.max_context) if self._tokenizer else None,
+            self.info.vocab_size)
         self._decode_samples: deque[float] = deque(maxlen=CALIBRATION_WINDOW)
         self._starts = 0  # engines started so far; every start after the first is a policy switch
         with self._lock:
@@ -184,7 +191,7 @@ class SGLangBackend:
         rid = uuid.uuid4().hex
         params = sampling_params(request, greedy=greedy)
         # As the embedded engine: the context bounds the budget instead of failing the request.
-        params["max_new_tokens"] = min(params["max_new_tokens"], self.info.max_context - len(prompt))
+        params["max_new_tokens"] = new_token_budget(params["max_new_tokens"], len(prompt), self.info.max_context)
         t0 = time.perf_counter()
         ttft, output, text, meta, cancelled = 0.0, (), "", {}, False
         for chunk in self._slot.stream(prompt, params, rid):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from service import expert_parallel
 from service.cli import UsageError
+from service.private_files import private_dir
 from service.sglang_backend import device as devices
 from service.sglang_backend.checkpoint import sglang_model_dir
 from service.sglang_backend.ep import EPConfig, ep_config
@@ -101,6 +102,10 @@ def create_backend(args: argparse.Namespace):
         if record_dir is None:
             record_dir = Path(tempfile.mkdtemp(prefix="moespec-sglang-records-"))
             cleanup.append(record_dir)
+        try:  # the dumps are unpickled (weights-only) and hold token ids: a private folder only
+            private_dir(record_dir)
+        except OSError as e:
+            raise UsageError(f"--sglang-record-dir: {e}") from None
     max_context = args.sglang_context_length or target.max_context
     config = BackendConfig(
         target=target,

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+from service.private_files import make_private, private_dir, write_private_text
 from service.sglang_backend.records import ForwardPass, dump_files, load_dump
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class EngineSlot:
         self.stop()
         kwargs = {**self._base, **spec_kwargs}
         if self._record_dir is not None:
-            self._record_dir.mkdir(parents=True, exist_ok=True)
+            private_dir(self._record_dir)  # 0700, and never a folder others may plant dump files in
             os.environ[RECORDER_DIR_ENV] = str(self._record_dir)
         log.info("starting sglang.Engine(%s)", ", ".join(f"{k}={v!r}" for k, v in sorted(kwargs.items())))
         t0 = time.perf_counter()
@@ -81,22 +82,30 @@ class EngineSlot:
         passes: list[ForwardPass] = []
         for path in dump_files(self._record_dir, rank=0):
             passes.extend(load_dump(path, start_index=self._passes_read + len(passes)))
-        archive = None
+        dumps = sorted(self._record_dir.glob("expert_distribution_recorder_*.pt"))
         if self._keep:
-            archive = self._record_dir / "read" / f"{self._archived:05d}"
-            archive.mkdir(parents=True)
-            (archive / "request.json").write_text(json.dumps(evidence or {}))
+            archive_read(self._record_dir, self._archived, evidence or {}, dumps)
             self._archived += 1
-        for path in self._record_dir.glob("expert_distribution_recorder_*.pt"):
-            if archive is not None:
-                path.rename(archive / path.name)
-            else:
+        else:
+            for path in dumps:
                 path.unlink(missing_ok=True)
         # The rank in the name is the MoE EP rank, so under TP without EP every TP rank writes a
         # `_0` copy of the same passes. Reading them all is harmless: attribution follows each
         # request's chain of positions, and a repeated pass no longer matches where it continues.
         self._passes_read += len(passes)
         return passes
+
+
+def archive_read(record_dir: Path, number: int, evidence: dict, dumps: list[Path]) -> Path:
+    """Move read dumps to `read/NNNNN/` beside request.json; folders 0700, files 0600 (they hold the
+    requests' token ids), nothing written through a symlink."""
+    archive = private_dir(record_dir / "read") / f"{number:05d}"
+    archive.mkdir(mode=0o700)
+    write_private_text(archive / "request.json", json.dumps(evidence))
+    for path in dumps:
+        make_private(path)
+        path.rename(archive / path.name)
+    return archive
 
 
 def _key(spec_kwargs: dict) -> tuple:

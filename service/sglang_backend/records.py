@@ -76,16 +76,33 @@ class ForwardPass:
 _RECORD_KEYS = ("input_ids", "positions", "extend_seq_lens", "forward_mode", "topk_ids_of_layer")
 
 
+def _numpy_scalar_globals() -> list:
+    """What a pickled numeric numpy scalar names: the scalar constructor and numeric dtype classes only
+    (no object dtype, so nothing but numbers can be built through them)."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    kinds = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+             np.float16, np.float32, np.float64)
+    return [core.multiarray.scalar, np.dtype, *(type(np.dtype(k)) for k in kinds)]
+
+
 def load_dump(path: Path, start_index: int = 0) -> list[ForwardPass]:
     """One dump file -> its passes in run order, numbered from start_index."""
-    # The file holds dicts, lists, ints, strings and tensors, which weights_only loads; the map was
-    # saved on the GPU, hence map_location. Should a later SGLang put another type in a record
-    # (a numpy int), fall back to a full unpickle: the file was written by our own engine
-    # subprocess into our own temp dir, so it is trusted.
+    # The file holds dicts, lists, ints, strings and tensors, which weights_only loads (plus numeric
+    # numpy scalars, allowed by name: a later SGLang may leave a numpy int in a record); the map was
+    # saved on the GPU, hence map_location. Never a full unpickle: anyone who can drop a file in the
+    # record directory would run code in the server. A record with a type weights_only refuses means
+    # an SGLang this reader does not know, and is reported as such.
     try:
-        data = torch.load(Path(path), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        data = torch.load(Path(path), map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(_numpy_scalar_globals()):
+            data = torch.load(Path(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RecorderFormatError(
+            f"{path}: holds objects a weights-only load refuses ({first_line}); not loaded (a full unpickle "
+            "would run whatever code the file names)"
+        ) from None
     if not isinstance(data, dict) or "records" not in data:
         raise RecorderFormatError(
             f"{path}: no 'records' list; was the engine started with expert_distribution_recorder_mode='per_token'?"

@@ -22,7 +22,7 @@ from service.sglang_backend.attribution import Window, unique_experts
 from service.sglang_backend.ep import EPConfig, window_view
 from service.sglang_backend.meta_info import SpecMeta
 from service.sglang_backend.model_config import MoeGeometry
-from service.types import DraftPolicy, SpecStats, StepRecord
+from service.types import DraftPolicy, SpecStats, StepRecord, accepted_positions
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def _record(policy: DraftPolicy, target: MoeGeometry, drafted: int, accepted: in
         drafted=drafted,
         accepted=accepted,
         committed=committed,
-        accepted_per_position=tuple(i < accepted for i in range(drafted)),
+        accepted_per_position=accepted_positions(drafted, accepted),
         window=window,
         unique_experts=unique,
         shared_experts=target.shared_experts,

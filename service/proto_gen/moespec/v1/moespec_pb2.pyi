@@ -68,7 +68,7 @@ class SpecStats(_message.Message):
     def __init__(self, verify_steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., unique_experts_mean: _Optional[_Iterable[float]] = ..., unique_experts_max: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., seconds_per_committed_token: _Optional[float] = ..., policy_id: _Optional[str] = ..., empty_drafts: _Optional[int] = ..., drafter: _Optional[_Union[DraftPolicy.Drafter, str]] = ..., draft_length: _Optional[int] = ..., draft_temperature: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "trace_id", "spec", "seconds", "time_to_first_token")
+    __slots__ = ("text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "trace_id", "spec", "seconds", "time_to_first_token", "max_new_tokens", "max_new_tokens_cut")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,8 @@ class GenerateResponse(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_CUT_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
@@ -87,10 +89,12 @@ class GenerateResponse(_message.Message):
     spec: SpecStats
     seconds: float
     time_to_first_token: float
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., trace_id: _Optional[str] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., seconds: _Optional[float] = ..., time_to_first_token: _Optional[float] = ...) -> None: ...
+    max_new_tokens: int
+    max_new_tokens_cut: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., trace_id: _Optional[str] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., seconds: _Optional[float] = ..., time_to_first_token: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., max_new_tokens_cut: _Optional[bool] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "trace_id", "spec", "seconds", "time_to_first_token")
+    __slots__ = ("text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "trace_id", "spec", "seconds", "time_to_first_token", "max_new_tokens", "max_new_tokens_cut")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +104,8 @@ class GenerateChunk(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_CUT_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
@@ -109,7 +115,9 @@ class GenerateChunk(_message.Message):
     spec: SpecStats
     seconds: float
     time_to_first_token: float
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., trace_id: _Optional[str] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., seconds: _Optional[float] = ..., time_to_first_token: _Optional[float] = ...) -> None: ...
+    max_new_tokens: int
+    max_new_tokens_cut: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., trace_id: _Optional[str] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., seconds: _Optional[float] = ..., time_to_first_token: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., max_new_tokens_cut: _Optional[bool] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

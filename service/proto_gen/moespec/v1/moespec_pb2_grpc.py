@@ -26,8 +26,10 @@ if _version_not_supported:
 
 
 class InferenceStub:
-    """Generation. Every request runs under the draft policy current when it starts; the response
-    reports which one in spec.policy_id.
+    """Generation. Every request runs under the draft policy current when it starts (an arm of the
+    traffic split, see PolicyAdmin); the response reports which one in spec.policy_id. Speculative
+    decoding never changes what is generated: the output follows the target model's distribution
+    for the request's sampling parameters whatever the draft policy.
     """
 
     def __init__(self, channel):
@@ -54,26 +56,35 @@ class InferenceStub:
 
 
 class InferenceServicer:
-    """Generation. Every request runs under the draft policy current when it starts; the response
-    reports which one in spec.policy_id.
+    """Generation. Every request runs under the draft policy current when it starts (an arm of the
+    traffic split, see PolicyAdmin); the response reports which one in spec.policy_id. Speculative
+    decoding never changes what is generated: the output follows the target model's distribution
+    for the request's sampling parameters whatever the draft policy.
     """
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One request, one response once the generation has finished.
+        Errors: INVALID_ARGUMENT (bad field, named first in the message), RESOURCE_EXHAUSTED (queue
+        full), UNAVAILABLE (shutting down), DEADLINE_EXCEEDED, CANCELLED (the client cancelled),
+        INTERNAL (a server fault).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GenerateStream(self, request, context):
-        """Chunks carry tokens as the engine commits them; the last chunk has finish_reason set and
-        carries the same spec stats and counts as the unary response.
+        """The same generation, streamed: each chunk carries the tokens (and their text) the engine
+        committed since the previous one; the last chunk has finish_reason set and carries the same
+        counts and spec stats as the unary response. Concatenating every chunk's text and token_ids
+        gives the unary response's text and token_ids. Errors as for Generate.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The model and backend this server runs, its limits and the knobs the tuner may search.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -105,8 +116,10 @@ def add_InferenceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Inference:
-    """Generation. Every request runs under the draft policy current when it starts; the response
-    reports which one in spec.policy_id.
+    """Generation. Every request runs under the draft policy current when it starts (an arm of the
+    traffic split, see PolicyAdmin); the response reports which one in spec.policy_id. Speculative
+    decoding never changes what is generated: the output follows the target model's distribution
+    for the request's sampling parameters whatever the draft policy.
     """
 
     @staticmethod
@@ -192,7 +205,8 @@ class Inference:
 
 
 class PolicyAdminStub:
-    """The draft policy applied to requests that start after it is set. Needs the admin token.
+    """The draft policy applied to requests that start after it is set. Every call needs the metadata
+    "authorization: Bearer <token>" with the server's admin token (see Conventions).
     The server holds a traffic split: one or more arms {policy, weight}; each request is assigned
     one arm when it starts (seeded draws, so an assignment sequence can be reproduced) and reports
     it in spec.policy_id. SetPolicy is a split of one arm with all the traffic.
@@ -227,7 +241,8 @@ class PolicyAdminStub:
 
 
 class PolicyAdminServicer:
-    """The draft policy applied to requests that start after it is set. Needs the admin token.
+    """The draft policy applied to requests that start after it is set. Every call needs the metadata
+    "authorization: Bearer <token>" with the server's admin token (see Conventions).
     The server holds a traffic split: one or more arms {policy, weight}; each request is assigned
     one arm when it starts (seeded draws, so an assignment sequence can be reproduced) and reports
     it in spec.policy_id. SetPolicy is a split of one arm with all the traffic.
@@ -293,7 +308,8 @@ def add_PolicyAdminServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class PolicyAdmin:
-    """The draft policy applied to requests that start after it is set. Needs the admin token.
+    """The draft policy applied to requests that start after it is set. Every call needs the metadata
+    "authorization: Bearer <token>" with the server's admin token (see Conventions).
     The server holds a traffic split: one or more arms {policy, weight}; each request is assigned
     one arm when it starts (seeded draws, so an assignment sequence can be reproduced) and reports
     it in spec.policy_id. SetPolicy is a split of one arm with all the traffic.
