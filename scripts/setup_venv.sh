@@ -22,13 +22,11 @@ if [[ ",$extras," == *",test,"* ]]; then
   apt_packages=()
   command -v prometheus >/dev/null || apt_packages+=(prometheus)
   { command -v initdb >/dev/null || compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; } || apt_packages+=(postgresql)
-  if [ ${#apt_packages[@]} -gt 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${apt_packages[@]}"
-  fi
   # docker-compose (Debian's, no Docker engine needed): tests/test_security_deploy.py has its real
   # parser resolve deploy/docker-compose.yml (interpolation, required variables, port bindings).
-  if ! command -v docker-compose >/dev/null; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose
+  command -v docker-compose >/dev/null || apt_packages+=(docker-compose)
+  if [ ${#apt_packages[@]} -gt 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${apt_packages[@]}"
   fi
   bash scripts/setup_phoenix.sh
 fi
