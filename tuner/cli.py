@@ -104,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "unfinished trial at once (default HOSTNAME:SERVER); one per worker of a fleet")
     parser.add_argument("--stale-seconds", type=float, default=120.0,
                         help="fleet: another worker's running trial without a heartbeat for this long is failed "
-                             "(its worker died) and its policy measured again (default 120; heartbeats every "
+                             "(its worker died), never counted (default 120; heartbeats every "
                              "second or so while a trial runs)")
     pairing = parser.add_argument_group("paired trials and continuous mode")
     pairing.add_argument("--trial-mode", choices=["auto", *(m.value for m in TrialMode)], default="auto",
