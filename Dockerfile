@@ -29,7 +29,8 @@ COPY proto ./proto
 COPY otel ./otel
 COPY tuner ./tuner
 COPY service ./service
-RUN pip install . \
+# The fleet extra: the PostgreSQL driver a study shared by several tuner workers needs (docs/fleet.md).
+RUN pip install ".[fleet]" \
  && useradd --create-home --uid 10001 --shell /usr/sbin/nologin moespec
 
 USER moespec

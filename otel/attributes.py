@@ -113,6 +113,8 @@ VERIFY_BATCH_SPAN_KEYS = (
 # ------------------------------------------------------------------ resource
 # No semantic convention names a served model on the resource, so these live under moespec.
 RESOURCE_SERVICE_NAME = "service.name"
+# The semantic convention's replica identity: one value per server process (GetModelInfo.instance_id).
+RESOURCE_SERVICE_INSTANCE_ID = "service.instance.id"
 RESOURCE_MODEL_NAME = "moespec.model.name"
 RESOURCE_DRAFT_MODEL_NAME = "moespec.model.draft"
 RESOURCE_BACKEND = "moespec.backend"
@@ -222,6 +224,12 @@ TUNER_DECISIONS = MetricSpec(
     "The continuous tuner's decisions: promotions, re-opened searches, challenges that kept the incumbent.",
     None, (TUNER_DECISION, TUNER_STUDY))
 TUNER_METRICS = (TUNER_INCUMBENT, TUNER_DECISIONS)
+# The tuner's span intake (tuner/span_admission.py): request spans refused before they reach a trial window.
+TUNER_DROP_REASON = "moespec.tuner.drop_reason"  # foreign_instance | non_finite_seconds | negative_seconds | ...
+TUNER_SPANS_DROPPED = MetricSpec(
+    "moespec.tuner.spans_dropped", Kind.COUNTER, "{span}",
+    "Request spans the tuner refused: from a replica it does not measure, or carrying impossible aggregates.",
+    None, (TUNER_DROP_REASON, TUNER_STUDY))
 
 METRICS = (REQUEST_DURATION, TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, STEP_ACCEPTED_TOKENS, STEP_UNIQUE_EXPERTS,
            STEP_DECODE_STEP_EQUIVALENTS, STEP_SECONDS, DRAFTED_TOKENS, COMMITTED_TOKENS, BATCH_UNIQUE_EXPERTS,

@@ -49,6 +49,8 @@ def build_resource(config: TelemetryConfig, info: ModelInfo) -> Resource:
         attrs[a.RESOURCE_DRAFT_MODEL_NAME] = info.draft_model_name
     if info.device:
         attrs[a.RESOURCE_DEVICE] = info.device
+    if info.instance_id:
+        attrs[a.RESOURCE_SERVICE_INSTANCE_ID] = info.instance_id
     return Resource(attrs)  # not Resource.create: that would read OTEL_* from os.environ
 
 

@@ -15,16 +15,18 @@ else
 fi
 
 # Test extras: the real observability backends the tests run against (tests/real_backends.py).
-# Prometheus from the Debian package, skipped when one is already on PATH; Arize Phoenix in its own
-# venv outside the checkout (scripts/setup_phoenix.sh; its dependencies clash with ours).
+# Prometheus and PostgreSQL (the fleet tests start a private cluster: tests/real_postgres.py) from the
+# Debian packages, each skipped when already installed; Arize Phoenix in its own venv outside the
+# checkout (scripts/setup_phoenix.sh; its dependencies clash with ours).
 if [[ ",$extras," == *",test,"* ]]; then
-  if ! command -v prometheus >/dev/null; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
-  fi
+  apt_packages=()
+  command -v prometheus >/dev/null || apt_packages+=(prometheus)
+  { command -v initdb >/dev/null || compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; } || apt_packages+=(postgresql)
   # docker-compose (Debian's, no Docker engine needed): tests/test_security_deploy.py has its real
   # parser resolve deploy/docker-compose.yml (interpolation, required variables, port bindings).
-  if ! command -v docker-compose >/dev/null; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose
+  command -v docker-compose >/dev/null || apt_packages+=(docker-compose)
+  if [ ${#apt_packages[@]} -gt 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${apt_packages[@]}"
   fi
   bash scripts/setup_phoenix.sh
 fi

@@ -291,3 +291,6 @@ class ModelInfo:
     # Requests in flight together share target passes (continuous batching): each is charged its
     # whole pass, so policies served at once pay for each other's windows.
     shared_passes: bool = False
+    # This server process's identity among replicas (its `service.instance.id` resource attribute);
+    # "" where the backend alone reports (the server fills it in) or an older server answers.
+    instance_id: str = ""

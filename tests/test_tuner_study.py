@@ -178,9 +178,15 @@ def test_interrupted_and_starved_trials_do_not_count_towards_the_budget(tmp_path
     starved.set_user_attr("fail_reason", "starved: 0 tokens / 0 steps / 0 requests in 60.0 s")
     study.tell(starved, state=TrialState.FAIL)
     assert st.search_trials_done(study) == 1  # a window without traffic measured nothing: redone
-    other = study.ask()
-    other.set_user_attr("fail_reason", "server unreachable: down")
-    study.tell(other, state=TrialState.FAIL)
+    # Nor did a trial whose server went away, or whose policy another fleet worker was measuring.
+    for reason in ("server unreachable: down", "busy: plain is being measured by w2 trial 7"):
+        other = study.ask()
+        other.set_user_attr("fail_reason", reason)
+        study.tell(other, state=TrialState.FAIL)
+    assert st.search_trials_done(study) == 1
+    failed = study.ask()
+    failed.set_user_attr("fail_reason", "admin token refused")
+    study.tell(failed, state=TrialState.FAIL)
     assert st.search_trials_done(study) == 2
 
 

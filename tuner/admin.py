@@ -51,8 +51,10 @@ class PolicyAdmin:
         call_timeout: float = 5.0,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        on_reapplied: Callable[[], None] = lambda: None,
     ):
         self._client = client
+        self._on_reapplied = on_reapplied  # after `ensure*` found the server lost our policy (restarted)
         self._address = address
         self._retry_seconds = retry_seconds
         self._timeout = call_timeout  # one RPC; a hung server must not hang the tuner
@@ -80,6 +82,10 @@ class PolicyAdmin:
                 self._sleep(delay)
                 delay = min(1.0, delay * 2)
 
+    @property
+    def call_timeout(self) -> float:
+        return self._timeout
+
     def model_info(self) -> ModelInfo:
         return self._call("GetModelInfo", lambda: self._client.model_info(timeout=self._timeout))
 
@@ -94,6 +100,7 @@ class PolicyAdmin:
         if self.current(retry_seconds=0).policy_id == policy.policy_id:
             return False
         self.apply(policy)
+        self._on_reapplied()
         return True
 
     def apply_split(self, split: TrafficSplit) -> TrafficSplit:
@@ -105,4 +112,5 @@ class PolicyAdmin:
         if [a.policy.policy_id for a in running.arms] == [a.policy.policy_id for a in split.arms]:
             return False
         self.apply_split(split)
+        self._on_reapplied()
         return True

@@ -15,6 +15,7 @@ import optuna
 from service.types import ModelInfo
 from tuner.admin import PolicyAdmin
 from tuner.collector import SpanCollector
+from tuner.fleet import Fleet
 from tuner.measure import MeasureConfig, Measurer, TrialMode
 from tuner.pruning import PruneRule
 from tuner.sampler import InitialDesign, SamplerKind, initial_policies, make_sampler, rationale, temperature_step
@@ -94,6 +95,7 @@ def assemble(
     admin: PolicyAdmin,
     collector: SpanCollector,
     on_event: Callable[[TunerEvent], None] = lambda e: None,
+    fleet: Fleet | None = None,
 ) -> Assembled:
     info = admin.model_info()
     space = SearchSpace.from_model_info(info, temperature_step=temperature_step(settings.sampler))
@@ -147,6 +149,7 @@ def assemble(
         user_attrs=lambda stats: stats.user_attrs(cost, info.decode_step_seconds),
         traffic=collector.traffic,
         on_event=on_event,
+        fleet=fleet,
     )
     return Assembled(tuner, study, space, info, cost, mode)
 

@@ -29,13 +29,16 @@ from service.server.client import MoespecClient
 from tuner import receiver_auth
 from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
 from tuner.assemble import TuneSettings, assemble
+from tuner.claims import claims_for
 from tuner.collector import SpanCollector
 from tuner.continuous import ContinuousConfig, ContinuousTuner
+from tuner.fleet import Fleet
 from tuner.measure import TrialMode
 from tuner.progress import ProgressPrinter, fmt_cost
 from tuner.pruning import PruneRule
 from tuner.receiver_auth import intake_security
 from tuner.sampler import InitialDesign, SamplerKind, rationale
+from tuner.span_admission import SpanAdmission
 from tuner.spans import request_sample
 from tuner.study import StorageError, StudyMismatch, open_storage
 from tuner.tuning import NoTraffic
@@ -98,7 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to keep retrying an unreachable server before giving up (exit 3)")
     parser.add_argument("--tuner-id", default=None,
                         help="identity for crash recovery: a restarted tuner with the same id fails its own "
-                             "unfinished trial at once (default HOSTNAME:SERVER)")
+                             "unfinished trial at once (default HOSTNAME:SERVER); one per worker of a fleet")
+    parser.add_argument("--stale-seconds", type=float, default=120.0,
+                        help="fleet: another worker's running trial without a heartbeat for this long is failed "
+                             "(its worker died), never counted (default 120; heartbeats every "
+                             "second or so while a trial runs)")
     pairing = parser.add_argument_group("paired trials and continuous mode")
     pairing.add_argument("--trial-mode", choices=["auto", *(m.value for m in TrialMode)], default="auto",
                          help="paired: candidate beside the incumbent in one traffic split; interleaved: "
@@ -160,6 +167,7 @@ def settings_from_args(args: argparse.Namespace) -> TuneSettings:
         (args.switch_window_factor >= 0, "--switch-window-factor must be >= 0"),
         (args.reopen_trials >= 1, "--reopen-trials must be >= 1"),
         (args.ep_size >= 0, "--ep-size must be >= 1 (or 0 for off)"),
+        (args.stale_seconds > 0, "--stale-seconds must be > 0"),
     ]
     for ok, reason in checks:
         if not ok:
@@ -177,6 +185,7 @@ def settings_from_args(args: argparse.Namespace) -> TuneSettings:
         prune=PruneRule(factor=args.prune_factor),
         remeasure_top=args.remeasure,
         max_consecutive_failures=args.max_failures,
+        stale_seconds=args.stale_seconds,
         fixed_bytes_per_pass=args.fixed_bytes_per_pass,
         trial_mode=None if args.trial_mode == "auto" else TrialMode(args.trial_mode),
         candidate_share=args.candidate_share,
@@ -215,20 +224,34 @@ def run(args: argparse.Namespace) -> int:
     except StorageError as e:
         raise UsageError(str(e)) from None
 
+    try:
+        claims = claims_for(args.storage)  # policy claims beside the study: several workers may share it
+    except Exception as e:  # the same database open_storage just reached: only a broken one fails here
+        raise UsageError(f"cannot open storage {redact_url(args.storage)!r} for policy claims: "
+                         f"{type(e).__name__}") from None
+
     from otel.receiver import OtlpTraceReceiver  # grpc server machinery: only once the arguments are good
 
-    collector = SpanCollector(request_sample)
+    metrics_endpoint = (args.metrics_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+                        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    meter_provider = _meter_provider(metrics_endpoint)
+    admission = SpanAdmission(log=lambda line: print(f"tuner: {line}", file=err, flush=True),
+                              meter=meter_provider.get_meter("moespec.tuner") if meter_provider else None,
+                              study=settings.study_name)
+    collector = SpanCollector(request_sample, admit=admission.admit)
     receiver = OtlpTraceReceiver(listen_host, listen_port, on_spans=collector.on_spans,
                                  bearer_token=security.bearer_token, tls_cert=security.tls_cert,
                                  tls_key=security.tls_key)
     client = MoespecClient(args.server, admin_token=token, tls_ca=tls_ca, tls_server_name=args.tls_server_name)
-    admin = PolicyAdmin(client, args.server, retry_seconds=args.connect_timeout)
+
+    def follow_restart() -> None:  # a restarted server may come back under a new instance id
+        admission.expect(admin.model_info().instance_id)
+
+    admin = PolicyAdmin(client, args.server, retry_seconds=args.connect_timeout, on_reapplied=follow_restart)
     printer = ProgressPrinter(err, settings.objective.value)
+    fleet = Fleet(claims, settings.tuner_id)
     built = None
     continuous = None
-    metrics_endpoint = (args.metrics_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
-                        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
-    meter_provider = None
     try:
         try:
             receiver.start()
@@ -241,13 +264,17 @@ def run(args: argparse.Namespace) -> int:
         if settings.whatif_recording is not None:
             there = "" if settings.whatif_recording.is_file() else " (not there yet: no hint until it is)"
             print(f"tuner: what-if hints from {settings.whatif_recording}{there}", file=err, flush=True)
-        built = assemble(settings, storage, admin, collector, printer)
+        built = assemble(settings, storage, admin, collector, printer, fleet)
+        admission.expect(built.info.instance_id)
+        bound = settings.policy_check_seconds + admin.call_timeout
+        print(f"tuner: worker {settings.tuner_id}; a restarted server gets its policy back within {bound:.0f} s "
+              f"of answering again", file=err, flush=True)
         print(f"tuner: trials {built.mode.value} (backend {built.info.backend}, concurrent policies "
               f"{built.info.concurrent_policies}, policy switch {built.info.policy_switch_seconds:.2f} s)",
               file=err, flush=True)
         if args.continuous:
-            meter_provider, continuous = _continuous(args, settings, storage, admin, collector, printer, built,
-                                                     metrics_endpoint)
+            continuous = _continuous(args, settings, storage, admin, collector, printer, built, meter_provider,
+                                     fleet)
             continuous.run(threading.Event())  # returns only through SIGTERM / Ctrl-C
             return 0
         best = built.tuner.run()
@@ -279,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         receiver.stop(grace=0.5)
         client.close()
+        claims.close()
         _report_intake(receiver, collector, err)
         if meter_provider is not None:
             with suppress(Exception):
@@ -292,18 +320,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _continuous(args, settings, storage, admin, collector, printer, root, metrics_endpoint):
+def _meter_provider(endpoint: str | None):
+    if not endpoint:
+        return None
+    from tuner.metrics import otlp_meter_provider
+
+    return otlp_meter_provider(endpoint)
+
+
+def _continuous(args, settings, storage, admin, collector, printer, root, provider, fleet):
     from dataclasses import replace
 
-    from tuner.metrics import TunerMetrics, otlp_meter_provider
+    from tuner.metrics import TunerMetrics
 
-    provider = otlp_meter_provider(metrics_endpoint) if metrics_endpoint else None
     metrics = TunerMetrics(provider.get_meter("moespec.tuner"), settings.study_name) if provider else None
 
     def make(name: str, trials: int):
         if name == settings.study_name:
             return root
-        return assemble(replace(settings, study_name=name, trials=trials), storage, admin, collector, printer)
+        return assemble(replace(settings, study_name=name, trials=trials), storage, admin, collector, printer,
+                        fleet)
 
     def log(d) -> None:
         print(f"tuner: decision {d.kind}: incumbent {d.policy} ({fmt_cost(d.value, settings.objective.value)}, "
@@ -312,8 +348,7 @@ def _continuous(args, settings, storage, admin, collector, printer, root, metric
     def waiting(line: str) -> None:
         print(f"tuner: {line}", file=sys.stderr, flush=True)
 
-    return provider, ContinuousTuner(root.study, make, continuous_config(args), settings.trials, metrics, log,
-                                     waiting)
+    return ContinuousTuner(root.study, make, continuous_config(args), settings.trials, metrics, log, waiting)
 
 
 def _report_intake(receiver, collector: SpanCollector, err) -> None:

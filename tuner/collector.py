@@ -8,6 +8,7 @@ telemetry is not reaching the tuner; spans for other ids mean the server runs an
 A window keeps at most `max_window_requests` requests (each costs a per-request entry for the
 confidence interval); samples beyond that are dropped and counted (`Traffic.dropped_spans`), so a
 flood of spans (real or forged) cannot grow the tuner's memory without bound.
+`admit` (tuner/span_admission.py) refuses spans before anything is counted: another replica's, impossible ones.
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ class SpanCollector:
         parse: Callable[[Mapping], RequestSample | None],
         clock: Callable[[], float] = time.monotonic,
         max_window_requests: int = DEFAULT_MAX_WINDOW_REQUESTS,
+        admit: Callable[[RequestSample], bool] = lambda sample: True,
     ):
         if max_window_requests < 1:
             raise ValueError(f"max_window_requests must be >= 1, got {max_window_requests}")
         self._parse = parse
+        self._admit = admit
         self._clock = clock
         self._max_window_requests = max_window_requests
         self._dropped = 0
@@ -54,7 +57,7 @@ class SpanCollector:
         self._last_span_at: float | None = None
 
     def on_spans(self, spans: Iterable[Mapping]) -> None:
-        samples = [s for s in (self._parse(span) for span in spans) if s is not None]
+        samples = [s for s in (self._parse(span) for span in spans) if s is not None and self._admit(s)]
         if not samples:
             return
         with self._cond:

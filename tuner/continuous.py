@@ -19,6 +19,10 @@ Contract:
   `confirmations` consecutive windows. Then the search
   re-opens: a fresh study `<study>~<epoch>` (TPE starts without the old workload's history) with
   `reopen_trials` trials, and its winner becomes the incumbent.
+- Idle time between rounds is spent in slices of `policy_check_seconds`: the incumbent is re-applied
+  where the server lost it (restarted with its start-up policy) and, with several workers on one
+  study, the fleet's incumbent (the root study's "continuous" attribute, written by whichever worker
+  decided last) is adopted, a re-opened epoch joined.
 - State: every decision is appended to the root study's user attribute "decisions" (the last
   `max_decisions`), the current state is its attribute "continuous" (epoch, incumbent, baselines),
   logged through `on_decision`, and published as the `moespec.tuner.incumbent` gauge. SIGTERM takes
@@ -40,6 +44,7 @@ from service.types import DraftPolicy
 from tuner import study as st
 from tuner.admin import ServerUnavailable
 from tuner.assemble import Assembled
+from tuner.fleet import keep
 from tuner.metrics import TunerMetrics
 from tuner.space import SearchSpace, policy_key
 from tuner.tuning import Challenge, NoTraffic
@@ -58,6 +63,9 @@ class ContinuousConfig:
     min_drafted_for_acceptance: int = 64  # drafted tokens a window needs before its acceptance counts
     idle_seconds: float = 5.0  # incumbent alone between rounds; doubles while nothing changes
     max_idle_seconds: float = 300.0
+    # Between rounds the worker checks this often that the server still runs the incumbent (a restarted
+    # server comes back with its start-up policy) and whether the fleet's incumbent changed in the study.
+    policy_check_seconds: float = 1.0
     runners_up: int = 3
     max_decisions: int = 200
 
@@ -224,14 +232,48 @@ class ContinuousTuner:
                 # A background job outlives server restarts: wait (backing off) and try again.
                 idle = min(self._config.max_idle_seconds, idle * 2)
                 self._on_log(f"server unreachable ({e}); next challenge in {idle:.0f} s")
-                stop.wait(idle)
+                self._keep(idle)
                 continue
             decided = self._judge(result) if result is not None else False
             self.restore()
             floor = idle_floor(result, self._config.exploration_share)
             self._on_round(started, time.monotonic(), floor)
             idle = self._config.idle_seconds if decided else min(self._config.max_idle_seconds, idle * 2)
-            stop.wait(max(idle, floor))
+            self._keep(max(idle, floor))
+
+    def _keep(self, seconds: float) -> None:
+        """Idle time: the incumbent stays on the server (re-applied after a restart) and follows the
+        fleet's incumbent in the study (tuner/fleet.py)."""
+        def reapplied(after: float) -> None:
+            self._on_log(f"the server had lost the incumbent (restarted?): {self.incumbent.key.label()} "
+                         f"({self.incumbent.policy.policy_id}) re-applied {after:.1f} s after it was last in place")
+
+        keep(self._stop, seconds, self._config.policy_check_seconds,
+             ensure=lambda: self.built.tuner.ensure(self.incumbent.policy), on_reapplied=reapplied,
+             adopt=self._adopt_fleet_incumbent)
+
+    def _adopt_fleet_incumbent(self) -> None:
+        """Several workers on one study: whichever promoted last wrote the incumbent to the root
+        study's "continuous" attribute; every worker runs that one (and joins a re-opened search)."""
+        saved = self._root.user_attrs.get("continuous", {})
+        theirs = saved.get("incumbent")
+        if not theirs or self.incumbent is None:
+            return
+        epoch = int(saved.get("epoch", 0))
+        if epoch > self.epoch:
+            self._on_log(f"another worker re-opened the search (epoch {epoch}): joining it")
+            self._open_epoch(epoch, resumed=True)
+            return
+        if epoch < self.epoch or theirs["policy_id"] == self.incumbent.policy.policy_id:
+            return
+        self.incumbent = self._score_from_saved(theirs)
+        self.gate = PromotionGate(self._config.promote_confirmations)
+        self.detector = ShiftDetector(self._config)
+        self.detector.plain_ratio = saved.get("plain_ratio")
+        self.detector.plain_probes = int(saved.get("plain_probes", 1 if saved.get("plain_ratio") else 0))
+        self.detector.acceptance = saved.get("acceptance")
+        self._on_log(f"fleet incumbent adopted: {self.incumbent.key.label()} ({self.incumbent.policy.policy_id})")
+        self.restore()
 
     def _search(self) -> st.PolicyScore | None:
         """The epoch's search, resumed until it finishes. Starved windows (no traffic yet, or spans not

@@ -39,6 +39,7 @@ def request_sample(span: Mapping) -> RequestSample | None:
             draft_length=int(a.get(attr.SPEC_DRAFT_LENGTH, -1)),
             draft_temperature=float(a.get(attr.SPEC_DRAFT_TEMPERATURE, 1.0)),
             ep_dispatch_bytes=int(a.get(attr.MOE_EP_DISPATCH_BYTES, 0)),
+            instance_id=str((span.get("resource") or {}).get(attr.RESOURCE_SERVICE_INSTANCE_ID, "")),
         )
     except (KeyError, TypeError, ValueError):
         return None

@@ -35,6 +35,10 @@ ROLE_REMEASURE = "remeasure"
 ROLE_CHALLENGE = "challenge"  # continuous mode: a challenger beside the incumbent at the exploration share
 FAIL_INTERRUPTED = "interrupted"
 FAIL_STARVED = "starved"  # prefix of a starved window's fail_reason
+FAIL_BUSY = "busy"  # prefix: another worker of the fleet was measuring that policy (tuner/fleet.py)
+FAIL_UNREACHABLE = "server unreachable"  # prefix: the trial's server went away before it was measured
+# Trials failed for these reasons measured nothing and are redone: they never count towards --trials.
+NOT_MEASURED = (FAIL_STARVED, FAIL_BUSY, FAIL_UNREACHABLE)
 
 
 class StorageError(Exception):
@@ -114,7 +118,10 @@ def recover_interrupted(
     failed = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner = trial.user_attrs.get("tuner_id")
-        heartbeat = float(trial.user_attrs.get("heartbeat", 0.0))
+        # A trial just asked for has no owner or heartbeat yet (its worker sets them next): its start
+        # is its last sign of life, or a fleet worker would fail another's trial in that gap.
+        started = trial.datetime_start.timestamp() if trial.datetime_start else 0.0
+        heartbeat = float(trial.user_attrs.get("heartbeat", started))
         if owner != tuner_id and now - heartbeat < grace_seconds:
             continue  # another tuner's live trial
         tid = trial_id(storage, study, trial.number)
@@ -133,15 +140,15 @@ def role(trial: FrozenTrial) -> str:
 
 
 def search_trials_done(study: optuna.Study) -> int:
-    """Finished search trials that count towards --trials: measured ones. Interrupted and starved
-    trials are redone (a starved window measured nothing; `max_consecutive_failures` of them in a
-    row stop the search instead, so no traffic cannot loop forever); re-proposals of a measured
-    policy reuse its result and spend no traffic, so they do not
-    count either (the budget is traffic spent, not sampler calls)."""
+    """Finished search trials that count towards --trials: measured ones. Interrupted, starved, busy
+    (another worker had the policy) and server-unreachable trials are redone (they measured nothing;
+    `max_consecutive_failures` starved ones in a row stop the search instead, so no traffic cannot
+    loop forever); re-proposals of a measured policy reuse its result and spend no traffic, so they
+    do not count either (the budget is traffic spent, not sampler calls)."""
     done = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
         reason = str(t.user_attrs.get("fail_reason", ""))
-        if (role(t) == ROLE_SEARCH and reason != FAIL_INTERRUPTED and not reason.startswith(FAIL_STARVED)
+        if (role(t) == ROLE_SEARCH and reason != FAIL_INTERRUPTED and not reason.startswith(NOT_MEASURED)
                 and "duplicate_of" not in t.user_attrs):
             done += 1
     return done

@@ -45,6 +45,7 @@ from service.types import DraftPolicy
 from tuner import study as st
 from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
 from tuner.collector import Traffic
+from tuner.fleet import Fleet, claim_key, single_worker
 from tuner.measure import Measurement, Measurer, Outcome, PairedMeasurement, TrialMode
 from tuner.paired import PairedRatio, drift_log_variance
 from tuner.space import PolicyKey, SearchSpace, policy_key
@@ -71,6 +72,7 @@ class TunerConfig:
     max_consecutive_duplicates: int = 20  # re-proposals in a row that end the search as converged
     whatif_recording: Path | None = None  # the server's --record-steps file: enables the what-if hint
     whatif_margin: float = 0.05  # a shorter length is suggested when predicted cheaper by more than this
+    fleet_wait_seconds: float = 1.0  # a fleet worker with no trial to start polls the study this often
 
 
 class EventKind(enum.StrEnum):
@@ -122,8 +124,14 @@ class Tuner:
         traffic: Callable[[], Traffic],
         on_event: Callable[[TunerEvent], None] = lambda e: None,
         wall_clock: Callable[[], float] = time.time,
+        fleet: Fleet | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ):
         self._study = study
+        # Other workers on the same study (tuner/fleet.py): policy claims, the shared budget.
+        self._fleet = fleet or single_worker(config.tuner_id)
+        self._sleep = sleep
+        self._claimed: tuple[int, PolicyKey] | None = None
         self._storage = storage
         self._space = space
         self._admin = admin
@@ -150,14 +158,20 @@ class Tuner:
                               message=f"{len(study.trials)} trials stored, {len(recovered)} interrupted marked FAIL"
                               + (f" ({', '.join(map(str, recovered))})" if recovered else "")))
         self.apply_incumbent()
-        if not study.trials:
+        if not study.trials and self._fleet.once(study, "initial-design"):
             for policy in cfg.initial_policies[: cfg.trials]:
                 study.enqueue_trial(self._space.params_of(policy), user_attrs={"role": st.ROLE_SEARCH})
         failures = duplicates = 0
         while st.search_trials_done(study) < cfg.trials:
+            if self._budget_taken_elsewhere():
+                continue
             state, number = self._run_trial(st.ROLE_SEARCH)
+            attrs = study.get_trials(deepcopy=False)[number].user_attrs
+            if str(attrs.get("fail_reason", "")).startswith(st.FAIL_BUSY):
+                self._sleep(cfg.fleet_wait_seconds)  # another worker has that policy: ask again
+                continue
             failures = failures + 1 if state is TrialState.FAIL else 0
-            reused = "duplicate_of" in study.get_trials(deepcopy=False)[number].user_attrs
+            reused = "duplicate_of" in attrs
             duplicates = duplicates + 1 if reused else 0
             self.apply_incumbent()
             if failures >= cfg.max_consecutive_failures:
@@ -166,8 +180,29 @@ class Tuner:
                 self._emit(TunerEvent(EventKind.CONVERGED, done=st.search_trials_done(study), total=cfg.trials,
                                       message=f"{duplicates} re-proposals of measured policies in a row"))
                 break
+        self._wait_for_fleet((st.ROLE_SEARCH,))  # the candidates include the other workers' last trials
         self._remeasure()
+        self._wait_for_fleet((st.ROLE_REMEASURE,))  # one winner for the whole fleet
         return self._finish()
+
+    def _recover_stale(self) -> list[int]:
+        return st.recover_interrupted(self._storage, self._study, self._config.tuner_id,
+                                      self._config.stale_seconds, self._wall_clock())
+
+    def _budget_taken_elsewhere(self) -> bool:
+        """Fleet: the budget's remaining trials are all running on other workers. Wait (failing any
+        whose worker died: no heartbeat for `stale_seconds`) instead of overshooting the budget."""
+        self._recover_stale()
+        running = self._fleet.in_flight_elsewhere(self._study)
+        if running and st.search_trials_done(self._study) + running >= self._config.trials:
+            self._sleep(self._config.fleet_wait_seconds)
+            return True
+        return False
+
+    def _wait_for_fleet(self, roles: tuple[str, ...]) -> None:
+        while self._fleet.in_flight_elsewhere(self._study, roles):
+            self._recover_stale()
+            self._sleep(self._config.fleet_wait_seconds)
 
     def _remeasure(self) -> None:
         """Sequential: the best `remeasure_top` policies measured once more. Paired / interleaved: the
@@ -186,6 +221,8 @@ class Tuner:
                 continue  # already re-measured (possibly before a restart)
             if anchor is not None and anchor.key == candidate.key:
                 continue  # paired with itself it would measure a ratio of 1: the control needs no re-measure
+            if not self._fleet.once(self._study, f"remeasure {claim_key(candidate.key)}"):
+                continue  # another worker of the fleet re-measures it
             self._study.enqueue_trial(
                 self._space.params_of(candidate.policy),
                 user_attrs={"role": st.ROLE_REMEASURE, "remeasure_of": candidate.trials[0]},
@@ -220,6 +257,10 @@ class Tuner:
     def apply(self, policy: DraftPolicy) -> None:
         self._admin.apply(policy)
 
+    def ensure(self, policy: DraftPolicy) -> bool:
+        """Re-apply `policy` where the server runs another one (it restarted); True when it had to."""
+        return self._admin.ensure(policy)
+
     def apply_incumbent(self) -> st.PolicyScore | None:
         best = st.incumbent(self._study, self._space)
         if best is not None:
@@ -234,8 +275,12 @@ class Tuner:
         trial = self._study.ask()
         try:
             return self._run_asked(trial, role, control), trial.number
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # Another worker took this one for dead (no heartbeat for stale_seconds: a stalled machine)
+            # and failed it: its result is lost, not counted, and the search goes on.
+            return TrialState.FAIL, trial.number
         except ServerUnavailable as e:
-            self._fail(trial, f"server unreachable: {e}")
+            self._fail(trial, f"{st.FAIL_UNREACHABLE}: {e}")
             raise
         except AdminRejected:
             self._fail(trial, "admin token refused")
@@ -244,6 +289,28 @@ class Tuner:
             # Ctrl-C / SIGTERM (or a bug): the bookkeeping a restart would do, done now.
             self._fail(trial, st.FAIL_INTERRUPTED)
             raise
+        finally:
+            self._release_claim()
+
+    def _claim(self, trial: optuna.Trial, policy: DraftPolicy) -> bool:
+        """Claim `policy` for this trial; False (the trial told FAIL "busy: ...") when another worker of
+        the fleet is measuring it right now."""
+        key = policy_key(policy)
+        holder = self._fleet.claim(self._study, self._storage, trial.number, key)
+        if holder is None:
+            self._claimed = (trial.number, key)
+            return True
+        reason = f"{st.FAIL_BUSY}: {key.label()} is being measured by {holder}"
+        self._fail(trial, reason)
+        self._emit(TunerEvent(EventKind.TRIAL_FINISHED, trial.number, str(trial.user_attrs.get("role", "")), policy,
+                              TrialState.FAIL.name, message=f"{reason}; not counted, asking again"))
+        return False
+
+    def _release_claim(self) -> None:
+        if self._claimed is not None:
+            number, key = self._claimed
+            self._claimed = None
+            self._fleet.release(self._study, number, key)
 
     def _run_asked(self, trial: optuna.Trial, role: str, control: st.PolicyScore | None = None) -> TrialState:
         study, cfg = self._study, self._config
@@ -252,6 +319,8 @@ class Tuner:
         trial.set_user_attr("tuner_id", cfg.tuner_id)
         st.beat(trial, self._wall_clock)
         policy = self._space.suggest(trial, st.policy_id(study.study_name, trial.number))
+        if not self._claim(trial, policy):
+            return TrialState.FAIL
         best = control or st.incumbent(study, self._space)
         done = st.search_trials_done(study)
         if role == st.ROLE_SEARCH:
@@ -438,6 +507,8 @@ class Tuner:
             trial.set_user_attr("tuner_id", self._config.tuner_id)
             st.beat(trial, self._wall_clock)
             policy = self._space.suggest(trial, st.policy_id(self._study.study_name, trial.number))
+            if not self._claim(trial, policy):
+                return None
             if params is None and (policy_key(policy) == incumbent.key or st.previous_result(
                     self._study, self._space, policy_key(policy)) is not None):
                 self._tell_duplicate_challenge(trial, policy, incumbent)
@@ -449,11 +520,13 @@ class Tuner:
             m = paired.candidate if paired else measured
             state = self._tell(trial, m, incumbent, paired)
         except ServerUnavailable as e:
-            self._fail(trial, f"server unreachable: {e}")
+            self._fail(trial, f"{st.FAIL_UNREACHABLE}: {e}")
             raise
         except BaseException:
             self._fail(trial, st.FAIL_INTERRUPTED)
             raise
+        finally:
+            self._release_claim()
         self._emit(TunerEvent(EventKind.TRIAL_FINISHED, trial.number, st.ROLE_CHALLENGE, policy, state.name,
                               m.value if state is not TrialState.FAIL else None, m.stats, incumbent,
                               message=str(trial.user_attrs.get("fail_reason") or trial.user_attrs.get("prune_reason")

@@ -34,6 +34,7 @@ class RequestSample:
     draft_length: int = -1
     draft_temperature: float = 1.0
     ep_dispatch_bytes: int = 0  # expert-parallel all-to-all estimate (0 unless the server runs --ep-size)
+    instance_id: str = ""  # the sending server's service.instance.id resource attribute ("" = none)
 
 
 @dataclass(frozen=True)

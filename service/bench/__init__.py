@@ -7,6 +7,7 @@
                               policies x concurrency under continuous batching (cost per token, batch union)
     moespec bench telemetry   throughput with telemetry off / live receiver / unreachable endpoint
     moespec bench tuner       exhaustive policy grid vs the tuner's pick on the same workload
+    moespec bench fleet       one tuner worker vs one per replica on a shared PostgreSQL study: wall time, pick
     moespec bench kernel-window  batched passes with the fused MoE kernel up to 16 positions vs every pass
     moespec bench threads     `moespec serve` over gRPC at each --threads count and at the measured default
     moespec bench whatif      what-if predictions of shorter draft lengths vs running them for real
@@ -24,6 +25,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "server": ("service.bench.server", "the gRPC server: overhead vs in-process, load at several concurrencies"),
     "telemetry": ("otel.bench", "throughput with telemetry off, on, and with an unreachable endpoint"),
     "tuner": ("tuner.bench", "exhaustive grid vs the tuner's pick"),
+    "fleet": ("tuner.bench_fleet", "one tuner worker vs one per replica on one PostgreSQL study"),
     "kernel-window": ("service.bench.kernel_window", "batched passes: MoE kernel up to 16 positions vs every pass"),
     "threads": ("service.bench.threads", "moespec serve at each --threads count vs its measured default"),
     "whatif": ("service.bench.whatif", "what-if predictions of shorter draft lengths vs measured runs"),

@@ -17,7 +17,9 @@ import importlib
 import logging
 import os
 import sys
+import uuid
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from otel import cli as otel_cli
@@ -85,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record-steps", type=Path, default=None,
                         help="append every request's steps (routed top-k ids, acceptance, times) to FILE "
                              "for `moespec whatif`")
+    parser.add_argument("--instance-id", default=None,
+                        help="this replica's identity, reported in GetModelInfo and as the service.instance.id "
+                             "resource attribute a fleet tuner scopes its spans by (default: service.instance.id "
+                             "from OTEL_RESOURCE_ATTRIBUTES, else a fresh random id per start, printed)")
     parser.add_argument("--log-level", default="WARNING", help="python logging level")
     otel_cli.add_arguments(parser)
     sglang = _sglang_module()
@@ -95,10 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = server_config(args, os.environ)
-    otel_cli.config_from_args(args, os.environ)  # bad OTEL_* / flags: exit 2 before loading a model
+    telemetry_config = otel_cli.config_from_args(args, os.environ)  # bad OTEL_* / flags: exit 2 before loading
+    instance = instance_id(args.instance_id, dict(telemetry_config.resource_attributes))
+    config = replace(config, instance_id=instance)
     backend = create_backend(args)
+    print(f"moespec instance id {instance}", file=sys.stderr, flush=True)
     try:
-        telemetry = otel_cli.build_telemetry(args, os.environ, backend.info)
+        telemetry = otel_cli.build_telemetry(args, os.environ, replace(backend.info, instance_id=instance))
         try:
             asyncio.run(serve(backend, config, telemetry, interceptors=telemetry.server_interceptors(),
                               on_ready=_announce))
@@ -107,6 +116,15 @@ def run(args: argparse.Namespace) -> int:
     finally:
         backend.close()
     return 0
+
+
+def instance_id(flag: str | None, resource: dict[str, str]) -> str:
+    """--instance-id, else OTEL_RESOURCE_ATTRIBUTES' service.instance.id, else a fresh UUID: a
+    restarted replica without a configured id is a new instance (its spans are a new stream)."""
+    chosen = flag if flag is not None else resource.get("service.instance.id")
+    if chosen is not None and not chosen.strip():
+        raise UsageError("--instance-id must not be empty")
+    return chosen.strip() if chosen is not None else str(uuid.uuid4())
 
 
 def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerConfig:

@@ -244,6 +244,7 @@ def info_to_pb(info: ModelInfo) -> pb.ModelInfo:
         concurrent_policies=info.concurrent_policies,
         device=info.device,
         shared_passes=info.shared_passes,
+        instance_id=info.instance_id,
     )
 
 
@@ -268,4 +269,5 @@ def info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
         concurrent_policies=msg.concurrent_policies,
         device=msg.device,
         shared_passes=msg.shared_passes,
+        instance_id=msg.instance_id,
     )

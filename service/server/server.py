@@ -25,7 +25,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -38,7 +38,7 @@ from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
 from service.server import reflection
 from service.server.runner import EngineRunner
 from service.server.servicer import InferenceServicer, PolicyAdminServicer, PolicyStore
-from service.types import DraftPolicy
+from service.types import DraftPolicy, ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class ServerConfig:
     max_request_bytes: int | None = None
     grace_seconds: float = 10.0  # in-flight requests get this long after SIGTERM
     initial_policy: DraftPolicy = field(default_factory=DraftPolicy)
+    instance_id: str = ""  # reported in GetModelInfo (and, by the caller, as service.instance.id); "" = none
 
 
 class MoespecServer:
@@ -79,7 +80,7 @@ class MoespecServer:
     ):
         self.config = config
         self._backend = backend
-        self.info = backend.info
+        self.info = self._with_instance(backend.info)
         workers = config.workers or max(1, getattr(backend, "max_batch", 1))
         self.runner = EngineRunner(backend, workers=workers, max_queue=config.max_queue)
         self.policies = PolicyStore(self.info, config.initial_policy)
@@ -95,6 +96,9 @@ class MoespecServer:
         self._draining = False
         self.port = 0
 
+    def _with_instance(self, info: ModelInfo) -> ModelInfo:
+        return replace(info, instance_id=self.config.instance_id) if self.config.instance_id else info
+
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
@@ -109,8 +113,8 @@ class MoespecServer:
         server = grpc.aio.server(options=options, interceptors=self._interceptors)
         pb_grpc.add_InferenceServicer_to_server(
             InferenceServicer(self.runner, self.info, self.policies, self._telemetry,
-                              live_info=lambda: self._backend.info, draining=lambda: self._draining,
-                              limits=self.limits), server
+                              live_info=lambda: self._with_instance(self._backend.info),
+                              draining=lambda: self._draining, limits=self.limits), server
         )
         pb_grpc.add_PolicyAdminServicer_to_server(PolicyAdminServicer(self.policies, cfg.admin_token), server)
         self._health = health.aio.HealthServicer()

@@ -124,7 +124,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("backend", "model_name", "draft_model_name", "num_layers", "num_experts", "top_k", "shared_experts", "vocab_size", "max_context", "max_draft_length", "drafters", "tunable", "expert_bytes", "decode_step_seconds", "max_draft_temperature", "policy_switch_seconds", "policy_switches", "concurrent_policies", "device", "shared_passes")
+    __slots__ = ("backend", "model_name", "draft_model_name", "num_layers", "num_experts", "top_k", "shared_experts", "vocab_size", "max_context", "max_draft_length", "drafters", "tunable", "expert_bytes", "decode_step_seconds", "max_draft_temperature", "policy_switch_seconds", "policy_switches", "concurrent_policies", "device", "shared_passes", "instance_id")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class ModelInfo(_message.Message):
     CONCURRENT_POLICIES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SHARED_PASSES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     backend: str
     model_name: str
     draft_model_name: str
@@ -165,7 +166,8 @@ class ModelInfo(_message.Message):
     concurrent_policies: bool
     device: str
     shared_passes: bool
-    def __init__(self, backend: _Optional[str] = ..., model_name: _Optional[str] = ..., draft_model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., shared_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DraftPolicy.Drafter, str]]] = ..., tunable: _Optional[_Iterable[str]] = ..., expert_bytes: _Optional[int] = ..., decode_step_seconds: _Optional[float] = ..., max_draft_temperature: _Optional[float] = ..., policy_switch_seconds: _Optional[float] = ..., policy_switches: _Optional[int] = ..., concurrent_policies: _Optional[bool] = ..., device: _Optional[str] = ..., shared_passes: _Optional[bool] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, backend: _Optional[str] = ..., model_name: _Optional[str] = ..., draft_model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., shared_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DraftPolicy.Drafter, str]]] = ..., tunable: _Optional[_Iterable[str]] = ..., expert_bytes: _Optional[int] = ..., decode_step_seconds: _Optional[float] = ..., max_draft_temperature: _Optional[float] = ..., policy_switch_seconds: _Optional[float] = ..., policy_switches: _Optional[int] = ..., concurrent_policies: _Optional[bool] = ..., device: _Optional[str] = ..., shared_passes: _Optional[bool] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class DraftPolicy(_message.Message):
     __slots__ = ("drafter", "draft_length", "draft_temperature", "policy_id")
