@@ -194,8 +194,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.cli import UsageError
     from service.engine import Engine, EngineConfig  # torch only when the benchmark really runs
+    from service.errors import UsageError
 
     if args.cycles < 1 or args.block < 1 or args.max_new_tokens < 1 or not 0 <= args.verify_span_ratio <= 1:
         raise UsageError("--cycles, --block and --max-new-tokens must be >= 1; --verify-span-ratio in [0, 1]")

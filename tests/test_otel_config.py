@@ -15,7 +15,7 @@ from otel import cli as otel_cli
 from otel.config import TelemetryConfig, TelemetryConfigError
 from otel.setup import build_sampler, build_telemetry_from_config, otlp_span_exporter
 from otel.telemetry import NoTelemetry
-from service.cli import UsageError
+from service.errors import UsageError
 from service.types import Drafter, DraftPolicy, GenerationRequest, ModelInfo
 
 INFO = ModelInfo(backend="torch", model_name="target", draft_model_name="draft", num_layers=4, num_experts=64,

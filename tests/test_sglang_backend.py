@@ -263,7 +263,7 @@ def test_ep_fields_and_the_step_recording_agree_with_a_recount(tmp_path, journal
     (("--record-steps", "/nonexistent/folder/steps.jsonl"), "--record-steps: cannot write"),
 ], ids=["size-does-not-split", "ep-without-recorder", "record-without-recorder", "unwritable"])
 def test_bad_ep_and_recording_flags_fail_before_any_engine_starts(tmp_path, journal, extra, reason):
-    from service.cli import UsageError
+    from service.errors import UsageError
 
     with pytest.raises(UsageError, match=reason):
         serve_backend(tmp_path, *extra)

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from service.cli import UsageError
+from service.errors import UsageError
 from service.sglang_backend import add_arguments, create_backend
 from service.sglang_backend import cli as sglang_cli
 from service.sglang_backend.preflight import SGLangUnavailable, import_sglang, require_cuda

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from service.cli import UsageError
+from service.errors import UsageError
 from service.sglang_backend import add_arguments
 from service.sglang_backend.cli import base_kwargs, initial_policy
 from service.sglang_backend.info import build_info

@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from service.cli import UsageError
+from service.errors import UsageError
 from service.server.client import Reply
 from service.types import FinishReason
 from tests.tuner_fixtures import FakeRpcError

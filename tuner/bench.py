@@ -32,7 +32,7 @@ from pathlib import Path
 
 import optuna
 
-from service.cli import UsageError
+from service.errors import UsageError
 from service.server.client import MoespecClient
 from service.types import Drafter, DraftPolicy
 from tuner.admin import PolicyAdmin

@@ -22,7 +22,7 @@ import threading
 from contextlib import suppress
 from pathlib import Path
 
-from service.cli import UsageError
+from service.errors import UsageError
 from service.server.client import MoespecClient
 from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
 from tuner.assemble import TuneSettings, assemble

@@ -29,7 +29,7 @@ from typing import TextIO
 
 import optuna
 
-from service.cli import UsageError
+from service.errors import UsageError
 from service.server.client import MoespecClient
 from service.types import Drafter, DraftPolicy
 from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable

@@ -26,7 +26,7 @@ from typing import TextIO
 
 import grpc
 
-from service.cli import UsageError
+from service.errors import UsageError
 from service.server.client import MoespecClient, Reply
 from service.types import GenerationRequest, SamplingParams
 

@@ -167,7 +167,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.cli import UsageError
+    from service.errors import UsageError
 
     if (min(args.requests, args.max_new_tokens, args.rounds, args.load_rounds, *args.concurrency,
             *args.grid_concurrency) < 1 or args.grid_rounds < 0):

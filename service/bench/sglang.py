@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.cli import UsageError
+    from service.errors import UsageError
 
     if args.prompts < 1 or args.repeats < 1 or args.max_new_tokens < 1:
         raise UsageError("--prompts, --repeats and --max-new-tokens must be >= 1")

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from service.cli.usage import UsageError
+from service.errors import UsageError
 
 __all__ = ["COMMANDS", "UsageError", "main"]
 

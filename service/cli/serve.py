@@ -21,7 +21,7 @@ from pathlib import Path
 
 from otel import cli as otel_cli
 from service.backend import Backend
-from service.cli import UsageError
+from service.errors import UsageError
 from service.server.server import MoespecServer, ServerConfig, serve
 from service.types import Drafter, DraftPolicy, InvalidRequest
 

@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 from service import expert_parallel, whatif
-from service.cli.usage import UsageError
+from service.errors import UsageError
 from service.recording import RecordingError, read_recording
 
 

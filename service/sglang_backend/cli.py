@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from service import expert_parallel
-from service.cli import UsageError
+from service.errors import UsageError
 from service.sglang_backend import device as devices
 from service.sglang_backend.checkpoint import sglang_model_dir
 from service.sglang_backend.ep import EPConfig, ep_config

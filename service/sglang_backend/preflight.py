@@ -1,7 +1,7 @@
 """Checks that run before SGLang starts, each failing with one line that says what to do.
 
 Order (create_backend): arguments and model directories first (cheap, and the most likely mistake),
-then the sglang import, then CUDA. Every failure is a service.cli.UsageError, so `moespec serve`
+then the sglang import, then CUDA. Every failure is a service.errors.UsageError, so `moespec serve`
 exits 2 with the reason instead of a traceback from deep inside SGLang's subprocesses.
 """
 
@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from types import ModuleType
 
-from service.cli import UsageError
+from service.errors import UsageError
 from service.sglang_backend.model_config import ModelDirError, MoeGeometry, dense_name, moe_geometry
 from service.sglang_backend.records import RECORDER_TOPK_WIDTH
 
