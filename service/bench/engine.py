@@ -244,8 +244,8 @@ def run_bandwidth(prompts: list[str], max_new: int, rounds: int, threads: int, o
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.cli.serve import default_threads
     from service.engine import Engine, EngineConfig
+    from service.engine.threads import default_threads
     from service.errors import UsageError
 
     try:

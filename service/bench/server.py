@@ -87,8 +87,8 @@ def bench_server(
     grid_concurrency: tuple[int, ...] = (1, 4, 16),
 ) -> tuple[Overhead, list[Load], list[Cell]]:
     """The same policy on both paths: plain decoding by default."""
-    from service.cli.serve import default_threads  # the server's own thread default, measured the same way
     from service.engine import Engine, EngineConfig  # torch only when benchmarking
+    from service.engine.threads import default_threads  # the server's own thread default, measured the same way
 
     policy = policy or DraftPolicy(policy_id="bench")
     workload = load_workload(requests, max_new_tokens)

@@ -147,6 +147,8 @@ def create_backend(args: argparse.Namespace) -> Backend:
         return sglang.create_backend(args)
     from service import expert_parallel
     from service.engine import Engine, EngineConfig  # imported here: torch loads only when serving with it
+    from service.engine.threads import default_threads
+    from service.expert_parallel_args import ep_spec
 
     ep = ep_spec(args)
     if args.record_steps is not None and not args.record_steps.resolve().parent.is_dir():
@@ -170,35 +172,6 @@ MATH_REASONS = {
     ("bf16", True): "--math bf16",
     ("fp32", True): "--math fp32",
 }
-
-
-def ep_spec(args: argparse.Namespace):
-    """--ep-size / --ep-placement -> the EPSpec the engine estimates with (None: off); the file is read
-    here, before the model loads, so a bad one exits 2 at once."""
-    from service import expert_parallel
-
-    if args.ep_size < 0:
-        raise UsageError(f"--ep-size must be >= 1 (or 0 for off), got {args.ep_size}")
-    if args.ep_placement is not None and not args.ep_size:
-        raise UsageError("--ep-placement needs --ep-size")
-    if not args.ep_size:
-        return None
-    try:
-        p2l = expert_parallel.load_placement_map(args.ep_placement) if args.ep_placement else None
-    except expert_parallel.PlacementError as e:
-        raise UsageError(f"--ep-placement: {e}") from None
-    return expert_parallel.EPSpec(size=args.ep_size, physical_to_logical=p2l)
-
-
-def default_threads() -> int:
-    """Measure the thread counts worth trying on this machine (engine.threads) and say which won."""
-    from service.engine.kernels import build
-    from service.engine.threads import pick_threads
-    from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
-
-    choice = pick_threads(load_for_inference(DEFAULT_TARGET_DIR, kernels=build()))
-    print(f"moespec: {choice.describe()}", file=sys.stderr, flush=True)
-    return choice.threads
 
 
 def _sglang_module():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -119,3 +120,13 @@ def pick_threads(model, cores: int | None = None, reserved: int = 1) -> ThreadCh
     choice = choose(cores or usable_cores(), request_timer(model), reserved=reserved)
     torch.set_num_threads(choice.threads)
     return choice
+
+
+def default_threads() -> int:
+    """Measure the thread counts worth trying on this machine (engine.threads) and say which won."""
+    from service.engine.kernels import build
+    from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
+
+    choice = pick_threads(load_for_inference(DEFAULT_TARGET_DIR, kernels=build()))
+    print(f"moespec: {choice.describe()}", file=sys.stderr, flush=True)
+    return choice.threads

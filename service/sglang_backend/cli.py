@@ -120,8 +120,8 @@ def create_backend(args: argparse.Namespace):
 
 
 def ep_from_args(args: argparse.Namespace, target) -> EPConfig | None:
-    """serve's --ep-size / --ep-placement (service.cli.serve.ep_spec reads them) against this model."""
-    from service.cli.serve import ep_spec  # serve imports this package lazily: no cycle at import time
+    """serve's --ep-size / --ep-placement (service.expert_parallel_args.ep_spec reads them) against this model."""
+    from service.expert_parallel_args import ep_spec
 
     if not getattr(args, "ep_size", 0) and getattr(args, "ep_placement", None) is None:
         return None  # off (or a parser without serve's flags)
