@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import MappingProxyType
 
+from otel.api import NoTelemetry
 from otel.config import TelemetryConfig
 from otel.setup import build_telemetry_from_config
-from otel.telemetry import NoTelemetry
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
 MODES = ("off", "live", "unreachable")

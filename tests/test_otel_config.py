@@ -12,9 +12,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from otel import cli as otel_cli
+from otel.api import NoTelemetry
 from otel.config import TelemetryConfig, TelemetryConfigError
 from otel.setup import build_sampler, build_telemetry_from_config, otlp_span_exporter
-from otel.telemetry import NoTelemetry
 from service.errors import UsageError
 from service.types import Drafter, DraftPolicy, GenerationRequest, ModelInfo
 

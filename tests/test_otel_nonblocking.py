@@ -12,11 +12,12 @@ from collections.abc import Sequence
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from otel.api import NoTelemetry
 from otel.config import TelemetryConfig
 from otel.export import EXPORT_FAILED, QUEUE_FULL
 from otel.receiver import OtlpTraceReceiver
 from otel.setup import bounded_processor, build_telemetry_from_config
-from otel.telemetry import NoTelemetry, OtelTelemetry
+from otel.telemetry import OtelTelemetry
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
 POLICY = DraftPolicy(Drafter.MODEL, 2, policy_id="nb")

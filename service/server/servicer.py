@@ -27,8 +27,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from otel.api import RequestObservation, Telemetry
-from otel.telemetry import NoTelemetry
+from otel.api import NoTelemetry, RequestObservation, Telemetry
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
 from service.server import convert
