@@ -13,5 +13,4 @@ Modules, one job each (importing this package imports none of them):
 - interceptors the gRPC aio server interceptor (continues a client's traceparent)
 - receiver     a small OTLP/gRPC trace receiver (tests, tuner)
 - quiet_logs   rate-limits the SDK exporters' repeated error logs (serve entry point only)
-- bench        throughput with telemetry off / live / unreachable
 """

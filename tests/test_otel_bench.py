@@ -1,9 +1,9 @@
 """The telemetry benchmark runs all three modes in one run and reports what each exported or lost.
-(Throughput targets are measured by `python -m otel.bench`, not asserted on a shared test machine.)"""
+(Throughput targets are measured by `python -m service.bench.telemetry`, not asserted on a shared test machine.)"""
 
 from __future__ import annotations
 
-from otel.bench import MODES, format_report, run_benchmark
+from service.bench.telemetry import MODES, format_report, run_benchmark
 from service.types import Drafter, DraftPolicy
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tuner.bench_noise import markdown as noise_markdown
-from tuner.bench_noise import score
+from service.bench.tuner_noise import markdown as noise_markdown
+from service.bench.tuner_noise import score
 from tuner.exploration import Round, TokenTrace, back_off_rounds, round_costs, summarize
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import optuna
 from optuna.trial import TrialState
 
+from service.bench.tuner_whatif import SwitchCountingAdmin
 from service.recording import StepRecorder
 from service.traffic import TrafficArm, TrafficSplit
 from service.types import Drafter, DraftPolicy, ModelInfo
@@ -17,7 +18,6 @@ from tests.tuner_fixtures import FakeServer, SyntheticTraffic, model_info
 from tuner import study as st
 from tuner.admin import PolicyAdmin
 from tuner.assemble import TuneSettings, assemble
-from tuner.bench_whatif import SwitchCountingAdmin
 from tuner.collector import SpanCollector
 from tuner.space import SearchSpace, policy_key
 from tuner.spans import request_sample

@@ -11,14 +11,7 @@ import io
 import optuna
 import pytest
 
-from service.recording import StepRecorder, read_recording
-from service.types import Drafter, DraftPolicy
-from tests.test_tuner_whatif import RecordingServer, cost
-from tests.test_whatif import H, info, synthetic_step
-from tests.tuner_fixtures import SyntheticTraffic, model_info
-from tuner import study as st
-from tuner.assemble import TuneSettings
-from tuner.bench_whatif import (
+from service.bench.tuner_whatif import (
     FirstMeasured,
     SwitchCountingAdmin,
     one_position_markdown,
@@ -28,6 +21,13 @@ from tuner.bench_whatif import (
     run_study,
     summarise,
 )
+from service.recording import StepRecorder, read_recording
+from service.types import Drafter, DraftPolicy
+from tests.test_tuner_whatif import RecordingServer, cost
+from tests.test_whatif import H, info, synthetic_step
+from tests.tuner_fixtures import SyntheticTraffic, model_info
+from tuner import study as st
+from tuner.assemble import TuneSettings
 from tuner.collector import SpanCollector
 from tuner.sampler import InitialDesign
 from tuner.space import LengthOnly, SearchSpace, policy_key

@@ -19,8 +19,8 @@ import importlib
 SUITES: dict[str, tuple[str, str]] = {
     "engine": ("service.bench.engine", "the embedded engine: every policy vs plain decoding and transformers"),
     "server": ("service.bench.server", "the gRPC server: overhead vs in-process, load at several concurrencies"),
-    "telemetry": ("otel.bench", "throughput with telemetry off, on, and with an unreachable endpoint"),
-    "tuner": ("tuner.bench", "exhaustive grid vs the tuner's pick"),
+    "telemetry": ("service.bench.telemetry", "throughput with telemetry off, on, and with an unreachable endpoint"),
+    "tuner": ("service.bench.tuner", "exhaustive grid vs the tuner's pick"),
     "kernel-window": ("service.bench.kernel_window", "batched passes: MoE kernel up to 16 positions vs every pass"),
     "threads": ("service.bench.threads", "moespec serve at each --threads count vs its measured default"),
     "whatif": ("service.bench.whatif", "what-if predictions of shorter draft lengths vs measured runs"),

@@ -1,6 +1,6 @@
 """Throughput with telemetry off, on with a live OTLP receiver, and on with an unreachable endpoint.
 
-    python -m otel.bench [--cycles 3] [--block 4] [--max-new-tokens 32] [--draft-length 3]
+    python -m service.bench.telemetry [--cycles 3] [--block 4] [--max-new-tokens 32] [--draft-length 3]
     moespec bench telemetry [same options]   (service/bench/__init__.py dispatches to add_arguments / run)
     run_benchmark(backend, ...) -> [ModeResult]; format_report(results) -> str   (library use)
 
@@ -182,7 +182,7 @@ def format_report(results: Sequence[ModeResult]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`moespec bench telemetry` options (also `python -m otel.bench`)."""
+    """`moespec bench telemetry` options (also `python -m service.bench.telemetry`)."""
     parser.add_argument("--cycles", type=int, default=3, help="rounds over the three modes (default 3)")
     parser.add_argument("--block", type=int, default=4, help="requests per mode per cycle (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per request (default 32)")
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m otel.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m service.bench.telemetry", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -1,9 +1,9 @@
 """Tuner benchmark: an exhaustive grid vs the tuner's pick, on the same workload, in one run.
 
-    python -m tuner.bench [--out DIR] [--trials 27] [--remeasure 3] ...   (or `moespec bench tuner`)
-    moespec bench tuner --scenario noise [--seeds 5] [--trials 10] ...  (tuner/bench_noise.py)
-    moespec bench tuner --scenario shift [--steady-seconds 30] ...      (tuner/bench_shift.py)
-    moespec bench tuner --scenario whatif [--space length] [--seeds 16] ... (tuner/bench_whatif.py)
+    python -m service.bench.tuner [--out DIR] [--trials 27] [--remeasure 3] ...   (or `moespec bench tuner`)
+    moespec bench tuner --scenario noise [--seeds 5] [--trials 10] ...  (service/bench/tuner_noise.py)
+    moespec bench tuner --scenario shift [--steady-seconds 30] ...      (service/bench/tuner_shift.py)
+    moespec bench tuner --scenario whatif [--space length] [--seeds 16] ... (service/bench/tuner_whatif.py)
 
 The default scenario (`grid`):
 
@@ -56,12 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Exhaustive grid vs the online tuner on one workload; writes bench.json / bench.md."
     parser.add_argument("--out", type=Path, default=None, help="output folder (default ./reports/bench-<timestamp>)")
     parser.add_argument("--scenario", choices=("grid", "noise", "shift", "whatif"), default="grid",
-                        help="grid: exhaustive grid vs the tuner (default); noise: sequential vs paired trials under "
-                             "a background CPU load switching every 10-30 s, several seeds (tuner/bench_noise.py); "
-                             "shift: the continuous tuner under a workload shift, a no-shift control and the cost "
-                             "of exploration (tuner/bench_shift.py); whatif: the same study with and without the "
-                             "what-if hint, trials / policy switches until a target policy is first measured "
-                             "(tuner/bench_whatif.py)")
+                        help="grid: exhaustive grid vs the tuner (default); noise: sequential vs paired trials "
+                             "under a background CPU load switching every 10-30 s, several seeds "
+                             "(service/bench/tuner_noise.py); shift: the continuous tuner under a workload shift, "
+                             "a no-shift control and the cost of exploration (service/bench/tuner_shift.py); "
+                             "whatif: the same study with and without the what-if hint, trials / policy switches "
+                             "until a target policy is first measured (service/bench/tuner_whatif.py)")
     parser.add_argument("--trials", type=int, default=None,
                         help="tuner search trials (default 27; 10 per study for --scenario noise; for --scenario "
                              "whatif the space size with --space length, 14 with --space full)")
@@ -146,21 +146,21 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or Path("reports") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     if args.scenario == "shift":
-        from tuner.bench_shift import run_shift
+        from service.bench.tuner_shift import run_shift
 
         code = first_prompts(load_prompts(args.prompts), args.prompt_count)
         if args.min_tokens is None:
             args.min_tokens = len(code) * args.max_new_tokens
         return run_shift(args, code, first_prompts(load_prompts(args.shift_prompts), args.prompt_count), out)
     if args.scenario == "whatif":
-        from tuner.bench_whatif import run_whatif
+        from service.bench.tuner_whatif import run_whatif
 
         prompts = first_prompts(load_prompts(args.prompts), args.prompt_count)
         if args.min_tokens is None:
             args.min_tokens = len(prompts) * args.max_new_tokens
         return run_whatif(args, prompts, out)
     if noise:
-        from tuner.bench_noise import run_noise
+        from service.bench.tuner_noise import run_noise
 
         prompts = first_prompts(load_prompts(args.prompts), args.prompt_count)
         if args.min_tokens is None:
@@ -274,7 +274,7 @@ def markdown(result: dict, table: list[Compared]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tuner.bench")
+    parser = argparse.ArgumentParser(prog="python -m service.bench.tuner")
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
