@@ -6,8 +6,8 @@ import dataclasses
 
 from service.recording import StepRecorder
 from service.types import Drafter, DraftPolicy
+from service.whatif.hint import hint_for_trial, user_attributes
 from tests.test_whatif import H, info, synthetic_step
-from tuner.whatif_hint import hint_for_trial, user_attributes
 
 MEASURED = DraftPolicy(Drafter.MODEL, 3, 0.0, policy_id="study/7")
 

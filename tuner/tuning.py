@@ -19,7 +19,7 @@ Contract (what survives what):
   the tuner with `NoTraffic` (a diagnosis, not an endless loop of FAILs).
 - What-if hint (`whatif_recording`, the server's --record-steps file): after a COMPLETE search trial
   at draft length k > 0, that trial's recorded steps (its policy id is unique) are replayed
-  (tuner/whatif_hint.py); the prediction for every k' <= k is stored in the trial's user
+  (service/whatif/hint.py); the prediction for every k' <= k is stored in the trial's user
   attributes and the predicted best shorter length for the same drafter is enqueued as a search
   trial, unless that policy is already measured or queued. A missing or unreadable recording is
   logged (event WHATIF, attribute `whatif_error`) and the search goes on without the hint.
@@ -42,13 +42,13 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from service.types import DraftPolicy
+from service.whatif.hint import LengthHint, hint_from_prediction, prediction_attributes, replay_trial, user_attributes
 from tuner import study as st
 from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
 from tuner.collector import Traffic
 from tuner.measure import Measurement, Measurer, Outcome, PairedMeasurement, TrialMode
 from tuner.paired import PairedRatio, drift_log_variance
 from tuner.space import PolicyKey, SearchSpace, policy_key
-from tuner.whatif_hint import LengthHint, hint_from_prediction, prediction_attributes, replay_trial, user_attributes
 from tuner.window import WindowSpec, WindowStats
 
 

@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "loadgen": ("tuner.loadgen", "send the shipped prompt workload to a server"),
     "tune": ("tuner.cli", "run the online draft-policy tuner against a server"),
     "demo": ("tuner.demo", "server + load + tuner on the embedded model, then a report"),
-    "whatif": ("service.cli.whatif", "predict the cost of shorter draft lengths from a step recording"),
+    "whatif": ("service.whatif.cli", "predict the cost of shorter draft lengths from a step recording"),
 }
 
 
