@@ -36,7 +36,7 @@ from otel.setup import build_telemetry_from_config
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
 MODES = ("off", "live", "unreachable")
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TARGETS = MappingProxyType({"live": 0.98, "unreachable": 0.95})
 BENCH_POLICY = DraftPolicy(Drafter.MODEL, 3, policy_id="bench")  # frozen dataclass: safe to share
 DEFAULT_PROMPTS = ("def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\ndef walk(path):\n",
