@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tuner.server_proc import stop_process
+from tuner.drivers.server_proc import stop_process
 
 REQUIRE_ENV = "MOESPEC_REQUIRE_BACKENDS"
 PHOENIX_VENV_ENV = "MOESPEC_PHOENIX_VENV"

@@ -15,7 +15,7 @@ from service.expert_parallel import EPSpec
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 from tests.engine_helpers import make_engine
 from tests.test_otel_spans import receiver, run, telemetry_for, trace_spans  # noqa: F401 (fixture)
-from tuner.spans import request_sample
+from tuner.measurement.spans import request_sample
 
 EP_SIZE = 4
 

@@ -15,7 +15,7 @@ from otel.receiver import OtlpTraceReceiver
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
 from service.server import convert
 from service.types import GenerationRequest, SamplingParams
-from tuner.server_proc import MOESPEC, REPO_ROOT, start_server
+from tuner.drivers.server_proc import MOESPEC, REPO_ROOT, start_server
 
 TOKEN = "otel-serve-test"
 

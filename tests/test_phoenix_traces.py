@@ -17,7 +17,7 @@ from otel import attributes as a
 from service.server.client import MoespecClient
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 from tests.real_backends import http_json, start_phoenix, wait_until
-from tuner.server_proc import start_server
+from tuner.drivers.server_proc import start_server
 
 TOKEN = "phoenix-test-token"
 POLICIES = (DraftPolicy(Drafter.MODEL, 3, 0.0, policy_id="phx-model-3"), DraftPolicy(Drafter.NGRAM, 4,

@@ -28,8 +28,8 @@ from otel.receiver import OtlpTraceReceiver
 from service.server.client import MoespecClient
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 from tests.real_backends import free_port, http_json, start_prometheus, wait_until
-from tuner.loadgen import DEFAULT_PROMPTS, load_prompts
-from tuner.server_proc import start_server
+from tuner.drivers.loadgen import DEFAULT_PROMPTS, load_prompts
+from tuner.drivers.server_proc import start_server
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy/grafana/dashboards/moespec.json"
 TOKEN = "prometheus-test-token"

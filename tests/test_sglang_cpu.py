@@ -37,8 +37,8 @@ from service.server.client import MoespecClient
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 from tests.engine_helpers import heldout_prompts, make_engine
 from tests.test_sglang_ep import recount_physical
-from tuner.loadgen import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, load_prompts
-from tuner.server_proc import MOESPEC, REPO_ROOT, start_server, telemetry_env
+from tuner.drivers.loadgen import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, load_prompts
+from tuner.drivers.server_proc import MOESPEC, REPO_ROOT, start_server, telemetry_env
 
 pytestmark = pytest.mark.sglang_cpu
 

@@ -7,7 +7,7 @@ import pytest
 
 from service.bench.tuner_noise import markdown as noise_markdown
 from service.bench.tuner_noise import score
-from tuner.exploration import Round, TokenTrace, back_off_rounds, round_costs, summarize
+from tuner.loop.exploration import Round, TokenTrace, back_off_rounds, round_costs, summarize
 
 
 def row(policy: str, ratio: float, low: float, high: float) -> dict:

@@ -15,14 +15,14 @@ from otel import attributes as a
 from service.types import Drafter, DraftPolicy
 from tests.test_tuner_loop import settings
 from tests.tuner_fixtures import FakeServer, SyntheticTraffic
-from tuner import study as st
-from tuner.admin import PolicyAdmin
-from tuner.assemble import assemble
-from tuner.collector import SpanCollector
-from tuner.continuous import ContinuousConfig, ContinuousTuner, PromotionGate, ShiftDetector, idle_floor
-from tuner.metrics import TunerMetrics
-from tuner.spans import request_sample
-from tuner.window import WindowSpec, WindowStats
+from tuner.loop import study as st
+from tuner.loop.assemble import assemble
+from tuner.loop.continuous import ContinuousConfig, ContinuousTuner, PromotionGate, ShiftDetector, idle_floor
+from tuner.loop.metrics import TunerMetrics
+from tuner.measurement.admin import PolicyAdmin
+from tuner.measurement.collector import SpanCollector
+from tuner.measurement.spans import request_sample
+from tuner.measurement.window import WindowSpec, WindowStats
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -176,9 +176,9 @@ def test_acceptance_shift_needs_consecutive_confirmations_and_enough_drafts():
 def test_after_an_interleaved_challenge_the_incumbent_serves_alone_long_enough_to_keep_the_share():
     from optuna.trial import TrialState
 
-    from tuner.measure import Measurement, Outcome, PairedMeasurement
-    from tuner.paired import PairedRatio
-    from tuner.tuning import Challenge
+    from tuner.loop.tuning import Challenge
+    from tuner.measurement.measure import Measurement, Outcome, PairedMeasurement
+    from tuner.measurement.paired import PairedRatio
 
     stats = WindowStats("x")
     m = Measurement(DraftPolicy(), Outcome.COMPLETE, stats, 1.0, seconds=6.0, reapplied=0)
@@ -225,7 +225,7 @@ def test_no_traffic_in_the_initial_search_waits_and_resumes_instead_of_exiting(t
 
 def test_negative_control_the_same_starvation_stops_a_one_shot_search(tmp_path):
     """The condition the test above survives is real: the one-shot tuner on it raises NoTraffic."""
-    from tuner.tuning import NoTraffic
+    from tuner.loop.tuning import NoTraffic
 
     server = FakeServer()
     h = Harness(tmp_path, server, window=WindowSpec(min_tokens=64, min_steps=8, max_seconds=0.3))

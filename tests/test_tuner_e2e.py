@@ -22,9 +22,9 @@ from optuna.trial import TrialState
 
 from service.server.client import MoespecClient
 from service.types import GenerationRequest, SamplingParams
-from tuner import study as st
-from tuner.loadgen import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, load_prompts
-from tuner.server_proc import MOESPEC, REPO_ROOT, start_server, telemetry_env
+from tuner.drivers.loadgen import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, load_prompts
+from tuner.drivers.server_proc import MOESPEC, REPO_ROOT, start_server, telemetry_env
+from tuner.loop import study as st
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 TOKEN = "test-admin-token"

@@ -8,9 +8,9 @@ import pytest
 from otel import attributes as a
 from service.types import Drafter, ModelInfo
 from tests.test_grpc_cli import run_cli
-from tuner.assemble import cost_model
-from tuner.spans import request_sample
-from tuner.window import WindowStats
+from tuner.loop.assemble import cost_model
+from tuner.measurement.spans import request_sample
+from tuner.measurement.window import WindowStats
 
 INFO = ModelInfo("torch", "m", "d", 4, 64, 8, 1, 100, 512, 8, (Drafter.MODEL,), (), 1000, 0.005)
 

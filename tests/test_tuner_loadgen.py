@@ -13,7 +13,7 @@ from service.errors import UsageError
 from service.server.client import Reply
 from service.types import FinishReason
 from tests.tuner_fixtures import FakeRpcError
-from tuner.loadgen import (
+from tuner.drivers.loadgen import (
     DEFAULT_PROMPTS,
     LoadGenerator,
     LoadSpec,

@@ -9,16 +9,16 @@ from optuna.trial import TrialState
 
 from service.types import Drafter, DraftPolicy
 from tests.tuner_fixtures import FakeServer, SyntheticTraffic
-from tuner import study as st
-from tuner.admin import PolicyAdmin, ServerUnavailable
-from tuner.assemble import TuneSettings, assemble
-from tuner.collector import SpanCollector
-from tuner.measure import TrialMode
-from tuner.pruning import PruneRule
-from tuner.space import policy_key
-from tuner.spans import request_sample
-from tuner.tuning import EventKind, NoTraffic
-from tuner.window import WindowSpec
+from tuner.loop import study as st
+from tuner.loop.assemble import TuneSettings, assemble
+from tuner.loop.pruning import PruneRule
+from tuner.loop.space import policy_key
+from tuner.loop.tuning import EventKind, NoTraffic
+from tuner.measurement.admin import PolicyAdmin, ServerUnavailable
+from tuner.measurement.collector import SpanCollector
+from tuner.measurement.measure import TrialMode
+from tuner.measurement.spans import request_sample
+from tuner.measurement.window import WindowSpec
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

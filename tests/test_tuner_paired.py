@@ -13,13 +13,13 @@ from optuna.trial import TrialState
 
 from tests.test_tuner_loop import build, cost
 from tests.tuner_fixtures import FakeServer, SyntheticTraffic, model_info
-from tuner import study as st
-from tuner.measure import TrialMode
-from tuner.paired import PairedRatio, drift_log_variance, relative_variance
-from tuner.pruning import PruneRule
-from tuner.space import policy_key
-from tuner.tuning import EventKind
-from tuner.window import RequestSample, WindowSpec, WindowStats
+from tuner.loop import study as st
+from tuner.loop.pruning import PruneRule
+from tuner.loop.space import policy_key
+from tuner.loop.tuning import EventKind
+from tuner.measurement.measure import TrialMode
+from tuner.measurement.paired import PairedRatio, drift_log_variance, relative_variance
+from tuner.measurement.window import RequestSample, WindowSpec, WindowStats
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -144,8 +144,8 @@ def test_one_policy_at_a_time_backend_gets_shared_control_windows_that_amortise_
 
 
 def test_trial_mode_follows_model_info_and_the_objective(tmp_path):
-    from tuner.assemble import TuneSettings, trial_mode
-    from tuner.window import Objective
+    from tuner.loop.assemble import TuneSettings, trial_mode
+    from tuner.measurement.window import Objective
 
     concurrent, single = model_info(concurrent_policies=True), model_info(concurrent_policies=False)
     base = TuneSettings(study_name="s", trials=1, tuner_id="t")
@@ -161,11 +161,11 @@ def test_trial_mode_follows_model_info_and_the_objective(tmp_path):
 
 
 def _side_by_side_rig(slow_after_applies: int):
-    from tuner.admin import PolicyAdmin
-    from tuner.collector import SpanCollector
-    from tuner.measure import MeasureConfig, Measurer
-    from tuner.spans import request_sample
-    from tuner.window import CostModel, Objective
+    from tuner.measurement.admin import PolicyAdmin
+    from tuner.measurement.collector import SpanCollector
+    from tuner.measurement.measure import MeasureConfig, Measurer
+    from tuner.measurement.spans import request_sample
+    from tuner.measurement.window import CostModel, Objective
 
     server = FakeServer()
     collector = SpanCollector(request_sample)
@@ -181,12 +181,12 @@ def _side_by_side_rig(slow_after_applies: int):
 
 
 def test_paired_side_by_side_keeps_the_true_ratio_when_the_machine_slows_down():
-    """The bench's final table (tuner.compare.compare_paired): each policy beside the reference in
+    """The bench's final table (tuner.measurement.compare.compare_paired): each policy beside the reference in
     one split per round. n-gram k=4 truly costs 0.6x plain; the machine slows 2.5x after the first
-    window. Negative control: the absolute side-by-side (tuner.compare.compare) of the same pair on
+    window. Negative control: the absolute side-by-side (tuner.measurement.compare.compare) of the same pair on
     the same schedule is off by far more than the 5% the noise benchmark judges on."""
     from service.types import Drafter, DraftPolicy
-    from tuner.compare import compare, compare_paired
+    from tuner.measurement.compare import compare, compare_paired
 
     plain, ngram = DraftPolicy(draft_length=0), DraftPolicy(Drafter.NGRAM, 4)
     server, collector, measurer, _ = _side_by_side_rig(slow_after_applies=1)
@@ -215,7 +215,7 @@ def test_back_to_back_side_by_side_cancels_a_linear_drift_without_mixing_arms_in
     (mutation: always reference first -> 0.69), and no traffic split is ever set (a split would put
     both arms in one pass)."""
     from service.types import Drafter, DraftPolicy
-    from tuner.compare import compare_paired
+    from tuner.measurement.compare import compare_paired
 
     plain, ngram = DraftPolicy(draft_length=0), DraftPolicy(Drafter.NGRAM, 4)
     server, collector, measurer, _ = _side_by_side_rig(slow_after_applies=1)

@@ -10,11 +10,11 @@ import pytest
 from service.types import Drafter, DraftPolicy
 from tests.test_tuner_loop import build, cost
 from tests.tuner_fixtures import FakeServer, SyntheticTraffic
-from tuner.compare import Compared
-from tuner.report import uniform_union, write_report
-from tuner.sampler import SamplerKind
-from tuner.spans import request_sample
-from tuner.window import WindowStats
+from tuner.drivers.report import uniform_union, write_report
+from tuner.loop.sampler import SamplerKind
+from tuner.measurement.compare import Compared
+from tuner.measurement.spans import request_sample
+from tuner.measurement.window import WindowStats
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -11,10 +11,10 @@ from optuna.trial import TrialState
 
 from service.types import Drafter, DraftPolicy
 from tests.tuner_fixtures import model_info
-from tuner import study as st
-from tuner.pruning import PruneRule
-from tuner.sampler import InitialDesign, SamplerKind, initial_policies, make_sampler, temperature_step
-from tuner.space import SearchSpace, policy_key
+from tuner.loop import study as st
+from tuner.loop.pruning import PruneRule
+from tuner.loop.sampler import InitialDesign, SamplerKind, initial_policies, make_sampler, temperature_step
+from tuner.loop.space import SearchSpace, policy_key
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

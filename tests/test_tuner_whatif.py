@@ -15,14 +15,14 @@ from service.traffic import TrafficArm, TrafficSplit
 from service.types import Drafter, DraftPolicy, ModelInfo
 from tests.test_whatif import H, info, synthetic_step
 from tests.tuner_fixtures import FakeServer, SyntheticTraffic, model_info
-from tuner import study as st
-from tuner.admin import PolicyAdmin
-from tuner.assemble import TuneSettings, assemble
-from tuner.collector import SpanCollector
-from tuner.space import SearchSpace, policy_key
-from tuner.spans import request_sample
-from tuner.tuning import EventKind
-from tuner.window import WindowSpec
+from tuner.loop import study as st
+from tuner.loop.assemble import TuneSettings, assemble
+from tuner.loop.space import SearchSpace, policy_key
+from tuner.loop.tuning import EventKind
+from tuner.measurement.admin import PolicyAdmin
+from tuner.measurement.collector import SpanCollector
+from tuner.measurement.spans import request_sample
+from tuner.measurement.window import WindowSpec
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -26,14 +26,14 @@ from service.types import Drafter, DraftPolicy
 from tests.test_tuner_whatif import RecordingServer, cost
 from tests.test_whatif import H, info, synthetic_step
 from tests.tuner_fixtures import SyntheticTraffic, model_info
-from tuner import study as st
-from tuner.assemble import TuneSettings
-from tuner.collector import SpanCollector
-from tuner.sampler import InitialDesign
-from tuner.space import LengthOnly, SearchSpace, policy_key
-from tuner.spans import request_sample
-from tuner.tuning import EventKind, TunerEvent
-from tuner.window import WindowSpec
+from tuner.loop import study as st
+from tuner.loop.assemble import TuneSettings
+from tuner.loop.sampler import InitialDesign
+from tuner.loop.space import LengthOnly, SearchSpace, policy_key
+from tuner.loop.tuning import EventKind, TunerEvent
+from tuner.measurement.collector import SpanCollector
+from tuner.measurement.spans import request_sample
+from tuner.measurement.window import WindowSpec
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

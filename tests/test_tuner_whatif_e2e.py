@@ -20,9 +20,9 @@ from optuna.trial import TrialState
 from service.server.client import MoespecClient
 from service.types import Drafter, DraftPolicy
 from tests.test_tuner_e2e import TOKEN, free_port, run_tune, tune_cmd
-from tuner.loadgen import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, load_prompts
-from tuner.server_proc import start_server, telemetry_env
-from tuner.space import SearchSpace, policy_key
+from tuner.drivers.loadgen import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, load_prompts
+from tuner.drivers.server_proc import start_server, telemetry_env
+from tuner.loop.space import SearchSpace, policy_key
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 MEASURED = DraftPolicy(Drafter.MODEL, 8, 1.5)

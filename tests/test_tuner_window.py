@@ -7,9 +7,9 @@ import threading
 import pytest
 
 from tests.tuner_fixtures import request_span
-from tuner.collector import SpanCollector
-from tuner.spans import request_sample
-from tuner.window import CostModel, Objective, WindowSpec, WindowState, WindowStats
+from tuner.measurement.collector import SpanCollector
+from tuner.measurement.spans import request_sample
+from tuner.measurement.window import CostModel, Objective, WindowSpec, WindowState, WindowStats
 
 
 def window_of(*spans: dict) -> WindowStats:
@@ -109,7 +109,7 @@ def test_collector_wait_wakes_on_new_span():
 
 def test_collector_refuses_spans_whose_policy_fields_disagree_with_the_watched_policy():
     from service.types import Drafter, DraftPolicy
-    from tuner.spans import ran_policy
+    from tuner.measurement.spans import ran_policy
 
     policy = DraftPolicy(Drafter.NGRAM, 3, policy_id="s/0")
     c = SpanCollector(request_sample)

@@ -15,7 +15,7 @@ from service.recording import read_recording
 from service.server import convert
 from service.types import GenerationRequest, SamplingParams
 from tests.test_grpc_cli import run_cli
-from tuner.server_proc import MOESPEC, REPO_ROOT, start_server
+from tuner.drivers.server_proc import MOESPEC, REPO_ROOT, start_server
 
 
 @pytest.mark.parametrize(("args", "reason"), [

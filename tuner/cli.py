@@ -4,7 +4,7 @@ It listens for the server's request spans on --otlp-listen (OTLP/gRPC), keeps it
 --storage, and sets policies through PolicyAdmin. Environment read here, at run time:
 MOESPEC_ADMIN_TOKEN (when --admin-token is not given).
 
---continuous keeps it running after the search (tuner/continuous.py); its incumbent gauge goes to
+--continuous keeps it running after the search (tuner/loop/continuous.py); its incumbent gauge goes to
 --metrics-endpoint (default $OTEL_EXPORTER_OTLP_METRICS_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT).
 
 Exit codes: 0 done (winner applied), 2 bad arguments (incl. a storage URL that cannot be opened),
@@ -24,18 +24,18 @@ from pathlib import Path
 
 from service.errors import UsageError
 from service.server.client import MoespecClient
-from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
-from tuner.assemble import TuneSettings, assemble
-from tuner.collector import SpanCollector
-from tuner.continuous import ContinuousConfig, ContinuousTuner
-from tuner.measure import TrialMode
-from tuner.progress import ProgressPrinter, fmt_cost
-from tuner.pruning import PruneRule
-from tuner.sampler import InitialDesign, SamplerKind, rationale
-from tuner.spans import request_sample
-from tuner.study import StorageError, StudyMismatch, open_storage
-from tuner.tuning import NoTraffic
-from tuner.window import Objective, WindowSpec
+from tuner.drivers.progress import ProgressPrinter, fmt_cost
+from tuner.loop.assemble import TuneSettings, assemble
+from tuner.loop.continuous import ContinuousConfig, ContinuousTuner
+from tuner.loop.pruning import PruneRule
+from tuner.loop.sampler import InitialDesign, SamplerKind, rationale
+from tuner.loop.study import StorageError, StudyMismatch, open_storage
+from tuner.loop.tuning import NoTraffic
+from tuner.measurement.admin import AdminRejected, PolicyAdmin, ServerUnavailable
+from tuner.measurement.collector import SpanCollector
+from tuner.measurement.measure import TrialMode
+from tuner.measurement.spans import request_sample
+from tuner.measurement.window import Objective, WindowSpec
 
 ADMIN_TOKEN_ENV = "MOESPEC_ADMIN_TOKEN"
 DEFAULT_STORAGE = "sqlite:///moespec-tuner.db"
@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--objective", choices=[o.value for o in Objective], default=Objective.MEASURED.value,
                         help="measured: seconds per committed token; modelled: weight bytes touched per token")
     parser.add_argument("--sampler", choices=[s.value for s in SamplerKind], default=SamplerKind.TPE.value,
-                        help="tpe (default; see tuner/sampler.py for why), grid (exhaustive), random")
+                        help="tpe (default; see tuner/loop/sampler.py for why), grid (exhaustive), random")
     parser.add_argument("--seed", type=int, default=None, help="sampler seed")
     parser.add_argument("--initial-design", choices=[d.value for d in InitialDesign],
                         default=InitialDesign.CORNERS.value,
@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
 def _continuous(args, settings, storage, admin, collector, printer, root, metrics_endpoint):
     from dataclasses import replace
 
-    from tuner.metrics import TunerMetrics, otlp_meter_provider
+    from tuner.loop.metrics import TunerMetrics, otlp_meter_provider
 
     provider = otlp_meter_provider(metrics_endpoint) if metrics_endpoint else None
     metrics = TunerMetrics(provider.get_meter("moespec.tuner"), settings.study_name) if provider else None

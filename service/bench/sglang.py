@@ -94,7 +94,7 @@ def bench(args: argparse.Namespace) -> list[Row]:
     from service.bench.engine import load_prompts
     from service.engine import Engine, EngineConfig
     from service.server.client import MoespecClient
-    from tuner.server_proc import start_server
+    from tuner.drivers.server_proc import start_server
 
     prompts = load_prompts(args.prompts)
     engine = Engine(EngineConfig(threads=1))

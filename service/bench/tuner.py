@@ -35,21 +35,21 @@ import optuna
 from service.errors import UsageError
 from service.server.client import MoespecClient
 from service.types import Drafter, DraftPolicy
-from tuner.admin import PolicyAdmin
-from tuner.assemble import TuneSettings, assemble
-from tuner.collector import SpanCollector
-from tuner.compare import Compared, compare
-from tuner.demo import DEFAULT_POLICY
-from tuner.loadgen import DEFAULT_PROMPTS, TABLE_PROMPTS, LoadGenerator, LoadSpec, first_prompts, load_prompts
-from tuner.measure import MeasureConfig, Measurer
-from tuner.progress import ProgressPrinter
-from tuner.pruning import PruneRule
-from tuner.sampler import InitialDesign, SamplerKind, initial_policies, temperature_step
-from tuner.server_proc import start_server, telemetry_env
-from tuner.space import SearchSpace, policy_key
-from tuner.spans import request_sample
-from tuner.study import open_storage
-from tuner.window import Objective, WindowSpec
+from tuner.drivers.demo import DEFAULT_POLICY
+from tuner.drivers.loadgen import DEFAULT_PROMPTS, TABLE_PROMPTS, LoadGenerator, LoadSpec, first_prompts, load_prompts
+from tuner.drivers.progress import ProgressPrinter
+from tuner.drivers.server_proc import start_server, telemetry_env
+from tuner.loop.assemble import TuneSettings, assemble
+from tuner.loop.pruning import PruneRule
+from tuner.loop.sampler import InitialDesign, SamplerKind, initial_policies, temperature_step
+from tuner.loop.space import SearchSpace, policy_key
+from tuner.loop.study import open_storage
+from tuner.measurement.admin import PolicyAdmin
+from tuner.measurement.collector import SpanCollector
+from tuner.measurement.compare import Compared, compare
+from tuner.measurement.measure import MeasureConfig, Measurer
+from tuner.measurement.spans import request_sample
+from tuner.measurement.window import Objective, WindowSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

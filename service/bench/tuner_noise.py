@@ -7,7 +7,7 @@ machine whose speed changes.
 3. For each of --seeds: the same TPE study (--trials search trials, --remeasure) run sequentially
    (the old way) and with the tuner's controlled trials (its own choice for the server: paired
    traffic splits, or control/candidate/control windows where requests share target passes), each
-   under a bench-owned background CPU load (tuner.cpuload) that switches on and off every 10-30 s;
+   under a bench-owned background CPU load (tuner.drivers.cpuload) that switches on and off every 10-30 s;
    the order of the two alternates between seeds.
 4. Quiet machine again: every distinct pick and plain decoding, each against the grid best in the
    same round (one traffic split request by request; back-to-back windows of their own, order
@@ -28,17 +28,17 @@ from pathlib import Path
 import optuna
 
 from service.types import DraftPolicy
-from tuner.assemble import TuneSettings, assemble
-from tuner.compare import compare, compare_paired
-from tuner.cpuload import BackgroundLoad
-from tuner.measure import MeasureConfig, Measurer, TrialMode
-from tuner.progress import ProgressPrinter
-from tuner.pruning import PruneRule
-from tuner.rig import Rig, RigSpec, open_rig
-from tuner.sampler import InitialDesign, SamplerKind, initial_policies, temperature_step
-from tuner.space import SearchSpace, policy_key
-from tuner.study import open_storage
-from tuner.window import CostModel, Objective, WindowSpec
+from tuner.drivers.cpuload import BackgroundLoad
+from tuner.drivers.progress import ProgressPrinter
+from tuner.drivers.rig import Rig, RigSpec, open_rig
+from tuner.loop.assemble import TuneSettings, assemble
+from tuner.loop.pruning import PruneRule
+from tuner.loop.sampler import InitialDesign, SamplerKind, initial_policies, temperature_step
+from tuner.loop.space import SearchSpace, policy_key
+from tuner.loop.study import open_storage
+from tuner.measurement.compare import compare, compare_paired
+from tuner.measurement.measure import MeasureConfig, Measurer, TrialMode
+from tuner.measurement.window import CostModel, Objective, WindowSpec
 
 WITHIN = 1.05
 
@@ -103,7 +103,7 @@ def run_noise(args, prompts: list[str], out: Path) -> int:
 def side_by_side(args, rig: Rig, window: WindowSpec, grid_best: DraftPolicy | None, runs: list[dict]) -> dict:
     """Every distinct pick and plain decoding, each paired with the reference (the grid best) in one
     traffic split per round, --compare-rounds rounds, order rotated. Without a grid, the reference
-    is first chosen by an absolute side-by-side (tuner.compare) of the same policies."""
+    is first chosen by an absolute side-by-side (tuner.measurement.compare) of the same policies."""
     policies: dict[str, DraftPolicy] = {"plain": DraftPolicy(draft_length=0)}
     for r in runs:
         if r["pick_policy"] is not None:

@@ -1,17 +1,17 @@
 """`moespec bench tuner --scenario shift`: the continuous tuner under a workload shift, a no-shift
 control, and what its exploration costs.
 
-Two runs, each on a fresh server, the continuous tuner (tuner/continuous.py) in a thread:
+Two runs, each on a fresh server, the continuous tuner (tuner/loop/continuous.py) in a thread:
 - shift: the load serves the code prompts; once the initial search has decided and the tuner has
   explored for --steady-seconds, the load switches to --shift-prompts (default
   `service/prompts/tables.jsonl`: literal tables whose rows repeat, where prompt lookup copies long
   spans and the draft model falls behind). Reported: seconds from the switch to the re-opened search
   and to the new incumbent, and the old incumbent, plain decoding and each drafter at the longest
-  length each measured against the new incumbent in the same rounds (tuner.compare.compare_paired).
+  length each measured against the new incumbent in the same rounds (tuner.measurement.compare.compare_paired).
 - no-shift: the same, the load never switches; reported: re-opened searches (should be 0) and
   promotions. Then the exploration cost: --exploration-rounds challenge rounds --exploration-gap
   seconds apart, each against the incumbent alone in the gaps around it, projected onto the CLI's
-  schedule (tuner/exploration.py).
+  schedule (tuner/loop/exploration.py).
 Writes shift.json / shift.md to --out and prints the table.
 """
 
@@ -28,18 +28,18 @@ from pathlib import Path
 import optuna
 
 from service.types import Drafter, DraftPolicy
-from tuner.assemble import TuneSettings, assemble
-from tuner.compare import compare_paired
-from tuner.continuous import ContinuousConfig, ContinuousTuner, Decision
-from tuner.exploration import Round, TokenTrace, round_costs, summarize
-from tuner.measure import MeasureConfig, Measurer
-from tuner.progress import ProgressPrinter
-from tuner.pruning import PruneRule
-from tuner.rig import Rig, RigSpec, open_rig
-from tuner.sampler import InitialDesign
-from tuner.space import PolicyKey, policy_key
-from tuner.study import open_storage
-from tuner.window import CostModel, Objective, WindowSpec
+from tuner.drivers.progress import ProgressPrinter
+from tuner.drivers.rig import Rig, RigSpec, open_rig
+from tuner.loop.assemble import TuneSettings, assemble
+from tuner.loop.continuous import ContinuousConfig, ContinuousTuner, Decision
+from tuner.loop.exploration import Round, TokenTrace, round_costs, summarize
+from tuner.loop.pruning import PruneRule
+from tuner.loop.sampler import InitialDesign
+from tuner.loop.space import PolicyKey, policy_key
+from tuner.loop.study import open_storage
+from tuner.measurement.compare import compare_paired
+from tuner.measurement.measure import MeasureConfig, Measurer
+from tuner.measurement.window import CostModel, Objective, WindowSpec
 
 SETTLE_SECONDS = 1.0  # after a round: requests still in flight under the challenger's policy finish
 
@@ -143,7 +143,7 @@ def one_run(args, rig: Rig, label: str, new_prompts: list[str] | None, out: Path
 
 def exploration_cost(args, rig: Rig, new_tuner: Callable[..., ContinuousTuner], config: ContinuousConfig,
                      incumbent: PolicyKey | None) -> tuple[dict[str, object], ContinuousTuner]:
-    """The continuous tuner's exploration cost (tuner.exploration): it runs --exploration-rounds
+    """The continuous tuner's exploration cost (tuner.loop.exploration): it runs --exploration-rounds
     challenge rounds --exploration-gap seconds apart, without restarts, while the load's output
     tokens are sampled; the incumbent serves alone for one gap before the first round and after the
     last. `new_tuner(config, on_round)` builds the tuner on the run's study (it resumes the saved
@@ -188,7 +188,7 @@ def exploration_cost(args, rig: Rig, new_tuner: Callable[..., ContinuousTuner], 
 
 def side_by_side(args, rig: Rig, window: WindowSpec, before: DraftPolicy | None, after: DraftPolicy):
     """The new incumbent against the old one, plain decoding and each drafter at the longest length,
-    every one against the new incumbent in the same round (tuner.compare.compare_paired; ratios > 1:
+    every one against the new incumbent in the same round (tuner.measurement.compare.compare_paired; ratios > 1:
     the new incumbent is cheaper)."""
     k = rig.admin.model_info().max_draft_length
     policies = {"plain": DraftPolicy(draft_length=0), f"ngram k={k}": DraftPolicy(Drafter.NGRAM, k),

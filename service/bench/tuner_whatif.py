@@ -9,7 +9,7 @@ whole space (plain, every drafter and length, continuous temperature) as `moespe
 1. One rig: `moespec serve --record-steps FILE` (embedded model), a span receiver, one closed-loop
    greedy load cycling the first --prompt-count prompts.
 2. Per searched space, the reference: every policy of it (the model drafter at T = 0) measured in
-   windows of its own, --compare-rounds rounds in a rotated order (`tuner.compare.compare`). Not a
+   windows of its own, --compare-rounds rounds in a rotated order (`tuner.measurement.compare.compare`). Not a
    traffic split: on the batching engine requests in one split share target passes and each is
    charged the whole pass, which biases a split comparison. The cheapest is the reference pick; the
    policies within 5% of it are the target. A model-drafter trial matches a reference point of its
@@ -43,19 +43,19 @@ import optuna
 from service.recording import Recording, read_recording
 from service.traffic import TrafficSplit
 from service.types import Drafter, DraftPolicy, ModelInfo
-from tuner.admin import PolicyAdmin
-from tuner.assemble import TuneSettings, assemble
-from tuner.collector import SpanCollector
-from tuner.compare import compare
-from tuner.measure import MeasureConfig, Measurer
-from tuner.progress import ProgressPrinter
-from tuner.pruning import PruneRule
-from tuner.rig import RigSpec, open_rig
-from tuner.sampler import InitialDesign
-from tuner.space import LengthOnly, PolicyKey, SearchSpace, policy_key
-from tuner.study import open_storage
-from tuner.tuning import EventKind, TunerEvent
-from tuner.window import CostModel, Objective, WindowSpec
+from tuner.drivers.progress import ProgressPrinter
+from tuner.drivers.rig import RigSpec, open_rig
+from tuner.loop.assemble import TuneSettings, assemble
+from tuner.loop.pruning import PruneRule
+from tuner.loop.sampler import InitialDesign
+from tuner.loop.space import LengthOnly, PolicyKey, SearchSpace, policy_key
+from tuner.loop.study import open_storage
+from tuner.loop.tuning import EventKind, TunerEvent
+from tuner.measurement.admin import PolicyAdmin
+from tuner.measurement.collector import SpanCollector
+from tuner.measurement.compare import compare
+from tuner.measurement.measure import MeasureConfig, Measurer
+from tuner.measurement.window import CostModel, Objective, WindowSpec
 
 WITHIN = 1.05  # target: reference cost within 5% of the reference pick's
 TEMPERATURE_MATCH = 0.1  # a model-drafter trial at T <= this matches the reference's T = 0 point

@@ -21,9 +21,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("service.cli.generate", "generate in-process and print a per-step table"),
     "client": ("service.cli.client", "talk to a running server: generate, policy get|set, info"),
     "bench": ("service.bench", "benchmark the engine (and a server) and print figures"),
-    "loadgen": ("tuner.loadgen", "send the shipped prompt workload to a server"),
+    "loadgen": ("tuner.drivers.loadgen", "send the shipped prompt workload to a server"),
     "tune": ("tuner.cli", "run the online draft-policy tuner against a server"),
-    "demo": ("tuner.demo", "server + load + tuner on the embedded model, then a report"),
+    "demo": ("tuner.drivers.demo", "server + load + tuner on the embedded model, then a report"),
     "whatif": ("service.whatif.cli", "predict the cost of shorter draft lengths from a step recording"),
 }
 

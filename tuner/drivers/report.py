@@ -24,10 +24,10 @@ from matplotlib.figure import Figure
 from optuna.trial import FrozenTrial, TrialState
 
 from service.types import Drafter, ModelInfo
-from tuner.compare import Compared
-from tuner.paired import PairedRatio
-from tuner.space import SearchSpace, policy_key
-from tuner.study import PolicyScore, role
+from tuner.loop.space import SearchSpace, policy_key
+from tuner.loop.study import PolicyScore, role
+from tuner.measurement.compare import Compared
+from tuner.measurement.paired import PairedRatio
 
 TEMPERATURE_BANDS = ((0.0, 0.5), (0.5, 1.0), (1.0, math.inf))
 
@@ -290,7 +290,7 @@ def write_report(
 
 def side_by_side_ratios(compared: Sequence[Compared]) -> list[dict[str, object]]:
     """Each policy's cost relative to the best one over the comparison rounds, with the 95% interval
-    from their per-request costs (tuner.paired)."""
+    from their per-request costs (tuner.measurement.paired)."""
     best = next((c for c in compared if c.name == "best"), None)
     if best is None or not best.stats.committed:
         return []
@@ -364,7 +364,7 @@ def _markdown(data: dict, compared: Sequence[Compared], winner: PolicyScore | No
                          f"{_fmt_ratio(t['paired_ratio'], t['paired_ratio_low'], t['paired_ratio_high'])} |")
         lines.append("")
     lines += ["## Trials", "", f"States: {dict(data['trial_states'])}. Sampler: {data['sampler_why']} "
-              "(details in `tuner/sampler.py`).", "",
+              "(details in `tuner/loop/sampler.py`).", "",
               "| # | role | state | policy | ms / token | acceptance | unique experts / layer | note |",
               "|---|---|---|---|---|---|---|---|"]
     for t in data["trials"]:

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from service.server.client import MoespecClient
-from tuner.admin import PolicyAdmin
-from tuner.collector import SpanCollector
-from tuner.loadgen import LoadGenerator, LoadSpec
-from tuner.server_proc import start_server, telemetry_env
-from tuner.spans import request_sample
+from tuner.drivers.loadgen import LoadGenerator, LoadSpec
+from tuner.drivers.server_proc import start_server, telemetry_env
+from tuner.measurement.admin import PolicyAdmin
+from tuner.measurement.collector import SpanCollector
+from tuner.measurement.spans import request_sample
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,15 @@ from pathlib import Path
 import optuna
 
 from service.types import ModelInfo
-from tuner.admin import PolicyAdmin
-from tuner.collector import SpanCollector
-from tuner.measure import MeasureConfig, Measurer, TrialMode
-from tuner.pruning import PruneRule
-from tuner.sampler import InitialDesign, SamplerKind, initial_policies, make_sampler, rationale, temperature_step
-from tuner.space import LengthOnly, SearchSpace
-from tuner.study import open_study
-from tuner.tuning import Tuner, TunerConfig, TunerEvent
-from tuner.window import CostModel, Objective, WindowSpec
+from tuner.loop.pruning import PruneRule
+from tuner.loop.sampler import InitialDesign, SamplerKind, initial_policies, make_sampler, rationale, temperature_step
+from tuner.loop.space import LengthOnly, SearchSpace
+from tuner.loop.study import open_study
+from tuner.loop.tuning import Tuner, TunerConfig, TunerEvent
+from tuner.measurement.admin import PolicyAdmin
+from tuner.measurement.collector import SpanCollector
+from tuner.measurement.measure import MeasureConfig, Measurer, TrialMode
+from tuner.measurement.window import CostModel, Objective, WindowSpec
 
 
 @dataclass(frozen=True)

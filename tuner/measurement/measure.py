@@ -7,7 +7,7 @@ else set a policy). It returns the window and how it ended; it never talks to Op
 `measure_paired(candidate, control, share, control_value)` does the same for a traffic split of two
 arms: the candidate gets `share` of the requests, the control the rest, interleaved request by
 request; the window completes when *both* arms hold a full window, and the value is the
-candidate/control ratio (`tuner.paired`) times `control_value`.
+candidate/control ratio (`tuner.measurement.paired`) times `control_value`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from dataclasses import dataclass, replace
 
 from service.traffic import TrafficArm, TrafficSplit
 from service.types import DraftPolicy
-from tuner.admin import PolicyAdmin, ServerUnavailable
-from tuner.collector import SpanCollector
-from tuner.paired import PairedRatio
-from tuner.pruning import PruneRule
-from tuner.spans import ran_policy
-from tuner.window import CostModel, Objective, WindowSpec, WindowState, WindowStats
+from tuner.loop.pruning import PruneRule
+from tuner.measurement.admin import PolicyAdmin, ServerUnavailable
+from tuner.measurement.collector import SpanCollector
+from tuner.measurement.paired import PairedRatio
+from tuner.measurement.spans import ran_policy
+from tuner.measurement.window import CostModel, Objective, WindowSpec, WindowState, WindowStats
 
 
 class TrialMode(enum.StrEnum):

@@ -37,12 +37,12 @@ import optuna
 from optuna.trial import TrialState
 
 from service.types import DraftPolicy
-from tuner import study as st
-from tuner.admin import ServerUnavailable
-from tuner.assemble import Assembled
-from tuner.metrics import TunerMetrics
-from tuner.space import SearchSpace, policy_key
-from tuner.tuning import Challenge, NoTraffic
+from tuner.loop import study as st
+from tuner.loop.assemble import Assembled
+from tuner.loop.metrics import TunerMetrics
+from tuner.loop.space import SearchSpace, policy_key
+from tuner.loop.tuning import Challenge, NoTraffic
+from tuner.measurement.admin import ServerUnavailable
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ READY = re.compile(r"moespec serving on (\S+:\d+)")
 # `python -m service.cli` would import service.cli twice (as __main__ and as a module), and a
 # UsageError raised by a subcommand would then escape main(); calling main() avoids that.
 MOESPEC = (sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())")
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def telemetry_env(otlp_endpoint: str, schedule_delay_ms: int = 200, service_name: str = "moespec") -> dict[str, str]:

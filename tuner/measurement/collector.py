@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from tuner.window import RequestSample, WindowStats
+from tuner.measurement.window import RequestSample, WindowStats
 
 
 @dataclass(frozen=True)

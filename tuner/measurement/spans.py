@@ -11,8 +11,8 @@ from collections.abc import Mapping
 
 from otel import attributes as attr
 from service.types import Drafter, DraftPolicy
-from tuner.space import policy_key
-from tuner.window import RequestSample
+from tuner.loop.space import policy_key
+from tuner.measurement.window import RequestSample
 
 REQUEST_SPAN_PREFIX = "text_completion"
 

@@ -24,7 +24,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from service.types import DraftPolicy
-from tuner.space import PolicyKey, SearchSpace, policy_key
+from tuner.loop.space import PolicyKey, SearchSpace, policy_key
 
 ROLE_SEARCH = "search"
 ROLE_REMEASURE = "remeasure"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tuner.window import WindowStats
+from tuner.measurement.window import WindowStats
 
 Z_95 = 1.959964
 

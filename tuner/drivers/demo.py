@@ -32,23 +32,23 @@ import optuna
 from service.errors import UsageError
 from service.server.client import MoespecClient
 from service.types import Drafter, DraftPolicy
-from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
-from tuner.assemble import Assembled, TuneSettings, assemble
 from tuner.cli import dashboard_hint
-from tuner.collector import SpanCollector
-from tuner.compare import Compared, compare
-from tuner.loadgen import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, LoadSummary, first_prompts, load_prompts
-from tuner.measure import MeasureConfig, Measurer
-from tuner.progress import ProgressPrinter
-from tuner.pruning import PruneRule
-from tuner.report import write_report
-from tuner.sampler import InitialDesign, SamplerKind, rationale
-from tuner.server_proc import start_server, telemetry_env
-from tuner.space import policy_key
-from tuner.spans import request_sample
-from tuner.study import PolicyScore, StorageError, open_storage
-from tuner.tuning import NoTraffic
-from tuner.window import Objective, WindowSpec
+from tuner.drivers.loadgen import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, LoadSummary, first_prompts, load_prompts
+from tuner.drivers.progress import ProgressPrinter
+from tuner.drivers.report import write_report
+from tuner.drivers.server_proc import start_server, telemetry_env
+from tuner.loop.assemble import Assembled, TuneSettings, assemble
+from tuner.loop.pruning import PruneRule
+from tuner.loop.sampler import InitialDesign, SamplerKind, rationale
+from tuner.loop.space import policy_key
+from tuner.loop.study import PolicyScore, StorageError, open_storage
+from tuner.loop.tuning import NoTraffic
+from tuner.measurement.admin import AdminRejected, PolicyAdmin, ServerUnavailable
+from tuner.measurement.collector import SpanCollector
+from tuner.measurement.compare import Compared, compare
+from tuner.measurement.measure import MeasureConfig, Measurer
+from tuner.measurement.spans import request_sample
+from tuner.measurement.window import Objective, WindowSpec
 
 DEFAULT_POLICY = DraftPolicy(Drafter.MODEL, 3, 1.0)
 

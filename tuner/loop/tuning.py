@@ -43,13 +43,13 @@ from optuna.trial import FrozenTrial, TrialState
 
 from service.types import DraftPolicy
 from service.whatif.hint import LengthHint, hint_from_prediction, prediction_attributes, replay_trial, user_attributes
-from tuner import study as st
-from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
-from tuner.collector import Traffic
-from tuner.measure import Measurement, Measurer, Outcome, PairedMeasurement, TrialMode
-from tuner.paired import PairedRatio, drift_log_variance
-from tuner.space import PolicyKey, SearchSpace, policy_key
-from tuner.window import WindowSpec, WindowStats
+from tuner.loop import study as st
+from tuner.loop.space import PolicyKey, SearchSpace, policy_key
+from tuner.measurement.admin import AdminRejected, PolicyAdmin, ServerUnavailable
+from tuner.measurement.collector import Traffic
+from tuner.measurement.measure import Measurement, Measurer, Outcome, PairedMeasurement, TrialMode
+from tuner.measurement.paired import PairedRatio, drift_log_variance
+from tuner.measurement.window import WindowSpec, WindowStats
 
 
 class NoTraffic(Exception):

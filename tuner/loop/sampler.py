@@ -33,7 +33,7 @@ import warnings
 import optuna
 
 from service.types import DraftPolicy
-from tuner.space import SearchSpace
+from tuner.loop.space import SearchSpace
 
 
 class SamplerKind(enum.StrEnum):

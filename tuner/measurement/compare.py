@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from service.types import DraftPolicy
-from tuner.measure import Measurement, Measurer, Outcome
-from tuner.paired import PairedRatio
-from tuner.space import policy_key
-from tuner.window import WindowStats
+from tuner.loop.space import policy_key
+from tuner.measurement.measure import Measurement, Measurer, Outcome
+from tuner.measurement.paired import PairedRatio
+from tuner.measurement.window import WindowStats
 
 
 @dataclass

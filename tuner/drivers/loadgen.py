@@ -30,7 +30,7 @@ from service.errors import UsageError
 from service.server.client import MoespecClient, Reply
 from service.types import GenerationRequest, SamplingParams
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "service" / "prompts" / "heldout.jsonl"
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "service" / "prompts" / "heldout.jsonl"
 # Answers that repeat the prompt (the workload-shift benchmark's second workload; service/prompts/README.md)
 REPEAT_PROMPTS = DEFAULT_PROMPTS.with_name("repeat.jsonl")
 TABLE_PROMPTS = DEFAULT_PROMPTS.with_name("tables.jsonl")  # the workload-shift benchmark's second set
