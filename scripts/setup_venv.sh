@@ -14,7 +14,7 @@ else
   python -m pip install -q -e .
 fi
 
-# Test extras: the real observability backends the tests run against (tests/real_backends.py).
+# Test extras: the real observability backends the tests run against (tests/support/real_backends.py).
 # Prometheus from the Debian package, skipped when one is already on PATH; Arize Phoenix in its own
 # venv outside the checkout (scripts/setup_phoenix.sh; its dependencies clash with ours).
 if [[ ",$extras," == *",test,"* ]]; then
