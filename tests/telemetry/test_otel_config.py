@@ -29,10 +29,10 @@ INFO = ModelInfo(backend="torch", model_name="target", draft_model_name="draft",
 # specification/protocol/exporter.md, "Configuration Options" table, row Timeout ("Maximum time the OTLP
 # exporter will wait for each batch export"): default 10s.
 SPEC_EXPORT_TIMEOUT_S = 10.0
-# moespec departs from it on purpose and says so in the README ("Telemetry": "a 2 s export timeout")
+# moespec departs from it on purpose and says so in docs/telemetry.md ("a 2 s export timeout")
 # and otel/config.py: a dead collector then holds the export worker 2 s per batch, not 10.
 README_EXPORT_TIMEOUT_S = 2.0
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "telemetry.md"
 
 
 def parse(*argv: str) -> argparse.Namespace:
