@@ -305,7 +305,7 @@ def test_whatif_replays_the_step_recording(steps_file, span_means, tmp_path, pol
     assert result["steps"] == len(span_means[policy.policy_id]["ranks"])
     # At k' = k the replay's windows are the recorded ones, so its means are the verify spans' means;
     # except NGRAM's filler positions, which whatif leaves out of a window (it keeps the drafted ones
-    # only) although SGLang verifies them: there it can only count less (README, Limits).
+    # only) although SGLang verifies them: there it can only count less (docs/limits.md).
     full = predictions[-1]
     for key, field in (("ranks", "ep_ranks_touched_mean"), ("most", "ep_max_rank_experts_mean"),
                        ("unique", "unique_experts_mean")):
@@ -342,7 +342,7 @@ def test_spans_carry_the_embedded_backends_attribute_keys(client, receiver, otlp
     their_request = next(s for s in theirs if s["kind"] == "INTERNAL" and s["name"] != a.VERIFY_SPAN_NAME)
     their_verify = next(s for s in theirs if s["name"] == a.VERIFY_SPAN_NAME)
     # The embedded engine batches requests itself and reports each request's mean batch union; the
-    # SGLang backend attributes per-request windows only (README, Limits), so that key is its one extra.
+    # SGLang backend attributes per-request windows only (docs/limits.md), so that key is its one extra.
     batching_only = {a.MOE_BATCH_UNIQUE_EXPERTS_MEAN}
     assert set(request_span["attributes"]) == set(their_request["attributes"]) - batching_only
     assert set(request_span["attributes"]) >= set(a.REQUEST_SPAN_KEYS) - batching_only
