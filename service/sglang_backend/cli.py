@@ -20,7 +20,13 @@ from service.sglang_backend.ep import EPConfig, ep_config
 from service.sglang_backend.info import build_info
 from service.sglang_backend.model_config import ModelDirError
 from service.sglang_backend.policy import MODEL_ALGORITHMS, NEEDS_DRAFT_PATH, SpecConfig
-from service.sglang_backend.preflight import check_draft, check_target, import_sglang, require_cuda
+from service.sglang_backend.preflight import (
+    check_draft,
+    check_target,
+    import_sglang,
+    require_cpu_kernels,
+    require_cuda,
+)
 from service.types import Drafter, DraftPolicy, InvalidRequest
 
 ALGORITHMS = (*MODEL_ALGORITHMS, "NGRAM")
@@ -87,6 +93,8 @@ def create_backend(args: argparse.Namespace):
     sglang = import_sglang()
     if args.device == devices.CUDA:
         require_cuda()
+    else:
+        require_cpu_kernels()
     cleanup = []
     try:
         served, is_view = sglang_model_dir(args.model_path)

@@ -8,6 +8,7 @@ exits 2 with the reason instead of a traceback from deep inside SGLang's subproc
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from pathlib import Path
 from types import ModuleType
@@ -39,6 +40,19 @@ def import_sglang() -> ModuleType:
         # The recorder's per_token format is read from 0.5.23's source; other versions may differ.
         log.warning("sglang %s is installed; moespec reads the recorder format of %s", version, PINNED_VERSION)
     return module
+
+
+CPU_KERNELS = "sgl_kernel"  # SGLang's compiled ops; it publishes no CPU build of them
+
+
+def require_cpu_kernels(find_spec=importlib.util.find_spec) -> None:
+    """--device cpu: SGLang's CPU mode calls sgl_kernel's CPU ops, which no SGLang release ships for
+    CPUs; without them the server would die deep inside SGLang's start-up with a traceback."""
+    if find_spec(CPU_KERNELS) is None:
+        raise SGLangUnavailable(
+            f"--backend sglang --device cpu needs {CPU_KERNELS}'s CPU ops, which SGLang does not publish "
+            "(the stand-ins under tests/sglang_cpu are for the tests only); use --backend torch on a CPU"
+        )
 
 
 def require_cuda() -> None:

@@ -30,6 +30,7 @@ def cpu_journal(monkeypatch):
 
     monkeypatch.setattr(sglang_cli, "import_sglang", import_sglang)
     monkeypatch.setattr(sglang_cli, "require_cuda", no_cuda_check)
+    monkeypatch.setattr(sglang_cli, "require_cpu_kernels", lambda: None)  # the fake SGLang has its CPU ops
     for name in ("SGLANG_USE_CPU_ENGINE", "TORCHDYNAMO_DISABLE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(RECORDER_DIR_ENV, "unset-by-test")
