@@ -21,6 +21,7 @@ from pathlib import Path
 
 from otel import cli as otel_cli
 from service.backend import Backend
+from service.engine_defaults import MAX_BATCH, PREFILL_CHUNK
 from service.errors import UsageError
 from service.server.server import MoespecServer, ServerConfig, serve
 from service.types import Drafter, DraftPolicy, InvalidRequest
@@ -56,13 +57,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--math", choices=("fp32", "bf16"), default=None,
                         help="torch backend: the fused kernels' matrix products in float32, or with inputs rounded "
                              "to bf16 and float32 sums (faster prefills and batched steps where the CPU has "
-                             "AVX512-BF16; logits move ~0.003 on average, at most ~2%% of their scale); default: "
+                             "AVX512-BF16; the logits' measured error is in docs/engine.md); default: "
                              "bf16 where the CPU has it, else fp32, printed")
-    parser.add_argument("--max-batch", type=int, default=32,
-                        help="torch backend: requests verified together in one pass (KV-cache slots)")
-    parser.add_argument("--prefill-chunk", type=int, default=2048,
+    parser.add_argument("--max-batch", type=int, default=MAX_BATCH,
+                        help="torch backend: requests verified together in one pass (KV-cache slots); "
+                             "default %(default)s")
+    parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
                         help="torch backend: newcomers' prompt tokens per pass while others decode (chunked "
-                             "prefill: bounds how long a long prompt stalls the running requests)")
+                             "prefill: bounds how long a long prompt stalls the running requests); default "
+                             "%(default)s")
     parser.add_argument("--drafter", choices=[d.value for d in Drafter], default=Drafter.MODEL.value,
                         help="initial draft policy: drafter")
     parser.add_argument("--draft-length", type=int, default=0,
