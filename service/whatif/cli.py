@@ -16,6 +16,7 @@ from pathlib import Path
 from service import expert_parallel, whatif
 from service.errors import UsageError
 from service.recording import RecordingError, read_recording
+from service.whatif import present
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,12 +62,12 @@ def run(args: argparse.Namespace) -> int:
                                 header.get("hidden_size", 0) * expert_parallel.ACTIVATION_BYTES, args.seed)
     except ValueError as e:
         raise UsageError(f"{args.file}: {e}") from None
-    print(whatif.format_table(result))
+    print(present.format_table(result))
     out = args.out or args.file.parent
     stem = "whatif" if args.out else f"{args.file.name}.whatif"
     out.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
     json_path.write_text(json.dumps({"policy_id": policy, "model": header.get("model"), **result.to_json()}, indent=1))
-    whatif.plot(result, png_path)
+    present.plot(result, png_path)
     print(f"wrote {json_path} and {png_path}")
     return 0
