@@ -8,10 +8,14 @@ result's StepRecords after the fact, so the engine thread never touches telemetr
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-from typing import Protocol
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Protocol
 
 from service.types import DraftPolicy, GenerationRequest, GenerationResult, ModelInfo
+
+if TYPE_CHECKING:
+    from otel.export import ExportStats
 
 
 class RequestObservation(Protocol):
@@ -28,3 +32,37 @@ class Telemetry(Protocol):
     ) -> AbstractContextManager[RequestObservation]: ...
 
     def shutdown(self) -> None: ...
+
+
+class _NoObservation:
+    trace_id = ""
+
+    def finish(self, result: GenerationResult) -> None:
+        pass
+
+    def fail(self, error: BaseException, server_fault: bool) -> None:
+        pass
+
+
+class NoTelemetry:
+    """Telemetry off: the servicer's calls cost a context manager and nothing else."""
+
+    enabled = False
+    export_stats: Sequence[ExportStats] = ()
+
+    @contextmanager
+    def request(self, info: ModelInfo, request: GenerationRequest, policy: DraftPolicy) -> Iterator[_NoObservation]:
+        yield _NoObservation()
+
+    def server_interceptors(self) -> list:
+        return []
+
+    @property
+    def dropped_spans(self) -> int:
+        return 0
+
+    def force_flush(self, timeout_millis: int = 5000) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass

@@ -85,11 +85,11 @@ def environ_with_flags(args: argparse.Namespace, environ: Mapping[str, str]) -> 
 
 
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> TelemetryConfig:
-    """Raises service.cli.UsageError (exit 2, one line) on a bad flag or variable."""
+    """Raises service.errors.UsageError (exit 2, one line) on a bad flag or variable."""
     try:
         return TelemetryConfig.from_environ(environ_with_flags(args, environ))
     except TelemetryConfigError as e:
-        from service.cli import UsageError
+        from service.errors import UsageError
 
         raise UsageError(f"telemetry: {e}") from None
 

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m otel.receiver [--host H] [--port P]`: a stand-alone receiver that counts spans.
 
     Prints "otlp receiver on HOST:PORT" once listening (the bound port when --port 0), then runs until
-    stdin closes or SIGTERM, and prints "received N spans". Used by otel.bench as the live collector.
+    stdin closes or SIGTERM, and prints "received N spans". Used by service.bench.telemetry as the live collector.
     """
     import argparse
     import signal

@@ -29,9 +29,10 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.sdk.version import __version__ as sdk_version
 
 from otel import attributes as a
+from otel.api import NoTelemetry
 from otel.config import OtlpTarget, TelemetryConfig
 from otel.export import BoundedSpanProcessor, CountingSpanExporter, ExportStats
-from otel.telemetry import NoTelemetry, OtelTelemetry
+from otel.telemetry import OtelTelemetry
 from service.types import ModelInfo
 
 logger = logging.getLogger(__name__)

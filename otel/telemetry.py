@@ -32,40 +32,6 @@ INSTRUMENTATION_SCOPE = "moespec"
 logger = logging.getLogger(__name__)
 
 
-class _NoObservation:
-    trace_id = ""
-
-    def finish(self, result: GenerationResult) -> None:
-        pass
-
-    def fail(self, error: BaseException, server_fault: bool) -> None:
-        pass
-
-
-class NoTelemetry:
-    """Telemetry off: the servicer's calls cost a context manager and nothing else."""
-
-    enabled = False
-    export_stats: Sequence[ExportStats] = ()
-
-    @contextmanager
-    def request(self, info: ModelInfo, request: GenerationRequest, policy: DraftPolicy) -> Iterator[_NoObservation]:
-        yield _NoObservation()
-
-    def server_interceptors(self) -> list:
-        return []
-
-    @property
-    def dropped_spans(self) -> int:
-        return 0
-
-    def force_flush(self, timeout_millis: int = 5000) -> bool:
-        return True
-
-    def shutdown(self) -> None:
-        pass
-
-
 def error_type(error: BaseException) -> str:
     """`error.type`: the exception's class name, as the semantic conventions suggest."""
     return type(error).__qualname__

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build (once) the virtual environment holding Arize Phoenix, the real OTLP trace backend that
-# tests/test_phoenix_traces.py sends spans to. It lives outside the checkout and apart from .venv
+# tests/telemetry/test_phoenix_traces.py sends spans to. It lives outside the checkout and apart from .venv
 # because Phoenix pins its own versions of packages moespec also uses (protobuf, grpcio,
 # opentelemetry); the tests only start its server as a separate process on loopback.
 # Usage: scripts/setup_phoenix.sh   (MOESPEC_PHOENIX_VENV overrides where the environment goes)

@@ -14,10 +14,10 @@ else
   python -m pip install -q -e .
 fi
 
-# Test extras: the real observability backends the tests run against (tests/real_backends.py).
-# Prometheus and PostgreSQL (the fleet tests start a private cluster: tests/real_postgres.py) from the
-# Debian packages, each skipped when already installed; Arize Phoenix in its own venv outside the
-# checkout (scripts/setup_phoenix.sh; its dependencies clash with ours).
+# Test extras: the real observability backends the tests run against (tests/support/real_backends.py).
+# Prometheus and PostgreSQL (the fleet tests start a private cluster: tests/support/real_postgres.py)
+# from the Debian packages, each skipped when already installed; Arize Phoenix in its own venv
+# outside the checkout (scripts/setup_phoenix.sh; its dependencies clash with ours).
 if [[ ",$extras," == *",test,"* ]]; then
   apt_packages=()
   command -v prometheus >/dev/null || apt_packages+=(prometheus)

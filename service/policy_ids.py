@@ -6,7 +6,7 @@ so its draft temperature changes nothing. Left as they are, one policy's traffic
 under several ids (`ngram-k4-t0` and `ngram-k4-t1`), and the tuner, which groups by id and by
 policy, would measure one policy as several. `canonical` sets the ignored fields to their defaults;
 `derived_id` names the canonical policy. The server derives an empty policy_id with it and the
-tuner groups trials by the same rules (tuner.space.policy_key).
+tuner groups trials by the same rules (tuner.loop.space.policy_key).
 
 Ids: "plain" (draft_length 0), "ngram-k<k>", "model-k<k>-t<T>" (T in the shortest exact form, %g).
 """

@@ -172,6 +172,20 @@ class StepRecord:
     ep_dispatch_bytes: int | None = None  # token-expert pairs sent off the home rank * hidden * dtype bytes
     batch: BatchPassRecord | None = None  # the pass this step's window was verified in (batching engines)
 
+    @classmethod
+    def of_policy(cls, policy: DraftPolicy, *, drafted: int, accepted: int, committed: int,
+                  accepted_per_position: tuple[bool, ...], window: int, unique_experts: tuple[int, ...],
+                  shared_experts: int, num_experts: int, top_k: int, draft_seconds: float, verify_seconds: float,
+                  decode_step_equivalents: float, **optional) -> StepRecord:
+        """The one constructor both backends use: the policy's fields copied, the union's bound
+        min(E, window * m) derived; `optional` holds topk_ids, window_ids, the EP fields, batch."""
+        return cls(drafter=policy.drafter, draft_length=policy.draft_length,
+                   draft_temperature=policy.draft_temperature, policy_id=policy.policy_id, drafted=drafted,
+                   accepted=accepted, committed=committed, accepted_per_position=accepted_per_position,
+                   window=window, unique_experts=unique_experts, shared_experts=shared_experts,
+                   unique_experts_bound=min(num_experts, window * top_k), draft_seconds=draft_seconds,
+                   verify_seconds=verify_seconds, decode_step_equivalents=decode_step_equivalents, **optional)
+
     @property
     def seconds(self) -> float:
         return self.draft_seconds + self.verify_seconds

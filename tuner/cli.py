@@ -5,7 +5,7 @@ It listens for the server's request spans on --otlp-listen (OTLP/gRPC), keeps it
 MOESPEC_ADMIN_TOKEN (when neither --admin-token-file nor --admin-token is given). With --tls-ca the
 tuner talks TLS to the server, so the token is never sent in plaintext.
 
---continuous keeps it running after the search (tuner/continuous.py); its incumbent gauge goes to
+--continuous keeps it running after the search (tuner/loop/continuous.py); its incumbent gauge goes to
 --metrics-endpoint (default $OTEL_EXPORTER_OTLP_METRICS_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT).
 
 Exit codes: 0 done (winner applied), 2 bad arguments (incl. a storage URL that cannot be opened),
@@ -23,26 +23,27 @@ import threading
 from contextlib import suppress
 from pathlib import Path
 
-from service.cli import UsageError, admin_token
+from service.cli import admin_token
+from service.errors import UsageError
 from service.redact import redact_url
 from service.server.client import MoespecClient
-from tuner import receiver_auth
-from tuner.admin import AdminRejected, PolicyAdmin, ServerUnavailable
-from tuner.assemble import TuneSettings, assemble
-from tuner.claims import claims_for
-from tuner.collector import SpanCollector
-from tuner.continuous import ContinuousConfig, ContinuousTuner
-from tuner.fleet import Fleet
-from tuner.measure import TrialMode
-from tuner.progress import ProgressPrinter, fmt_cost
-from tuner.pruning import PruneRule
-from tuner.receiver_auth import intake_security
-from tuner.sampler import InitialDesign, SamplerKind, rationale
-from tuner.span_admission import SpanAdmission
-from tuner.spans import request_sample
-from tuner.study import StorageError, StudyMismatch, open_storage
-from tuner.tuning import NoTraffic
-from tuner.window import Objective, WindowSpec
+from tuner.drivers.progress import ProgressPrinter, fmt_cost
+from tuner.loop.assemble import TuneSettings, assemble
+from tuner.loop.claims import claims_for
+from tuner.loop.continuous import ContinuousConfig, ContinuousTuner
+from tuner.loop.fleet import Fleet
+from tuner.loop.pruning import PruneRule
+from tuner.loop.sampler import InitialDesign, SamplerKind, rationale
+from tuner.loop.study import StorageError, StudyMismatch, open_storage
+from tuner.loop.tuning import NoTraffic
+from tuner.measurement import receiver_auth
+from tuner.measurement.admin import AdminRejected, PolicyAdmin, ServerUnavailable
+from tuner.measurement.collector import SpanCollector
+from tuner.measurement.measure import TrialMode
+from tuner.measurement.receiver_auth import intake_security
+from tuner.measurement.span_admission import SpanAdmission
+from tuner.measurement.spans import request_sample
+from tuner.measurement.window import Objective, WindowSpec
 
 ADMIN_TOKEN_ENV = admin_token.ADMIN_TOKEN_ENV
 DEFAULT_STORAGE = "sqlite:///moespec-tuner.db"
@@ -81,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--objective", choices=[o.value for o in Objective], default=Objective.MEASURED.value,
                         help="measured: seconds per committed token; modelled: weight bytes touched per token")
     parser.add_argument("--sampler", choices=[s.value for s in SamplerKind], default=SamplerKind.TPE.value,
-                        help="tpe (default; see tuner/sampler.py for why), grid (exhaustive), random")
+                        help="tpe (default; see tuner/loop/sampler.py for why), grid (exhaustive), random")
     parser.add_argument("--seed", type=int, default=None, help="sampler seed")
     parser.add_argument("--initial-design", choices=[d.value for d in InitialDesign],
                         default=InitialDesign.CORNERS.value,
@@ -323,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
 def _meter_provider(endpoint: str | None):
     if not endpoint:
         return None
-    from tuner.metrics import otlp_meter_provider
+    from tuner.loop.metrics import otlp_meter_provider
 
     return otlp_meter_provider(endpoint)
 
@@ -331,7 +332,7 @@ def _meter_provider(endpoint: str | None):
 def _continuous(args, settings, storage, admin, collector, printer, root, provider, fleet):
     from dataclasses import replace
 
-    from tuner.metrics import TunerMetrics
+    from tuner.loop.metrics import TunerMetrics
 
     metrics = TunerMetrics(provider.get_meter("moespec.tuner"), settings.study_name) if provider else None
 

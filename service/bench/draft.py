@@ -231,7 +231,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.cli import UsageError
+    from service.errors import UsageError
 
     if min(args.requests, args.max_new_tokens, args.rounds, *args.lengths) < 1 or min(args.draft_temperatures) < 0:
         raise UsageError("--requests, --max-new-tokens, --rounds and --lengths must be >= 1, "

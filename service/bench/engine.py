@@ -244,9 +244,9 @@ def run_bandwidth(prompts: list[str], max_new: int, rounds: int, threads: int, o
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.cli import UsageError
-    from service.cli.serve import default_threads
     from service.engine import Engine, EngineConfig
+    from service.engine.threads import default_threads
+    from service.errors import UsageError
 
     try:
         temperatures = [float(t) for t in args.temperatures.split(",")]

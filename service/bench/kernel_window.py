@@ -52,9 +52,9 @@ def concurrent_tokens_per_second(engine, requests: list[GenerationRequest], poli
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.cli.serve import default_threads  # torch only when the benchmark really runs
     from service.engine import Engine, EngineConfig
     from service.engine.model import UNION_WINDOW_MAX
+    from service.engine.threads import default_threads  # torch only when the benchmark really runs
 
     requests = load_workload(args.clients, args.max_new_tokens)  # greedy shipped prompts
     threads = default_threads()  # what a server started without --threads would use

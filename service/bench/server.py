@@ -87,8 +87,8 @@ def bench_server(
     grid_concurrency: tuple[int, ...] = (1, 4, 16),
 ) -> tuple[Overhead, list[Load], list[Cell]]:
     """The same policy on both paths: plain decoding by default."""
-    from service.cli.serve import default_threads  # the server's own thread default, measured the same way
     from service.engine import Engine, EngineConfig  # torch only when benchmarking
+    from service.engine.threads import default_threads  # the server's own thread default, measured the same way
 
     policy = policy or DraftPolicy(policy_id="bench")
     workload = load_workload(requests, max_new_tokens)
@@ -167,7 +167,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.cli import UsageError
+    from service.errors import UsageError
 
     if (min(args.requests, args.max_new_tokens, args.rounds, args.load_rounds, *args.concurrency,
             *args.grid_concurrency) < 1 or args.grid_rounds < 0):

@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.cli import UsageError
+    from service.errors import UsageError
 
     if args.prompts < 1 or args.repeats < 1 or args.max_new_tokens < 1:
         raise UsageError("--prompts, --repeats and --max-new-tokens must be >= 1")
@@ -94,7 +94,7 @@ def bench(args: argparse.Namespace) -> list[Row]:
     from service.bench.engine import load_prompts
     from service.engine import Engine, EngineConfig
     from service.server.client import MoespecClient
-    from tuner.server_proc import start_server
+    from tuner.drivers.server_proc import start_server
 
     prompts = load_prompts(args.prompts)
     engine = Engine(EngineConfig(threads=1))

@@ -60,8 +60,8 @@ def serve_and_measure(setting: str, workload) -> tuple[float, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.cli import UsageError
     from service.engine.threads import usable_cores
+    from service.errors import UsageError
 
     if args.requests < 1 or args.max_new_tokens < 1 or args.rounds < 1:
         raise UsageError("--requests, --max-new-tokens and --rounds must be >= 1")

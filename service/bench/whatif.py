@@ -41,8 +41,8 @@ def _cost(steps) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.cli.usage import UsageError
     from service.engine import Engine, EngineConfig
+    from service.errors import UsageError
 
     lengths = sorted({int(x) for x in args.lengths.split(",") if x.strip()})
     if not lengths or min(lengths) < 0 or max(lengths) >= args.record_length:

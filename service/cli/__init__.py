@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from service.cli.usage import UsageError
+from service.errors import UsageError
 
 __all__ = ["COMMANDS", "UsageError", "main"]
 
@@ -21,10 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("service.cli.generate", "generate in-process and print a per-step table"),
     "client": ("service.cli.client", "talk to a running server: generate, policy get|set, info"),
     "bench": ("service.bench", "benchmark the engine (and a server) and print figures"),
-    "loadgen": ("tuner.loadgen", "send the shipped prompt workload to a server"),
+    "loadgen": ("tuner.drivers.loadgen", "send the shipped prompt workload to a server"),
     "tune": ("tuner.cli", "run the online draft-policy tuner against a server"),
-    "demo": ("tuner.demo", "server + load + tuner on the embedded model, then a report"),
-    "whatif": ("service.cli.whatif", "predict the cost of shorter draft lengths from a step recording"),
+    "demo": ("tuner.drivers.demo", "server + load + tuner on the embedded model, then a report"),
+    "whatif": ("service.whatif.cli", "predict the cost of shorter draft lengths from a step recording"),
     "healthcheck": ("service.cli.healthcheck", "container health check: ask the running server where its own "
                                                "flags say it listens (port, TLS)"),
 }

@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Mapping
 from pathlib import Path
 
-from service.cli.usage import UsageError
+from service.errors import UsageError
 
 ADMIN_TOKEN_ENV = "MOESPEC_ADMIN_TOKEN"
 

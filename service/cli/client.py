@@ -14,7 +14,8 @@ from dataclasses import asdict
 
 import grpc
 
-from service.cli import UsageError, admin_token
+from service.cli import admin_token
+from service.errors import UsageError
 from service.server.client import MoespecClient, Reply
 from service.traffic import TrafficArm, TrafficSplit
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams

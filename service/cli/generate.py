@@ -58,8 +58,8 @@ def step_table(result: GenerationResult) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.cli import UsageError
     from service.engine import Engine, EngineConfig
+    from service.errors import UsageError
 
     request, policy = request_from_args(args)
     try:

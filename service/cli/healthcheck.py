@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.cli.usage import UsageError
+from service.errors import UsageError
 
 TLS_CA_ENV = "MOESPEC_HEALTHCHECK_TLS_CA"
 TLS_SERVER_NAME_ENV = "MOESPEC_HEALTHCHECK_TLS_SERVER_NAME"

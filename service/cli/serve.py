@@ -24,7 +24,9 @@ from pathlib import Path
 
 from otel import cli as otel_cli
 from service.backend import Backend
-from service.cli import UsageError, admin_token
+from service.cli import admin_token
+from service.engine_defaults import MAX_BATCH, PREFILL_CHUNK
+from service.errors import UsageError
 from service.server.server import MoespecServer, ServerConfig, serve
 from service.types import Drafter, DraftPolicy, InvalidRequest
 
@@ -60,13 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--math", choices=("fp32", "bf16"), default=None,
                         help="torch backend: the fused kernels' matrix products in float32, or with inputs rounded "
                              "to bf16 and float32 sums (faster prefills and batched steps where the CPU has "
-                             "AVX512-BF16; logits move ~0.003 on average, at most ~2%% of their scale); default: "
+                             "AVX512-BF16; the logits' measured error is in docs/engine.md); default: "
                              "bf16 where the CPU has it, else fp32, printed")
-    parser.add_argument("--max-batch", type=int, default=32,
-                        help="torch backend: requests verified together in one pass (KV-cache slots)")
-    parser.add_argument("--prefill-chunk", type=int, default=2048,
+    parser.add_argument("--max-batch", type=int, default=MAX_BATCH,
+                        help="torch backend: requests verified together in one pass (KV-cache slots); "
+                             "default %(default)s")
+    parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
                         help="torch backend: newcomers' prompt tokens per pass while others decode (chunked "
-                             "prefill: bounds how long a long prompt stalls the running requests)")
+                             "prefill: bounds how long a long prompt stalls the running requests); default "
+                             "%(default)s")
     parser.add_argument("--draft-model", type=Path, default=None,
                         help="torch backend: the model drafter's weights, a draft head directory (default: the "
                              "shipped service/models/draft-head) or a dense draft model directory "
@@ -174,6 +178,8 @@ def create_backend(args: argparse.Namespace) -> Backend:
         return sglang.create_backend(args)
     from service import expert_parallel
     from service.engine import Engine, EngineConfig  # imported here: torch loads only when serving with it
+    from service.engine.threads import default_threads
+    from service.expert_parallel_args import ep_spec
 
     ep = ep_spec(args)
     if args.record_steps is not None and not args.record_steps.resolve().parent.is_dir():
@@ -211,35 +217,6 @@ MATH_REASONS = {
     ("bf16", True): "--math bf16",
     ("fp32", True): "--math fp32",
 }
-
-
-def ep_spec(args: argparse.Namespace):
-    """--ep-size / --ep-placement -> the EPSpec the engine estimates with (None: off); the file is read
-    here, before the model loads, so a bad one exits 2 at once."""
-    from service import expert_parallel
-
-    if args.ep_size < 0:
-        raise UsageError(f"--ep-size must be >= 1 (or 0 for off), got {args.ep_size}")
-    if args.ep_placement is not None and not args.ep_size:
-        raise UsageError("--ep-placement needs --ep-size")
-    if not args.ep_size:
-        return None
-    try:
-        p2l = expert_parallel.load_placement_map(args.ep_placement) if args.ep_placement else None
-    except expert_parallel.PlacementError as e:
-        raise UsageError(f"--ep-placement: {e}") from None
-    return expert_parallel.EPSpec(size=args.ep_size, physical_to_logical=p2l)
-
-
-def default_threads() -> int:
-    """Measure the thread counts worth trying on this machine (engine.threads) and say which won."""
-    from service.engine.kernels import build
-    from service.engine.threads import pick_threads
-    from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
-
-    choice = pick_threads(load_for_inference(DEFAULT_TARGET_DIR, kernels=build()))
-    print(f"moespec: {choice.describe()}", file=sys.stderr, flush=True)
-    return choice.threads
 
 
 def _sglang_module():

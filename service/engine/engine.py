@@ -41,6 +41,7 @@ from service.engine.scheduler import Scheduler, unique_experts_per_layer
 from service.engine.sequence import Sequence
 from service.engine.threads import usable_cores
 from service.engine.weights import DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, load_for_inference
+from service.engine_defaults import MAX_BATCH, PREFILL_CHUNK
 from service.limits import PromptLimits, tokenizer_prompt_bytes
 from service.recording import StepRecorder
 from service.types import (
@@ -83,10 +84,8 @@ class EngineConfig:
     kernel_window_max: int = KERNEL_WINDOW_MAX  # largest pass whose MoE blocks take the fused kernel
     ep: expert_parallel.EPSpec | None = None  # estimate each pass's expert-parallel cost for this EP size
     record_steps: Path | None = None  # append every request's steps (top-k ids included) to this file
-    max_batch: int = 32  # requests verified together in one pass (KV-cache slots); more wait
-    # Newcomers' prompt tokens per pass, joined to the running requests' verify windows (chunked
-    # prefill): bounds how long a long prompt can stall them. See the README's chunked prefill figures.
-    prefill_chunk: int = 2048
+    max_batch: int = MAX_BATCH  # requests verified together in one pass (KV-cache slots); more wait
+    prefill_chunk: int = PREFILL_CHUNK  # newcomers' prompt tokens per pass (chunked prefill; engine_defaults)
 
 
 class Engine:

@@ -394,11 +394,8 @@ class Scheduler:
         ep = {}  # the optional expert-parallel fields, estimated only with an EP size
         if e.ep is not None:
             ep = expert_parallel.pass_fields(e.ep, routed, e.ep_token_bytes)
-        return StepRecord(
-            drafter=policy.drafter,
-            draft_length=policy.draft_length,
-            draft_temperature=policy.draft_temperature,
-            policy_id=policy.policy_id,
+        return StepRecord.of_policy(
+            policy,
             drafted=drafted,
             accepted=accepted,
             committed=accepted + 1,
@@ -406,7 +403,8 @@ class Scheduler:
             window=len(window),
             unique_experts=unique,
             shared_experts=1,
-            unique_experts_bound=min(E, len(window) * m),
+            num_experts=E,
+            top_k=m,
             draft_seconds=draft_s,
             verify_seconds=verify_s,
             decode_step_equivalents=verify_s / step_unit,

@@ -1,19 +1,17 @@
 """Pick torch's intra-op thread count for the machine the server runs on, by measuring.
 
-No fixed rule held up: issue 11 saw `serve` at half speed with 2 intra-op threads on the 2-core
-development machine, while `moespec bench threads` there later measured 2 threads faster over gRPC
-(README "Thread default"); which wins depends on the step's kernels and on what else the machine
-runs. So the server measures at start-up: a short request (prefill + decode steps) at each candidate
-(1, 2, 4, ... and all usable cores), interleaved over rounds so drift hits all alike; the lowest
-median wins, and a candidate within `tolerance` of a faster one with fewer threads loses to it
-(fewer threads leave more CPU to the gRPC threads and everything else for the same speed).
+No fixed rule held up: on one 2-core machine 2 intra-op threads were slower than 1 in some runs
+and faster in others (docs/engine.md, "The fast step and the thread default"); which wins depends
+on the step's kernels and on what else the machine runs. So the server measures at start-up: a
+short request (prefill + decode steps) at each candidate (1, 2, 4, ... and all usable cores),
+interleaved over rounds so drift hits all alike; the lowest median wins, and a candidate within
+`tolerance` of a faster one with fewer threads loses to it (fewer threads leave more CPU to the
+gRPC threads and everything else for the same speed).
 
 The server keeps one core out of the candidates (`reserved`): its scheduler loop, gRPC threads and
 callers need CPU between the model's ops, and torch's intra-op workers spin-wait between ops on every
 core they hold. A request timed alone cannot see that (nothing else wants the CPU), so it is a rule,
-from a measurement: on the 2-core development machine, `moespec bench server` with 2 intra-op threads
-served 4 clients at 0.84-0.95x the tokens/s of one client, with 1 thread at 1.48-1.57x (README
-"Thread default").
+from a measurement of `moespec bench server` at several clients (the same page).
 
 `choose` takes the measurement as a callable so the selection can be tested on any real workload;
 `request_timer` is the measurement the server uses.
@@ -23,6 +21,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -119,3 +118,13 @@ def pick_threads(model, cores: int | None = None, reserved: int = 1) -> ThreadCh
     choice = choose(cores or usable_cores(), request_timer(model), reserved=reserved)
     torch.set_num_threads(choice.threads)
     return choice
+
+
+def default_threads() -> int:
+    """Measure the thread counts worth trying on this machine (engine.threads) and say which won."""
+    from service.engine.kernels import build
+    from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
+
+    choice = pick_threads(load_for_inference(DEFAULT_TARGET_DIR, kernels=build()))
+    print(f"moespec: {choice.describe()}", file=sys.stderr, flush=True)
+    return choice.threads

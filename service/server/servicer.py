@@ -35,8 +35,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from otel.api import RequestObservation, Telemetry
-from otel.telemetry import NoTelemetry
+from otel.api import NoTelemetry, RequestObservation, Telemetry
 from service.limits import PromptLimits
 from service.policy_ids import derived_id
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from service import expert_parallel
-from service.cli import UsageError
+from service.errors import UsageError
 from service.private_files import private_dir
 from service.sglang_backend import device as devices
 from service.sglang_backend.checkpoint import sglang_model_dir
@@ -21,7 +21,13 @@ from service.sglang_backend.ep import EPConfig, ep_config
 from service.sglang_backend.info import build_info
 from service.sglang_backend.model_config import ModelDirError
 from service.sglang_backend.policy import MODEL_ALGORITHMS, NEEDS_DRAFT_PATH, SpecConfig
-from service.sglang_backend.preflight import check_draft, check_target, import_sglang, require_cuda
+from service.sglang_backend.preflight import (
+    check_draft,
+    check_target,
+    import_sglang,
+    require_cpu_kernels,
+    require_cuda,
+)
 from service.types import Drafter, DraftPolicy, InvalidRequest
 
 ALGORITHMS = (*MODEL_ALGORITHMS, "NGRAM")
@@ -88,6 +94,8 @@ def create_backend(args: argparse.Namespace):
     sglang = import_sglang()
     if args.device == devices.CUDA:
         require_cuda()
+    else:
+        require_cpu_kernels()
     cleanup = []
     try:
         served, is_view = sglang_model_dir(args.model_path)
@@ -125,8 +133,8 @@ def create_backend(args: argparse.Namespace):
 
 
 def ep_from_args(args: argparse.Namespace, target) -> EPConfig | None:
-    """serve's --ep-size / --ep-placement (service.cli.serve.ep_spec reads them) against this model."""
-    from service.cli.serve import ep_spec  # serve imports this package lazily: no cycle at import time
+    """serve's --ep-size / --ep-placement (service.expert_parallel_args.ep_spec reads them) against this model."""
+    from service.expert_parallel_args import ep_spec
 
     if not getattr(args, "ep_size", 0) and getattr(args, "ep_placement", None) is None:
         return None  # off (or a parser without serve's flags)

@@ -1,18 +1,19 @@
 """Checks that run before SGLang starts, each failing with one line that says what to do.
 
 Order (create_backend): arguments and model directories first (cheap, and the most likely mistake),
-then the sglang import, then CUDA. Every failure is a service.cli.UsageError, so `moespec serve`
+then the sglang import, then CUDA. Every failure is a service.errors.UsageError, so `moespec serve`
 exits 2 with the reason instead of a traceback from deep inside SGLang's subprocesses.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from pathlib import Path
 from types import ModuleType
 
-from service.cli import UsageError
+from service.errors import UsageError
 from service.sglang_backend.model_config import ModelDirError, MoeGeometry, dense_name, moe_geometry
 from service.sglang_backend.records import RECORDER_TOPK_WIDTH
 
@@ -39,6 +40,19 @@ def import_sglang() -> ModuleType:
         # The recorder's per_token format is read from 0.5.23's source; other versions may differ.
         log.warning("sglang %s is installed; moespec reads the recorder format of %s", version, PINNED_VERSION)
     return module
+
+
+CPU_KERNELS = "sgl_kernel"  # SGLang's compiled ops; it publishes no CPU build of them
+
+
+def require_cpu_kernels(find_spec=importlib.util.find_spec) -> None:
+    """--device cpu: SGLang's CPU mode calls sgl_kernel's CPU ops, which no SGLang release ships for
+    CPUs; without them the server would die deep inside SGLang's start-up with a traceback."""
+    if find_spec(CPU_KERNELS) is None:
+        raise SGLangUnavailable(
+            f"--backend sglang --device cpu needs {CPU_KERNELS}'s CPU ops, which SGLang does not publish "
+            "(the stand-ins under tests/sglang_cpu are for the tests only); use --backend torch on a CPU"
+        )
 
 
 def require_cuda() -> None:

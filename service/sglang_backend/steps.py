@@ -97,11 +97,8 @@ def spec_stats(steps: list[StepRecord], policy: DraftPolicy, target: MoeGeometry
 def _record(policy: DraftPolicy, target: MoeGeometry, drafted: int, accepted: int, committed: int, window: int,
             unique: tuple[int, ...], seconds: float, decode_step_seconds: float,
             topk: tuple | None, window_ids: tuple[int, ...] | None, ep_fields: dict) -> StepRecord:
-    return StepRecord(
-        drafter=policy.drafter,
-        draft_length=policy.draft_length,
-        draft_temperature=policy.draft_temperature,
-        policy_id=policy.policy_id,
+    return StepRecord.of_policy(
+        policy,
         drafted=drafted,
         accepted=accepted,
         committed=committed,
@@ -109,7 +106,8 @@ def _record(policy: DraftPolicy, target: MoeGeometry, drafted: int, accepted: in
         window=window,
         unique_experts=unique,
         shared_experts=target.shared_experts,
-        unique_experts_bound=min(target.num_experts, window * target.top_k),
+        num_experts=target.num_experts,
+        top_k=target.top_k,
         draft_seconds=0.0,
         verify_seconds=seconds,
         decode_step_equivalents=seconds / decode_step_seconds if decode_step_seconds > 0 else 0.0,

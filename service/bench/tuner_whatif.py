@@ -1,0 +1,415 @@
+"""`moespec bench tuner --scenario whatif`: how many trials / policy switches the what-if hint saves
+to reach the same pick.
+
+The hint answers one question, "which draft length for this drafter", so by default (`--space
+length`) the study searches exactly that: the draft length 0..max of one drafter (`LengthOnly`; the
+model drafter at T = 0, then the n-gram drafter, `--length-drafters`). `--space full` searches the
+whole space (plain, every drafter and length, continuous temperature) as `moespec tune` does.
+
+1. One rig: `moespec serve --record-steps FILE` (embedded model), a span receiver, one closed-loop
+   greedy load cycling the first --prompt-count prompts.
+2. Per searched space, the reference: every policy of it (the model drafter at T = 0) measured in
+   windows of its own, --compare-rounds rounds in a rotated order (`tuner.measurement.compare.compare`). Not a
+   traffic split: on the batching engine requests in one split share target passes and each is
+   charged the whole pass, which biases a split comparison. The cheapest is the reference pick; the
+   policies within 5% of it are the target. A model-drafter trial matches a reference point of its
+   length when its temperature is at most 0.1 (the reference measured T = 0 only).
+3. For each initial design in --starts and each of --seeds: the same TPE study run without the hint
+   and with it (`TuneSettings.whatif_recording` = the server's file), in alternating order, server
+   defaults otherwise, until a trial of a target policy first completes (the study is stopped there:
+   nothing after it changes the count), at most --trials measured search trials (default: the size
+   of a length space; TPE's duplicates reuse a result and are not measured, so every length is
+   measured at most once). No re-measure phase.
+4. Per run: measured search trials and policy switches until then (a policy switch is a change of
+   the set of policies the server runs, counted at the admin client); every what-if prediction the
+   hinted run made and whether its predicted best length was in the target. Per space and start: the
+   paired difference (without - with) over the seeds, and how many seeds the hint saved / cost / tied.
+Writes whatif.json and whatif.md to --out and prints the tables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TextIO
+
+import optuna
+
+from service.recording import Recording, read_recording
+from service.traffic import TrafficSplit
+from service.types import Drafter, DraftPolicy, ModelInfo
+from tuner.drivers.progress import ProgressPrinter
+from tuner.drivers.rig import RigSpec, open_rig
+from tuner.loop.assemble import TuneSettings, assemble
+from tuner.loop.pruning import PruneRule
+from tuner.loop.sampler import InitialDesign
+from tuner.loop.space import LengthOnly, PolicyKey, SearchSpace, policy_key
+from tuner.loop.study import open_storage
+from tuner.loop.tuning import EventKind, TunerEvent
+from tuner.measurement.admin import PolicyAdmin
+from tuner.measurement.collector import SpanCollector
+from tuner.measurement.compare import compare
+from tuner.measurement.measure import MeasureConfig, Measurer
+from tuner.measurement.window import CostModel, Objective, WindowSpec
+
+WITHIN = 1.05  # target: reference cost within 5% of the reference pick's
+TEMPERATURE_MATCH = 0.1  # a model-drafter trial at T <= this matches the reference's T = 0 point
+FULL_SPACE_TRIALS = 14  # --space full's default budget (the first run of this bench)
+
+
+class SwitchCountingAdmin(PolicyAdmin):
+    """PolicyAdmin that counts policy switches: changes of the set of policies the server runs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.switches = 0
+        self._running: frozenset[PolicyKey] | None = None
+
+    def _served(self, keys: frozenset[PolicyKey]) -> None:
+        if keys != self._running:
+            self.switches += 1
+            self._running = keys
+
+    def apply(self, policy: DraftPolicy) -> DraftPolicy:
+        applied = super().apply(policy)
+        self._served(frozenset({policy_key(policy)}))
+        return applied
+
+    def apply_split(self, split: TrafficSplit) -> TrafficSplit:
+        applied = super().apply_split(split)
+        self._served(frozenset(policy_key(a.policy) for a in split.arms if a.weight > 0))
+        return applied
+
+
+@dataclass
+class FirstMeasured:
+    """Per policy: measured search trials and switches when a trial of it first finished measured."""
+
+    trials: int = 0
+    at: dict[str, tuple[int, int]] = field(default_factory=dict)  # label -> (measured trials, switches)
+    keys: dict[str, PolicyKey] = field(default_factory=dict)  # label -> its key
+    hints: int = 0
+    hinted: set[str] = field(default_factory=set)  # labels a hint enqueued
+    from_hint: dict[str, bool] = field(default_factory=dict)  # label -> its first trial was a hint's
+
+    def on_event(self, e: TunerEvent, switches: int) -> None:
+        if e.kind is EventKind.WHATIF and e.message.endswith("enqueued"):
+            self.hints += 1
+            self.hinted.add(policy_key(e.policy).label())
+        if e.kind is not EventKind.TRIAL_FINISHED or e.role != "search" or "result reused" in e.message:
+            return
+        self.trials += 1
+        if e.state == "COMPLETE":
+            key = policy_key(e.policy)
+            self.at.setdefault(key.label(), (self.trials, switches))
+            self.keys.setdefault(key.label(), key)
+            self.from_hint.setdefault(key.label(), key.label() in self.hinted)
+
+    def first_of(self, targets: set[PolicyKey]) -> tuple[int, int] | None:
+        """(trials, switches) when a trial matching any of `targets` first completed."""
+        hit = self._first_label(targets)
+        return self.at[hit] if hit is not None else None
+
+    def first_from_hint(self, targets: set[PolicyKey]) -> bool | None:
+        """Whether that first trial was one a what-if hint enqueued (None: never reached)."""
+        hit = self._first_label(targets)
+        return self.from_hint[hit] if hit is not None else None
+
+    def _first_label(self, targets: set[PolicyKey]) -> str | None:
+        hits = [label for label, key in self.keys.items() if any(matches(key, t) for t in targets)]
+        return min(hits, key=self.at.__getitem__) if hits else None
+
+
+def matches(key: PolicyKey, reference: PolicyKey) -> bool:
+    """A measured policy is a reference point: same drafter and length; model drafter at T <= 0.1."""
+    if (key.drafter, key.draft_length) != (reference.drafter, reference.draft_length):
+        return False
+    return key.draft_temperature is None or key.draft_temperature <= TEMPERATURE_MATCH
+
+
+class TargetReached(Exception):
+    """Raised from the study's event callback at its first completed target trial: ends the study
+    there (the trial is already told; nothing after it changes what the bench counts)."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One searched space: its name, how the tuner's space is narrowed, the reference's policies and
+    the trial budget."""
+
+    name: str
+    restrict: LengthOnly | None
+    policies: dict[str, DraftPolicy]
+    budget: int
+
+
+def cases(space: str, drafters: list[Drafter], info: ModelInfo, trials: int | None) -> list[Case]:
+    """`length`: one case per drafter (plain + every length at T = 0); `full`: plain + every drafter
+    and length at T = 0 as the reference of the whole space."""
+    plain = {"plain": DraftPolicy(draft_length=0)}
+
+    def lengths(drafter: Drafter) -> dict[str, DraftPolicy]:
+        out = {}
+        for k in range(1, info.max_draft_length + 1):
+            policy = DraftPolicy(drafter, k, 0.0)
+            out[policy_key(policy).label()] = policy
+        return out
+
+    if space == "full":
+        policies = dict(plain)
+        for drafter in info.drafters:
+            policies.update(lengths(drafter))
+        return [Case("full space", None, policies, trials or FULL_SPACE_TRIALS)]
+    out = []
+    for drafter in drafters:
+        restrict = LengthOnly(drafter, 0.0)
+        size = info.max_draft_length + 1
+        out.append(Case(f"length of {restrict.label()}", restrict, {**plain, **lengths(drafter)},
+                        min(trials or size, size)))
+    return out
+
+
+def reference_sweep(measurer: Measurer, policies: dict[str, DraftPolicy], rounds: int, prefix: str,
+                    err: TextIO) -> dict[str, object]:
+    """Every policy in windows of its own, order rotated per round: the reference pick and target."""
+    table = compare(measurer, policies, rounds, prefix,
+                    on_measured=lambda n, r, v: print(f"  {n} round {r}: {v * 1e3:.3f} ms/tok", file=err, flush=True))
+    cost = {c.name: c.seconds_per_token for c in table if c.stats.committed}
+    best = min(cost, key=cost.get)
+    target = sorted((n for n in cost if cost[n] <= WITHIN * cost[best]), key=cost.get)
+    return {"pick": best, "target": target, "seconds_per_token": cost,
+            "per_round": {c.name: [x if x != float("inf") else None for x in c.per_round] for c in table},
+            "keys": {c.name: policy_key(c.policy) for c in table}}
+
+
+def predictions(trials: list[optuna.trial.FrozenTrial], space: SearchSpace, target: set[PolicyKey]) -> list[dict]:
+    """Every what-if prediction of a run: the measured policy, the predicted best length k' <= k, and
+    whether that length is in the target (a hint was queued / already measured when k' < k)."""
+    out = []
+    for t in trials:
+        if "whatif_best_length" not in t.user_attrs or "duplicate_of" in t.user_attrs:
+            continue  # a reused result carries its original's prediction: count it once
+        measured = space.policy_from_params(t.params, "")
+        best = replace(measured, draft_length=int(t.user_attrs["whatif_best_length"]))
+        predicted = {int(k): v for k, v in t.user_attrs.get("whatif_predicted", {}).items()}
+        out.append({"trial": t.number, "measured": policy_key(measured).label(),
+                    "predicted_best": policy_key(best).label(),
+                    "hint": best.draft_length < measured.draft_length,
+                    "in_target": any(matches(policy_key(best), k) for k in target),
+                    "predicted": {policy_key(replace(measured, draft_length=k)).label(): v
+                                  for k, v in sorted(predicted.items())}})
+    return out
+
+
+def prediction_errors(runs: list[dict], reference_cost: dict[str, float]) -> dict[str, list[float]]:
+    """Per policy: predicted / reference seconds per token - 1, over every prediction the hinted runs
+    made (the replay of one trial against the reference's own windows, measured at another time)."""
+    errors: dict[str, list[float]] = {}
+    for run in runs:
+        for made in run["predictions"]:
+            for label, seconds in made.get("predicted", {}).items():
+                if label in reference_cost:
+                    errors.setdefault(label, []).append(seconds / reference_cost[label] - 1)
+    return {label: errors[label] for label in reference_cost if label in errors}
+
+
+def run_study(admin: SwitchCountingAdmin, collector: SpanCollector, storage: optuna.storages.BaseStorage,
+              settings: TuneSettings, target: set[PolicyKey], err: TextIO) -> dict[str, object]:
+    """One study until its first target trial (or the budget); what it took to get there. `admin`
+    is fresh for the study (its switch count starts at 0)."""
+    seen = FirstMeasured()
+    printer = ProgressPrinter(err)
+
+    def on_event(e: TunerEvent) -> None:
+        seen.on_event(e, admin.switches)
+        printer(e)
+        if e.kind is EventKind.TRIAL_FINISHED and seen.first_of(target) is not None:
+            raise TargetReached
+
+    built = assemble(settings, storage, admin, collector, on_event)
+    t0 = time.monotonic()
+    with contextlib.suppress(TargetReached):
+        built.tuner.run()
+    return {"seconds": round(time.monotonic() - t0, 1), "measured_trials": seen.trials,
+            "switches": admin.switches, "hints_enqueued": seen.hints,
+            "order": [label for label, _ in sorted(seen.at.items(), key=lambda kv: kv[1])],
+            "to_target": seen.first_of(target), "target_from_hint": seen.first_from_hint(target),
+            "predictions": predictions(built.study.get_trials(deepcopy=False), built.space, target)}
+
+
+def one_position_passes(recording: Recording) -> dict[str, object]:
+    """The one-position passes of a recording, grouped by the recorded policy's drafter and length:
+    the what-if replay prices k' = 0 (plain decoding) from a speculative run's own one-position passes
+    (its anchor), while plain decoding itself runs only those. Median verify seconds per group,
+    beside the header's start-up `decode_step_seconds` (a quiet single-request forward pass)."""
+    groups: dict[str, list[float]] = {}
+    for step in recording.steps:
+        if step.window == 1:
+            label = "plain" if step.draft_length == 0 else f"{step.drafter.value} k={step.draft_length}"
+            groups.setdefault(label, []).append(step.verify_seconds)
+    order = sorted(groups, key=lambda x: (x != "plain", x.split(" ")[0], int(x.split("=")[-1]) if "=" in x else 0))
+    return {"startup_decode_step_seconds": recording.header.get("decode_step_seconds"),
+            "median_verify_seconds": {g: statistics.median(groups[g]) for g in order},
+            "passes": {g: len(groups[g]) for g in order}}
+
+
+def run_whatif(args, prompts: list[str], out: Path) -> int:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    err = sys.stderr
+    db, recording = (out / "whatif.db").resolve(), (out / "steps.jsonl").resolve()
+    for scratch in (db, recording):  # a fresh study per name and a recording of this run only
+        scratch.unlink(missing_ok=True)
+    storage = open_storage(f"sqlite:///{db}")
+    window = WindowSpec(args.min_tokens, args.min_steps, args.max_window_seconds)
+    result: dict[str, object] = {"settings": {k: str(v) for k, v in vars(args).items() if not k.startswith("_")},
+                                 "recording": str(recording), "cases": []}
+    spec = RigSpec(prompts, args.concurrency, args.max_new_tokens, args.temperature, args.seed, args.threads,
+                   record_steps=recording)
+    with open_rig(spec) as rig:
+        info = rig.admin.model_info()
+        measurer = Measurer(rig.admin, rig.collector, MeasureConfig(
+            window=window, prune=PruneRule(factor=0), objective=Objective.MEASURED, cost=CostModel(0)))
+        for case in cases(args.space, args.length_drafters, info, args.trials):
+            print(f"bench whatif: {case.name}: reference, {len(case.policies)} policies in windows of their own, "
+                  f"{args.compare_rounds} rounds ...", file=err, flush=True)
+            slug = case.name.replace(" ", "-").replace("=", "")
+            reference = reference_sweep(measurer, case.policies, args.compare_rounds, f"bench/{slug}/reference",
+                                        err)
+            keys = reference.pop("keys")
+            target = {keys[n] for n in reference["target"]}
+            runs = []
+            for start in args.starts:
+                for i, seed in enumerate(range(args.seed, args.seed + args.seeds)):
+                    for hinted in ([False, True] if i % 2 == 0 else [True, False]):
+                        name = f"{slug}-{start}-{'whatif' if hinted else 'tpe'}-{seed}"
+                        print(f"bench whatif: {case.name}, start {start}, seed {seed}, "
+                              f"{'with' if hinted else 'without'} the what-if hint ...", file=err, flush=True)
+                        settings = TuneSettings(study_name=name, trials=case.budget, tuner_id=f"bench:{name}",
+                                                seed=seed, window=window, remeasure_top=0,
+                                                initial_design=InitialDesign(start), restrict=case.restrict,
+                                                whatif_recording=recording if hinted else None)
+                        admin = SwitchCountingAdmin(rig.client, name)
+                        runs.append({"start": start, "seed": seed, "hint": hinted,
+                                     **run_study(admin, rig.collector, storage, settings, target, err)})
+            result["cases"].append({"name": case.name, "budget": case.budget, "reference": reference, "runs": runs,
+                                    "summary": summarise(runs, case.budget),
+                                    "prediction_errors": prediction_errors(runs, reference["seconds_per_token"])})
+    result["one_position_passes"] = one_position_passes(read_recording(recording))
+    (out / "whatif.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    md = markdown(result)
+    (out / "whatif.md").write_text(md)
+    print(md)
+    return 0
+
+
+def summarise(runs: list[dict], budget: int) -> list[dict]:
+    """Per start: trials / switches to the target without and with the hint per seed (never within
+    the budget: None, counted as budget + 1 trials in the means, a lower bound), the paired saving
+    (without - with) over the seeds where both got there, how many seeds it saved / cost / tied, and
+    how many of the hinted runs' predictions named a target length."""
+    out = []
+    for start in dict.fromkeys(r["start"] for r in runs):
+        rows = {(r["seed"], r["hint"]): r for r in runs if r["start"] == start}
+        seeds = sorted({seed for seed, _ in rows})
+        entry: dict[str, object] = {"start": start, "seeds": seeds}
+        for hint in (False, True):
+            name = "with" if hint else "without"
+            reached = [rows[(s, hint)]["to_target"] for s in seeds]
+            entry[f"{name}_never"] = sum(x is None for x in reached)
+            entry[f"{name}_trials"] = [x[0] if x else budget + 1 for x in reached]
+            entry[f"{name}_switches"] = [x[1] if x else None for x in reached]
+        both = [s for s in seeds if rows[(s, False)]["to_target"] and rows[(s, True)]["to_target"]]
+        saved = [rows[(s, False)]["to_target"][0] - rows[(s, True)]["to_target"][0] for s in both]
+        entry["saved_trials"] = saved
+        entry["saved_switches"] = [rows[(s, False)]["to_target"][1] - rows[(s, True)]["to_target"][1] for s in both]
+        entry["seeds_saved"] = sum(x > 0 for x in saved)
+        entry["seeds_cost"] = sum(x < 0 for x in saved)
+        entry["seeds_tied"] = sum(x == 0 for x in saved)
+        entry["target_from_hint"] = sum(bool(rows[(s, True)]["target_from_hint"]) for s in seeds)
+        made = [p for s in seeds for p in rows[(s, True)]["predictions"]]
+        hints = [p for p in made if p["hint"]]
+        entry["predictions"] = len(made)
+        entry["predictions_in_target"] = sum(p["in_target"] for p in made)
+        entry["hints"] = len(hints)
+        entry["hints_in_target"] = sum(p["in_target"] for p in hints)
+        out.append(entry)
+    return out
+
+
+def _at(x) -> str:
+    return f"{x[0]} / {x[1]}" if x else "never"
+
+
+def _spread(values: list) -> str:
+    if not values:
+        return "-"
+    return f"{sum(values) / len(values):+.2f} ({min(values):+d}..{max(values):+d})"
+
+
+def _ms(x: float | None) -> str:
+    return f"{x * 1e3:.2f}" if x is not None else "-"
+
+
+def markdown(result: dict) -> str:
+    lines: list[str] = []
+    for case in result["cases"]:
+        ref, budget = case["reference"], case["budget"]
+        cost, best = ref["seconds_per_token"], ref["seconds_per_token"][ref["pick"]]
+        lines += [f"## {case['name']} (budget {budget} measured trials)", "",
+                  "Reference, each policy in windows of its own (ms / committed token, pooled; per round):", "",
+                  "| policy | ms/token | / pick | per round | in target |", "|---|---:|---:|---|---|"]
+        for name in sorted(cost, key=cost.get):
+            rounds = ", ".join(_ms(x) for x in ref["per_round"][name])
+            lines.append(f"| {name} | {_ms(cost[name])} | {cost[name] / best:.3f} | {rounds} | "
+                         f"{'yes' if name in ref['target'] else ''} |")
+        lines += ["", "| start | seed | hint | trials / switches to the target | target trial from a hint | "
+                  "measured, in order | predictions: measured -> predicted best (in target?) |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in case["runs"]:
+            via = {None: "-", True: "yes", False: "no"}[r["target_from_hint"]]
+            preds = "; ".join(f"{p['measured']} -> {p['predicted_best']} ({'yes' if p['in_target'] else 'no'})"
+                              for p in r["predictions"]) or "-"
+            lines.append(f"| {r['start']} | {r['seed']} | {'yes' if r['hint'] else 'no'} | {_at(r['to_target'])} | "
+                         f"{via} | {', '.join(r['order'])} | {preds} |")
+        lines += ["", f"| start | reached (without / with) | trials to the target, mean (without / with; never = "
+                  f"{budget + 1}) | saved trials (without - with), mean (min..max) | saved switches | seeds "
+                  "saved / cost / tied | target trial from a hint | hints in target | predictions in target |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for e in case["summary"]:
+            n = len(e["seeds"])
+            lines.append(f"| {e['start']} | {n - e['without_never']}/{n} / {n - e['with_never']}/{n} | "
+                         f"{sum(e['without_trials']) / n:.2f} / {sum(e['with_trials']) / n:.2f} | "
+                         f"{_spread(e['saved_trials'])} (n={len(e['saved_trials'])}) | {_spread(e['saved_switches'])} "
+                         f"| {e['seeds_saved']} / {e['seeds_cost']} / {e['seeds_tied']} | {e['target_from_hint']}/{n} "
+                         f"| {e['hints_in_target']}/{e['hints']} | {e['predictions_in_target']}/{e['predictions']} |")
+        errors = case.get("prediction_errors", {})
+        if errors:
+            lines += ["", "The hinted runs' what-if predictions against the reference (predicted / reference - 1; "
+                      "every replayed trial predicts every length up to its own):", "",
+                      "| policy | predictions | median error | min..max |", "|---|---:|---:|---|"]
+            for label, errs in errors.items():
+                lines.append(f"| {label} | {len(errs)} | {statistics.median(errs):+.1%} | "
+                             f"{min(errs):+.1%}..{max(errs):+.1%} |")
+        lines.append("")
+    lines += one_position_markdown(result.get("one_position_passes"))
+    return "\n".join(lines)
+
+
+def one_position_markdown(passes: dict | None) -> list[str]:
+    if not passes or "plain" not in passes["median_verify_seconds"]:
+        return []
+    medians, plain = passes["median_verify_seconds"], passes["median_verify_seconds"]["plain"]
+    startup = passes["startup_decode_step_seconds"]
+    lines = ["One-position passes in the recording (the what-if replay's k' = 0 anchor comes from a speculative "
+             "run's own), median verify ms and / plain decoding's:", "",
+             "| recorded policy | passes | median verify ms | / plain's |", "|---|---:|---:|---:|"]
+    for group, seconds in medians.items():
+        lines.append(f"| {group} | {passes['passes'][group]} | {_ms(seconds)} | {seconds / plain:.2f} |")
+    if startup:
+        lines.append(f"| (header: start-up decode step) | - | {_ms(startup)} | {startup / plain:.2f} |")
+    return lines + [""]

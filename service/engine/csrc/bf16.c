@@ -1,0 +1,107 @@
+
+/* Panel format 2, bf16 arithmetic (`PackedWeight`, math="bf16"): a panel holds [ceil(Kd / 2), 64, 2]
+   bf16, each column's weights for k and k + 1 side by side, and x is rounded to bf16 (round to nearest
+   even, subnormals to zero) in pairs the same way; then every output is, over k pairs ascending,
+   acc += x[k+1] w[k+1], then acc += x[k] w[k], each product exact in float32 and each sum rounded once:
+   VDPBF16PS's arithmetic, 32 products per instruction where float32 FMAs do 16. Without that
+   instruction the same sums are two FMAs each (the same results wherever the instruction follows its
+   specification). Rows stay independent as in matmul_p. */
+static inline uint16_t bf16_round(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7F800000u) == 0) return (uint16_t)((bits >> 16) & 0x8000u);  /* zero and subnormals */
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u);  /* NaN stays NaN */
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* xb [rows, 2 * Kd2] = x [rows, Kd] rounded to bf16, a zero after an odd Kd. */
+static void bf16_rows(const float *x, int64_t rows, int64_t Kd, int64_t Kd2, uint16_t *xb) {
+    for (int64_t t = 0; t < rows; t++) {
+        const float *xr = x + t * Kd;
+        uint16_t *o = xb + t * 2 * Kd2;
+        int64_t k = 0;
+#if defined(__AVX512BF16__)
+        for (; k + 16 <= Kd; k += 16)
+            _mm256_storeu_si256((__m256i *)(o + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xr + k)));
+#endif
+        for (; k < Kd; k++) o[k] = bf16_round(xr[k]);
+        if (Kd & 1) o[Kd] = 0;
+    }
+}
+
+#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+#define DP_PAIR(ACC, XP, W) ACC = _mm512_dpbf16_ps(ACC, (__m512bh)_mm512_set1_epi32((int)(XP)), (__m512bh)(W))
+#else
+#define DP_PAIR(ACC, XP, W) do {                                                                          \
+    ACC = _mm512_fmadd_ps(_mm512_set1_ps(bf16_value((uint16_t)((XP) >> 16))),                               \
+                          _mm512_castsi512_ps(_mm512_and_si512(W, _mm512_set1_epi32((int)0xFFFF0000u))), ACC); \
+    ACC = _mm512_fmadd_ps(_mm512_set1_ps(bf16_value((uint16_t)(XP))),                                       \
+                          _mm512_castsi512_ps(_mm512_slli_epi32(W, 16)), ACC);                              \
+} while (0)
+#endif
+/* A ROWS x 64 tile of format 2: xp [ROWS, Kd2] the rows' bf16 pairs. */
+#define DP_TILE(NAME, ROWS)                                                                            \
+static void NAME(const uint32_t *xp, int64_t Kd2, const uint16_t *panel, int64_t C, int64_t c0,          \
+                 int64_t valid, const float *bias, float *out) {                                      \
+    __m512 acc[ROWS][4];                                                                               \
+    for (int i = 0; i < ROWS; i++)                                                                     \
+        for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();                                  \
+    for (int64_t k = 0; k < Kd2; k++) {                                                                \
+        __m512i wv[4];                                                                                 \
+        for (int v = 0; v < 4; v++) wv[v] = _mm512_loadu_si512(panel + (k * PANEL + 16 * v) * 2);      \
+        for (int i = 0; i < ROWS; i++) {                                                               \
+            const uint32_t pair = xp[i * Kd2 + k];                                                     \
+            for (int v = 0; v < 4; v++) DP_PAIR(acc[i][v], pair, wv[v]);                               \
+        }                                                                                              \
+    }                                                                                                  \
+    STORE_TILE(ROWS)                                                                                   \
+}
+DP_TILE(dp_tile_4x64, 4)
+DP_TILE(dp_tile_3x64, 3)
+DP_TILE(dp_tile_2x64, 2)
+DP_TILE(dp_tile_1x64, 1)
+#endif
+
+/* Panels [p_begin, p_end) of a format-2 product, rows in chunks of ROUNDED_ROWS rounded once each. */
+#define ROUNDED_ROWS 16
+static void matmul_panels_bf16_math(const float *x, int64_t N, int64_t Kd, const uint16_t *packed, int64_t C,
+                                    int64_t p_begin, int64_t p_end, const float *bias, float *out) {
+    const int64_t Kd2 = (Kd + 1) / 2;
+    uint32_t xp[ROUNDED_ROWS * Kd2];
+    for (int64_t t0 = 0; t0 < N; t0 += ROUNDED_ROWS) {
+        const int64_t rows = N - t0 < ROUNDED_ROWS ? N - t0 : ROUNDED_ROWS;
+        bf16_rows(x + t0 * Kd, rows, Kd, Kd2, (uint16_t *)xp);
+        for (int64_t p = p_begin; p < p_end; p++) {
+            const uint16_t *panel = packed + p * Kd2 * 2 * PANEL;
+            const int64_t c0 = p * PANEL, valid = C - c0 < PANEL ? C - c0 : PANEL;
+            float *o = out + t0 * C;
+#if defined(__AVX512F__)
+            TILE_ROWS(dp_tile, xp, Kd2, Kd2, panel, rows, o);
+#else
+            for (int64_t t = 0; t < rows; t++) {
+                const uint16_t *xr = (const uint16_t *)(xp + t * Kd2);
+                for (int64_t c = 0; c < valid; c++) {
+                    float acc = 0.0f;
+                    for (int64_t k = 0; k < Kd2; k++) {
+                        const uint16_t *w = panel + (k * PANEL + c) * 2;
+                        acc = fmaf(bf16_value(xr[2 * k + 1]), bf16_value(w[1]), acc);
+                        acc = fmaf(bf16_value(xr[2 * k]), bf16_value(w[0]), acc);
+                    }
+                    o[t * C + c0 + c] = acc + (bias ? bias[c0 + c] : 0.0f);
+                }
+            }
+#endif
+        }
+    }
+}
+
+/* 1 when this build multiplies bf16 pairs in one instruction (VDPBF16PS): bf16 arithmetic then does
+   twice the products per instruction; without it, format 2 is emulated at float32's speed. */
+int bf16_dot_native(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,11 @@
+"""The embedded engine's batching defaults, declared once.
+
+`EngineConfig` takes its field defaults from here and `moespec serve` its --max-batch and
+--prefill-chunk defaults. Outside service.engine and importing nothing, so the command line reads
+them without importing the engine (any module under service.engine imports the whole package).
+"""
+
+MAX_BATCH = 32  # requests verified together in one pass (KV-cache slots); more wait
+# Newcomers' prompt tokens per pass, joined to the running requests' verify windows (chunked
+# prefill): bounds how long a long prompt can stall them (measured: docs/engine.md).
+PREFILL_CHUNK = 2048

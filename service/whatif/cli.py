@@ -1,0 +1,73 @@
+"""`moespec whatif FILE`: predict the cost of every draft length k' <= k from one recorded run.
+
+FILE is a step recording (`moespec serve --record-steps FILE`). Prints a table (acceptance per
+position, committed tokens per step, per-layer unions, verify / draft ms, ms per committed token),
+and writes FILE.whatif.json and FILE.whatif.png (or under --out). With --ep-size P the table adds
+the expert-parallel view of each k' (ranks touched per layer, dispatch bytes per committed token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+from service import expert_parallel, whatif
+from service.errors import UsageError
+from service.recording import RecordingError, read_recording
+from service.whatif import present
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", type=Path, help="step recording written by `moespec serve --record-steps`")
+    parser.add_argument("--policy", default=None,
+                        help="policy id to replay (default: the one with the most recorded steps)")
+    parser.add_argument("--ep-size", type=int, default=0, help="also estimate expert parallelism over P ranks")
+    parser.add_argument("--ep-placement", type=Path, default=None,
+                        help="physical-to-logical map [layers, slots] (.pt or .json, SGLang's shape); "
+                             "default: contiguous blocks of experts per rank")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for whatif.json / whatif.png (default: beside FILE)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the replay's draws of untested positions")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.ep_size < 0:
+        raise UsageError(f"--ep-size must be >= 1 (or 0 for off), got {args.ep_size}")
+    if args.ep_placement is not None and not args.ep_size:
+        raise UsageError("--ep-placement needs --ep-size")
+    try:
+        recording = read_recording(args.file)
+    except RecordingError as e:
+        raise UsageError(str(e)) from None
+    header = recording.header
+    counts = Counter(s.policy_id for s in recording.steps)
+    if not counts:
+        raise UsageError(f"{args.file}: the recording holds no steps")
+    policy = args.policy or counts.most_common(1)[0][0]
+    if policy not in counts:
+        raise UsageError(f"--policy {policy!r} is not in the recording (it has: {', '.join(sorted(counts))})")
+    selected = (tuple(s for s in request if s.policy_id == policy) for request in recording.requests)
+    requests = [r for r in selected if r]
+    placement = None
+    if args.ep_size:
+        try:
+            p2l = expert_parallel.load_placement_map(args.ep_placement) if args.ep_placement else None
+            placement = expert_parallel.make_placement(args.ep_size, header["num_layers"], header["num_experts"], p2l)
+        except expert_parallel.PlacementError as e:
+            raise UsageError(str(e)) from None
+    try:
+        result = whatif.predict(requests, header["top_k"], placement,
+                                header.get("hidden_size", 0) * expert_parallel.ACTIVATION_BYTES, args.seed)
+    except ValueError as e:
+        raise UsageError(f"{args.file}: {e}") from None
+    print(present.format_table(result))
+    out = args.out or args.file.parent
+    stem = "whatif" if args.out else f"{args.file.name}.whatif"
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
+    json_path.write_text(json.dumps({"policy_id": policy, "model": header.get("model"), **result.to_json()}, indent=1))
+    present.plot(result, png_path)
+    print(f"wrote {json_path} and {png_path}")
+    return 0

@@ -1,0 +1,50 @@
+"""Policy ids are canonical: policies that run the same way get one derived id (the server's, over
+gRPC) and one tuner group, however the fields their drafter ignores are set."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.policy_ids import canonical, derived_id
+from service.types import Drafter, DraftPolicy
+from tuner.loop.space import policy_key
+
+# (policy, derived id): each group of equal ids runs one policy.
+CASES = [
+    (DraftPolicy(Drafter.NGRAM, 4, 0.0, ""), "ngram-k4"),
+    (DraftPolicy(Drafter.NGRAM, 4, 1.0, ""), "ngram-k4"),
+    (DraftPolicy(Drafter.NGRAM, 4, 1.7, ""), "ngram-k4"),
+    (DraftPolicy(Drafter.MODEL, 0, 0.5, ""), "plain"),
+    (DraftPolicy(Drafter.NGRAM, 0, 0.0, ""), "plain"),
+    (DraftPolicy(Drafter.MODEL, 0, 1.0, ""), "plain"),
+    (DraftPolicy(Drafter.MODEL, 4, 0.5, ""), "model-k4-t0.5"),
+    (DraftPolicy(Drafter.MODEL, 4, 0.0, ""), "model-k4-t0"),
+    (DraftPolicy(Drafter.MODEL, 2, 1.0, ""), "model-k2-t1"),
+]
+
+
+@pytest.mark.parametrize(("policy", "expected"), CASES, ids=[f"{p.drafter.value}-{p.draft_length}-{p.draft_temperature}"
+                                                              for p, _ in CASES])
+def test_the_derived_id_ignores_what_the_drafter_ignores(policy, expected):
+    assert derived_id(policy) == expected
+
+
+def test_policies_with_one_id_are_one_canonical_policy_and_one_tuner_group():
+    by_id: dict[str, set] = {}
+    for policy, expected in CASES:
+        by_id.setdefault(expected, set()).add((canonical(policy), policy_key(policy)))
+    assert all(len(forms) == 1 for forms in by_id.values()), by_id
+    # and different ids really are different policies
+    assert len({next(iter(forms)) for forms in by_id.values()}) == len(by_id)
+
+
+def test_canonical_keeps_what_matters():
+    p = DraftPolicy(Drafter.MODEL, 3, 0.7, "mine")
+    assert canonical(p) == p
+    assert canonical(DraftPolicy(Drafter.NGRAM, 3, 0.0, "x")) == DraftPolicy(Drafter.NGRAM, 3, 1.0, "x")
+
+
+@pytest.mark.parametrize(("policy", "expected"), [c for c in CASES if c[0].draft_length == 0 or
+                                                  c[0].drafter is Drafter.NGRAM][:4])
+def test_the_server_derives_canonical_ids_over_grpc(client, default_policy, policy, expected):
+    assert client.set_policy(policy).policy_id == expected
