@@ -23,7 +23,7 @@ import threading
 from contextlib import suppress
 from pathlib import Path
 
-from service.cli import admin_token
+from service import admin_token
 from service.errors import UsageError
 from service.redact import redact_url
 from service.server.client import MoespecClient

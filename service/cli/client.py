@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 import grpc
 
-from service.cli import admin_token
+from service import admin_token
 from service.errors import UsageError
 from service.server.client import MoespecClient, Reply
 from service.traffic import TrafficArm, TrafficSplit

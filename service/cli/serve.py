@@ -23,8 +23,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from otel import cli as otel_cli
+from service import admin_token
 from service.backend import Backend
-from service.cli import admin_token
 from service.engine_defaults import MAX_BATCH, PREFILL_CHUNK
 from service.errors import UsageError
 from service.server.server import MoespecServer, ServerConfig, serve
