@@ -18,7 +18,7 @@ import pytest
 from tests.support.tls_helpers import self_signed
 from tuner.drivers.server_proc import start_server
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FAST_START = ("--threads", "1", "--kernel-threads", "1", "--max-batch", "2")
 
 

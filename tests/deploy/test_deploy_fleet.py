@@ -20,7 +20,7 @@ from service.cli import serve as serve_cli
 from tests.support.real_backends import missing
 from tuner import cli as tune_cli
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 FLEET_TUNERS = ("tuner-a", "tuner-b")
 
 

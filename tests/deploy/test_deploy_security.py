@@ -17,7 +17,7 @@ import yaml
 
 from tests.support.real_backends import missing
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SECRETS = {"MOESPEC_ADMIN_TOKEN": "admin-secret", "MOESPEC_OTLP_TOKEN": "otlp-secret",
            "GRAFANA_ADMIN_PASSWORD": "grafana-secret"}
 

@@ -19,7 +19,7 @@ from service.sglang_backend.records import load_dump
 from service.types import Drafter, DraftPolicy
 from tests.support.acceptance_recount import committed_per_step, per_position_totals, recount
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sglang" / "real_cpu"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sglang" / "real_cpu"
 GEOMETRY = moe_geometry(MODELS_DIR / "target")
 
 
