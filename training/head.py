@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from service.engine.draft_head import DraftHead, head_config, load_head, save_head
 from service.engine.model import Transformer
 from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, MODELS_DIR, load_model
-from training.common import batch, combine, corpus_files, encode, lr_at
+from training.common import batch, combine, corpus_files, encode, train_for
 
 DRAFT_VOCAB = 1024
 INTERMEDIATE = 512
@@ -81,29 +80,14 @@ def head_loss(head: DraftHead, embedded: torch.Tensor, features: torch.Tensor, l
 def train_head(target: Transformer, head: DraftHead, data: torch.Tensor, minutes: float, peak_lr: float,
                out_dir: Path, batch_size: int, seq: int, seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(head.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.01)
-    budget, t0, step, last_save = minutes * 60, time.time(), 0, time.time()
-    head.train()
-    while (elapsed := time.time() - t0) < budget:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(elapsed / budget, peak_lr)
+
+    def loss_of_batch() -> tuple[torch.Tensor, str]:
         tokens = batch(data, batch_size, seq, gen)[:, :-1]
         loss, agreement = head_loss(head, *target_view(target, tokens, head.vocab))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        step += 1
-        if step % 20 == 0:
-            print(f"[head] step {step} {elapsed / 60:.1f} min loss {loss.item():.3f} agreement "
-                  f"{' '.join(f'{a:.3f}' for a in agreement)}", flush=True)
-        if time.time() - last_save > 300:
-            save_head(head, out_dir)
-            last_save = time.time()
-    head.eval()
-    save_head(head, out_dir)
-    return {"steps": step, "minutes": round((time.time() - t0) / 60, 1), "tokens": step * batch_size * seq,
-            "batch": batch_size, "seq": seq, "peak_lr": peak_lr}
+        return loss, f"loss {loss.item():.3f} agreement {' '.join(f'{a:.3f}' for a in agreement)}"
+
+    return train_for(head, minutes, peak_lr, 0.01, loss_of_batch, lambda: save_head(head, out_dir), "head", 20,
+                     batch_size * seq, batch_size, seq)
 
 
 @torch.no_grad()

@@ -33,7 +33,7 @@ from service.engine.weights import (  # noqa: E402
     load_model,
     save_model,
 )
-from training.common import EOS, batch, combine, corpus_files, encode, lr_at, read  # noqa: E402
+from training.common import EOS, batch, combine, corpus_files, encode, read, train_for  # noqa: E402
 from training.head import evaluate_head, evaluate_shipped, head_report, new_head, train_head  # noqa: E402
 from training.model_card import render as render_model_card  # noqa: E402
 
@@ -89,12 +89,8 @@ def train(model: Transformer, data: torch.Tensor, minutes: float, peak_lr: float
           teacher: Transformer | None = None, batch_size: int = 8, seq: int = CONTEXT, seed: int = 0) -> dict:
     """Train for a wall-clock budget; with a teacher, distil its distribution (soft cross-entropy)."""
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
-    budget, t0, step, last_save = minutes * 60, time.time(), 0, time.time()
-    model.train()
-    while (elapsed := time.time() - t0) < budget:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(elapsed / budget, peak_lr)
+
+    def loss_of_batch() -> tuple[torch.Tensor, str]:
         xy = batch(data, batch_size, seq, gen)
         x, y = xy[:, :-1], xy[:, 1:]
         logits, balance = model.forward_train(x)
@@ -104,21 +100,10 @@ def train(model: Transformer, data: torch.Tensor, minutes: float, peak_lr: float
             with torch.no_grad():
                 soft = teacher.forward_train(x)[0].softmax(-1)
             loss = 0.3 * ce + 0.7 * -(soft * logits.log_softmax(-1)).sum(-1).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        if step % 50 == 0:
-            print(f"[{out_dir.name}] step {step} {elapsed / 60:.1f} min ce {ce.item():.3f} "
-                  f"balance {balance.item():.3f}", flush=True)
-        if time.time() - last_save > 300:
-            save_model(model, out_dir)
-            last_save = time.time()
-    model.eval()
-    save_model(model, out_dir)
-    return {"steps": step, "minutes": round((time.time() - t0) / 60, 1), "tokens": step * batch_size * seq,
-            "batch": batch_size, "seq": seq, "peak_lr": peak_lr}
+        return loss, f"ce {ce.item():.3f} balance {balance.item():.3f}"
+
+    return train_for(model, minutes, peak_lr, 0.1, loss_of_batch, lambda: save_model(model, out_dir), out_dir.name,
+                     50, batch_size * seq, batch_size, seq)
 
 
 @torch.no_grad()
