@@ -367,3 +367,34 @@ def test_bad_postgresql_storage_urls_exit_2_with_one_line(postgres, url):
                              "--storage", storage], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("moespec tune: error:"), result.stderr
+
+
+def _open_together(url: str, openers: int) -> list[BaseException]:
+    """`openers` threads open the storage at `url` at the same instant -> the errors they raised."""
+    start = threading.Barrier(openers)
+    errors: list[BaseException] = []
+
+    def open_one() -> None:
+        start.wait()
+        try:
+            st.open_storage(url)
+        except BaseException as e:  # noqa: BLE001 (collected and asserted by the caller)
+            errors.append(e)
+
+    threads = [threading.Thread(target=open_one) for _ in range(openers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return errors
+
+
+def test_workers_opening_a_fresh_database_together_all_get_the_storage(postgres):
+    """Fleet workers start together: on a fresh database each one's first open creates Optuna's
+    schema, and PostgreSQL answers all but one with a unique violation on its catalog. Every open
+    must still succeed (a peer made the schema), on several fresh databases in a row."""
+    for round_ in range(3):
+        url = postgres.create_database(f"schema_race_{round_}")
+        errors = _open_together(url, openers=6)
+        assert not errors, [str(e) for e in errors]
+        assert st.open_study(st.open_storage(url), "race", optuna.samplers.RandomSampler(), "measured")

@@ -65,13 +65,40 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
         sqlite_file = sqlite_path(url)
         if sqlite_file is not None:
             create_private(sqlite_file)  # 0600, not through a symlink; SQLite's journals copy its mode
-        return optuna.storages.RDBStorage(url)
+        return open_rdb_storage(url)
     except StorageError:
         raise
     except Exception as e:  # sqlalchemy, driver and OS errors all mean "cannot use this storage"
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         # Neither the URL nor a driver's echo of it may carry the password into a log.
         raise StorageError(redact_in(f"cannot open storage {url!r}: {type(e).__name__}: {first_line}", url)) from None
+
+
+SCHEMA_RACE_ATTEMPTS = 5
+
+
+def open_rdb_storage(url: str, attempts: int = SCHEMA_RACE_ATTEMPTS) -> optuna.storages.RDBStorage:
+    """RDBStorage(url), surviving peers that create the schema at the same moment.
+
+    Optuna creates its tables and version row on the first open. Fleet workers started together on a
+    fresh database race there: PostgreSQL answers the loser with a unique violation on its catalog
+    (or on the version row), although the schema the winner made is exactly the one wanted. An
+    integrity error on open therefore means "a peer is creating it": the open is retried, and the
+    retry finds the tables (create_all checks first). Any other error, or the race outlasting the
+    attempts, goes up as before.
+    """
+    from sqlalchemy.exc import IntegrityError, ProgrammingError
+
+    for attempt in range(attempts - 1):
+        try:
+            return optuna.storages.RDBStorage(url)
+        except (IntegrityError, ProgrammingError) as e:
+            # ProgrammingError: "relation ... already exists" (DuplicateTable), the same race
+            # seen from CREATE TABLE rather than from the catalog's unique index.
+            if isinstance(e, ProgrammingError) and "already exists" not in str(e):
+                raise
+            time.sleep(0.05 * (attempt + 1))
+    return optuna.storages.RDBStorage(url)
 
 
 def sqlite_path(url: str) -> Path | None:
