@@ -56,7 +56,8 @@ GRID = {"plain": DraftPolicy(draft_length=0),
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage", required=True, help="PostgreSQL URL (postgresql+psycopg2://...) for the studies")
     parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--trials", type=int, default=16, help="search trials, for one worker and for the fleet")
+    parser.add_argument("--trials", type=int, default=30,
+                        help="search trials, for one worker and for the fleet (default 30, as `moespec tune`)")
     parser.add_argument("--tune-args", default="", metavar="ARGS",
                         help="extra `moespec tune` flags for every worker, e.g. '--min-tokens 128 --remeasure 1' "
                              "(default: none, tune's own defaults)")
@@ -81,7 +82,7 @@ def _search(args, replicas, study: str, workers: int) -> tuple[float, dict]:
         address, port = replicas[i]
         cmd = [*MOESPEC, "tune", "--server", address, "--otlp-listen", f"127.0.0.1:{port}", "--storage", args.storage,
                "--study", study, "--trials", str(args.trials), "--tuner-id", f"w{i}", "--seed", str(args.seed + i),
-               "--trial-mode", "sequential", "--admin-token", TOKEN, *shlex.split(args.tune_args)]
+               "--admin-token", TOKEN, *shlex.split(args.tune_args)]
         log = args.out / f"{study}-w{i}.log"
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "MOESPEC_ADMIN_TOKEN": ""})
