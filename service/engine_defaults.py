@@ -6,6 +6,6 @@ them without importing the engine (any module under service.engine imports the w
 """
 
 MAX_BATCH = 32  # requests verified together in one pass (KV-cache slots); more wait
-# Newcomers' prompt tokens per pass, joined to the running requests' verify windows (chunked
-# prefill): bounds how long a long prompt can stall them (measured: docs/engine.md).
+# Newcomers' prompt tokens per prefill pass (chunked prefill, one such pass between two steps of
+# the running requests): bounds how long a long prompt can stall them (why 2048: docs/engine.md).
 PREFILL_CHUNK = 2048

@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--math", choices=("fp32", "bf16"), default=None,
                         help="torch backend: the fused kernels' matrix products in float32, or with inputs rounded "
                              "to bf16 and float32 sums (faster prefills and batched steps where the CPU has "
-                             "AVX512-BF16; the logits' measured error is in docs/engine.md); default: "
+                             "AVX512-BF16; docs/engine.md says what it costs in accuracy); default: "
                              "bf16 where the CPU has it, else fp32, printed")
     parser.add_argument("--max-batch", type=int, default=MAX_BATCH,
                         help="torch backend: requests verified together in one pass (KV-cache slots); "
