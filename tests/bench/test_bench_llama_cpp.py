@@ -1,0 +1,70 @@
+"""`moespec bench llamacpp`: its refusal where llama.cpp is not built, its round-by-round ratios, the
+converter wrapper's tokenizer check, and (where scripts/setup_llama_cpp.sh has run) a short real run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+
+import pytest
+
+from service.bench.llama_cpp import DEFAULT_DIR, TOOLS, summarise
+from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
+from tuner.drivers.server_proc import MOESPEC, REPO_ROOT
+
+
+def load_converter_wrapper():
+    spec = importlib.util.spec_from_file_location("llama_cpp_convert", REPO_ROOT / "scripts" / "llama_cpp_convert.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_without_llama_cpp_the_bench_exits_2_naming_the_setup_script(tmp_path):
+    run = subprocess.run([*MOESPEC, "bench", "llamacpp", "--llama-cpp-dir", str(tmp_path)], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "scripts/setup_llama_cpp.sh" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_ratios_pair_each_round_of_moespec_with_the_same_round_of_llama_cpp():
+    args = argparse.Namespace(draft_lengths=[2], batch=[4], threads=2, depth=96, tokens=48, rounds=2)
+    samples = {"decode moespec": [100.0, 300.0], "decode llama.cpp": [200.0, 200.0],
+               "prefill moespec": [10.0, 10.0], "prefill llama.cpp": [5.0, 20.0],
+               "speculative k=2 moespec dense draft": [1.0, 1.0], "speculative k=2 moespec draft head": [2.0, 2.0],
+               "speculative k=2 llama.cpp": [1.0, 1.0],
+               "batch 4 generation_tokens_per_second moespec": [4.0, 4.0],
+               "batch 4 generation_tokens_per_second llama.cpp": [2.0, 2.0],
+               "batch 4 output_tokens_per_second moespec": [3.0, 3.0],
+               "batch 4 output_tokens_per_second llama.cpp": [3.0, 3.0]}
+    ratios = summarise(args, samples)["moespec_over_llama_cpp"]
+    assert ratios["decode"] == {"median": 1.0, "min": 0.5, "max": 1.5}
+    assert ratios["prefill"]["min"] == 0.5 and ratios["prefill"]["max"] == 2.0
+    assert ratios["speculative k=2 (draft head)"]["median"] == 2.0
+    assert ratios["batch 4 generation"]["median"] == 2.0 and ratios["batch 4 output"]["median"] == 1.0
+
+
+def test_the_converter_is_told_qwen2_only_for_a_tokenizer_that_splits_like_qwen2(tmp_path):
+    wrapper = load_converter_wrapper()
+    for model in (DEFAULT_TARGET_DIR, DEFAULT_DRAFT_DIR):
+        assert wrapper.split_regexes(model / "tokenizer.json") == [wrapper.QWEN2_SPLIT]
+    other = json.loads((DEFAULT_TARGET_DIR / "tokenizer.json").read_text())
+    other["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\s+|\w+"  # a GPT-2-like split
+    (tmp_path / "tokenizer.json").write_text(json.dumps(other))
+    assert wrapper.split_regexes(tmp_path / "tokenizer.json") != [wrapper.QWEN2_SPLIT]
+
+
+@pytest.mark.skipif(not all((DEFAULT_DIR / "src" / "build" / "bin" / t).exists() for t in TOOLS)
+                    or not (DEFAULT_DIR / "models" / "draft-bf16.gguf").exists(),
+                    reason="llama.cpp not built here (bash scripts/setup_llama_cpp.sh); CI does not need it")
+def test_a_short_real_run_measures_every_mode_on_both_sides(tmp_path):
+    run = subprocess.run([*MOESPEC, "bench", "llamacpp", "--rounds", "1", "--depth", "16",
+                          "--tokens", "8", "--draft-lengths", "2", "--batch", "2", "--out", str(tmp_path)],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "llamacpp.json").read_text())
+    assert set(result["moespec_over_llama_cpp"]) == {"decode", "prefill", "speculative k=2 (dense draft)",
+                                                     "speculative k=2 (draft head)", "batch 2 generation",
+                                                     "batch 2 output"}
+    assert all(v > 0 for values in result["samples"].values() for v in values if v == v)
