@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     from otel.receiver import OtlpTraceReceiver
 
     noise = args.scenario == "noise"
-    if args.trials is None and args.scenario != "whatif":  # whatif: its own default per space (bench_whatif.py)
+    if args.trials is None and args.scenario != "whatif":  # whatif: its own default per space (tuner_whatif.py)
         args.trials = 10 if noise else 27
     args.remeasure = args.remeasure if args.remeasure is not None else (1 if noise else 3)
     if ((args.trials is not None and args.trials < 1) or args.remeasure < 0 or args.compare_rounds < 1

@@ -18,9 +18,9 @@ import json
 import statistics
 from pathlib import Path
 
-from service import whatif
 from service.bench.engine import load_prompts
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
+from service.whatif.predict import predict
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -67,10 +67,10 @@ def run(args: argparse.Namespace) -> int:
                     runs[policy.draft_length][r].extend(result.steps)
                     if policy.draft_length == args.record_length:
                         recorded.append(result.steps)
-        prediction = whatif.predict(recorded, engine.info.top_k)
+        prediction = predict(recorded, engine.info.top_k)
         by_k = {p.draft_length: p for p in prediction.predictions}
         per_round = len(prompts)  # requests of the k-run in each round
-        round_predictions = [{p.draft_length: p for p in whatif.predict(
+        round_predictions = [{p.draft_length: p for p in predict(
             recorded[r * per_round:(r + 1) * per_round], engine.info.top_k).predictions} for r in range(args.rounds)]
         for k in (*lengths, args.record_length):
             rounds = [_cost(steps) for steps in runs[k]]

@@ -13,10 +13,11 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from service import expert_parallel, whatif
+from service import expert_parallel
 from service.errors import UsageError
 from service.recording import RecordingError, read_recording
 from service.whatif import present
+from service.whatif.predict import predict
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
         except expert_parallel.PlacementError as e:
             raise UsageError(str(e)) from None
     try:
-        result = whatif.predict(requests, header["top_k"], placement,
-                                header.get("hidden_size", 0) * expert_parallel.ACTIVATION_BYTES, args.seed)
+        result = predict(requests, header["top_k"], placement,
+                         header.get("hidden_size", 0) * expert_parallel.ACTIVATION_BYTES, args.seed)
     except ValueError as e:
         raise UsageError(f"{args.file}: {e}") from None
     print(present.format_table(result))

@@ -16,9 +16,9 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from service import whatif
 from service.recording import Recording, read_recording
 from service.types import DraftPolicy, StepRecord
+from service.whatif.predict import WhatIf, predict
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ def trial_requests(recording: Recording, policy_id: str) -> list[tuple[StepRecor
     return [r for r in selected if r]
 
 
-def hint_from_prediction(result: whatif.WhatIf, measured: DraftPolicy, margin: float = 0.05) -> LengthHint | None:
+def hint_from_prediction(result: WhatIf, measured: DraftPolicy, margin: float = 0.05) -> LengthHint | None:
     """The cheapest predicted k' < k, if it beats the predicted cost at k by more than `margin` (relative)."""
     predicted = {p.draft_length: p.seconds_per_committed_token for p in result.predictions}
     k = measured.draft_length
@@ -52,7 +52,7 @@ def hint_from_prediction(result: whatif.WhatIf, measured: DraftPolicy, margin: f
     return LengthHint(measured, suggested, predicted, result.steps)
 
 
-def replay_trial(recording_path: Path, measured: DraftPolicy, min_steps: int = 20) -> whatif.WhatIf | None:
+def replay_trial(recording_path: Path, measured: DraftPolicy, min_steps: int = 20) -> WhatIf | None:
     """The what-if replay of the steps recorded under `measured.policy_id`; None for plain decoding
     (nothing shorter) or fewer than `min_steps` recorded steps. Raises RecordingError (a ValueError)
     for a missing, unreadable or malformed file."""
@@ -62,7 +62,7 @@ def replay_trial(recording_path: Path, measured: DraftPolicy, min_steps: int = 2
     requests = trial_requests(recording, measured.policy_id)
     if sum(len(r) for r in requests) < min_steps:
         return None
-    return whatif.predict(requests, recording.header["top_k"])
+    return predict(requests, recording.header["top_k"])
 
 
 def hint_for_trial(recording_path: Path, measured: DraftPolicy, margin: float = 0.05,
@@ -71,7 +71,7 @@ def hint_for_trial(recording_path: Path, measured: DraftPolicy, margin: float = 
     return hint_from_prediction(result, measured, margin) if result is not None else None
 
 
-def prediction_attributes(result: whatif.WhatIf, measured: DraftPolicy) -> dict[str, object]:
+def prediction_attributes(result: WhatIf, measured: DraftPolicy) -> dict[str, object]:
     """The replay's prediction for every k' <= k, whether or not it suggests a shorter length."""
     predicted = {p.draft_length: p.seconds_per_committed_token for p in result.predictions}
     return {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.whatif import WhatIf
+from service.whatif.predict import WhatIf
 
 
 def format_table(result: WhatIf) -> str:

@@ -11,16 +11,8 @@ import io
 import optuna
 import pytest
 
-from service.bench.tuner_whatif import (
-    FirstMeasured,
-    SwitchCountingAdmin,
-    one_position_markdown,
-    one_position_passes,
-    prediction_errors,
-    predictions,
-    run_study,
-    summarise,
-)
+from service.bench.tuner_whatif import FirstMeasured, SwitchCountingAdmin, predictions, run_study
+from service.bench.tuner_whatif_report import one_position_markdown, one_position_passes, prediction_errors, summarise
 from service.recording import StepRecorder, read_recording
 from service.types import Drafter, DraftPolicy
 from tests.support.tuner_fixtures import SyntheticTraffic, model_info

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from service import whatif
 from service.expert_parallel import make_placement
 from service.recording import RecordingError, StepRecorder, read_recording
 from service.types import Drafter, DraftPolicy, GenerationRequest, ModelInfo, SamplingParams, StepRecord
+from service.whatif.fit import fit_cost_curve
+from service.whatif.predict import predict
 from tests.support.engine_helpers import heldout_prompts, make_engine
 
 L, E, M, H = 2, 16, 2, 8
@@ -56,7 +57,7 @@ def test_replay_committed_counts_have_known_answers() -> None:
     # k=3; outcomes per position: [1, 1, 0] then [0] -> a k'=1 run commits 4 tokens in 3 steps
     # (it stops at the rejection the k-run found at position 2), truncation says (2 + 1) / 2.
     request = (synthetic_step(3, 3, 2), synthetic_step(3, 3, 0))
-    result = whatif.predict([request], M)
+    result = predict([request], M)
     by_k = {p.draft_length: p for p in result.predictions}
     assert [p.draft_length for p in result.predictions] == [0, 1, 2, 3]
     assert by_k[0].committed_per_step == 1.0
@@ -73,14 +74,14 @@ def test_untested_bonus_positions_follow_the_run_s_continuation_rate() -> None:
     # Every window fully accepted: P(accept | previous accepted) = 1, so the untested bonus
     # positions count as accepted and k'=1 commits 2 per step, k'=2 three.
     request = tuple(synthetic_step(2, 2, 2) for _ in range(4))
-    result = whatif.predict([request], M)
+    result = predict([request], M)
     assert [p.committed_per_step for p in result.predictions] == [1.0, 2.0, 3.0]
 
 
 def test_unions_costs_and_ep_views_have_known_answers() -> None:
     request = (synthetic_step(3, 3, 1, (8, 9)), synthetic_step(3, 3, 0, (10, 12)), synthetic_step(3, 1, 1))
     placement = make_placement(2, L, E)  # rank 0 holds experts 0..7, rank 1 8..15
-    result = whatif.predict([request], M, placement, ep_token_bytes=H)
+    result = predict([request], M, placement, ep_token_bytes=H)
     c = result.curve
     for p in result.predictions:
         k = p.draft_length
@@ -108,7 +109,7 @@ def test_mixed_policies_are_refused() -> None:
     other = StepRecord(**{**synthetic_step(3, 3, 1).__dict__, "draft_length": 2, "drafted": 2,
                           "accepted_per_position": (True, False)})
     with pytest.raises(ValueError, match="2 policies"):
-        whatif.predict([(synthetic_step(3, 3, 1), other)], M)
+        predict([(synthetic_step(3, 3, 1), other)], M)
 
 
 def test_a_recording_round_trips_through_the_file(tmp_path) -> None:
@@ -219,7 +220,7 @@ def test_the_cost_curve_never_keeps_a_negative_slope() -> None:
     joint = np.linalg.lstsq(np.array([[1, w, u] for w, u in zip(windows, unions, strict=True)]), seconds,
                             rcond=None)[0]
     assert joint[1] < 0  # the premise: the unconstrained fit would extrapolate downwards in window
-    curve_fit = whatif.fit_cost_curve(steps, M)
+    curve_fit = fit_cost_curve(steps, M)
     assert curve_fit.per_position == 0 and curve_fit.per_expert > 0
     assert curve_fit.per_expert == pytest.approx(np.polyfit(unions, seconds, 1)[0])
 
@@ -228,7 +229,7 @@ def test_draft_time_has_a_per_step_part_fitted_from_steps_that_drafted_fewer() -
     per_step, per_draft = 2e-3, 3e-4
     request = tuple(dataclasses.replace(synthetic_step(4, d, 0), draft_seconds=per_step + per_draft * d)
                     for d in (4, 4, 4, 2, 4, 1))
-    result = whatif.predict([request], M)
+    result = predict([request], M)
     assert result.draft_curve.per_step == pytest.approx(per_step)
     assert result.draft_curve.per_draft == pytest.approx(per_draft)
     by_k = {p.draft_length: p for p in result.predictions}
@@ -242,7 +243,7 @@ def test_a_window_size_the_run_has_often_enough_is_priced_at_its_own_mean() -> N
     the four-position size, seen 3 times, still comes from the line."""
     slow = [dataclasses.replace(synthetic_step(3, 1, 0), verify_seconds=5e-3) for _ in range(12)]
     request = (*slow, synthetic_step(3, 3, 1), synthetic_step(3, 3, 0), synthetic_step(3, 3, 2))
-    result = whatif.predict([request], M)
+    result = predict([request], M)
     assert set(result.window_seconds) == {2}
     by_k = {p.draft_length: p for p in result.predictions}
     assert by_k[1].verify_seconds_per_step_truncated == pytest.approx(5e-3)
@@ -261,7 +262,7 @@ def test_the_replay_prices_the_shorter_run_s_own_steps_not_the_recorded_mix() ->
     have one w=2 pass per w=1 pass, which is too cheap a mix."""
     accepted = dataclasses.replace(synthetic_step(4, 4, 3), drafter=Drafter.NGRAM, draft_seconds=0.0)
     nothing = dataclasses.replace(synthetic_step(4, 0, 0), drafter=Drafter.NGRAM, draft_seconds=0.0)
-    result = whatif.predict([(accepted, nothing) * 10], M)
+    result = predict([(accepted, nothing) * 10], M)
     p = {x.draft_length: x for x in result.predictions}[1]
     # Layer 0 of a window starting at offset 0 picks {0..3} (union 4), at offset 2 {0, 1} (union 2);
     # layer 1 always 2 experts. Two-position passes were never recorded: priced on the fitted line;
@@ -294,7 +295,7 @@ def test_short_windows_get_the_line_of_the_run_s_own_multi_position_passes() -> 
                                    verify_seconds=verify, decode_step_equivalents=verify / curve(1, M))
 
     request = tuple(step(d) for d in (4, 4, 4, 1, 4, 4, 2, 4, 3, 4, 1, 2))
-    result = whatif.predict([request], M)
+    result = predict([request], M)
     line = result.speculative_curve
     assert line is not None and line.seconds(2, 3.0) == pytest.approx(curve(2, 3.0) + overhead)
     by_k = {p.draft_length: p for p in result.predictions}
@@ -304,7 +305,7 @@ def test_short_windows_get_the_line_of_the_run_s_own_multi_position_passes() -> 
     # The same passes 2 ms *cheaper* than the synthetic line: a negative fixed part, which no pass has
     # (noise of a few off-size passes, extrapolated): refused, the line through the plain step prices them.
     overhead = -2e-3
-    result = whatif.predict([tuple(step(d) for d in (4, 4, 4, 1, 4, 4, 2, 4, 3, 4, 1, 2))], M)
+    result = predict([tuple(step(d) for d in (4, 4, 4, 1, 4, 4, 2, 4, 3, 4, 1, 2))], M)
     assert result.speculative_curve is None
     by_k = {p.draft_length: p for p in result.predictions}
     assert by_k[1].verify_seconds_per_step == pytest.approx(result.curve.seconds(2, 3.0))
@@ -317,7 +318,7 @@ def test_an_ngram_step_costs_one_lookup_whatever_it_proposes() -> None:
     lookups = (1e-4, 1e-4, 1e-4, 1.5e-3, 1e-4, 0.0)  # the last step had no budget left: no lookup
     request = tuple(dataclasses.replace(synthetic_step(4, d, 0), drafter=Drafter.NGRAM, draft_seconds=t)
                     for d, t in zip((4, 1, 0, 4, 2, 0), lookups, strict=True))
-    result = whatif.predict([request], M)
+    result = predict([request], M)
     by_k = {p.draft_length: p for p in result.predictions}
     assert by_k[0].draft_seconds_per_step == 0
     # The other five steps look up once each, the mean lookup (the one that found nothing included).
