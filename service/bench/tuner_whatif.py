@@ -60,7 +60,7 @@ from tuner.measurement.window import CostModel, Objective, WindowSpec
 
 WITHIN = 1.05  # target: reference cost within 5% of the reference pick's
 TEMPERATURE_MATCH = 0.1  # a model-drafter trial at T <= this matches the reference's T = 0 point
-FULL_SPACE_TRIALS = 14  # --space full's default budget (the first run of this bench)
+FULL_SPACE_TRIALS = 14  # --space full's default budget: enough for TPE past the corners, short enough to repeat
 
 
 class SwitchCountingAdmin(PolicyAdmin):
