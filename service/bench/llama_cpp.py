@@ -94,7 +94,7 @@ def llama_batched(t: dict[str, Path], threads: int, depth: int, gen: int, batch:
 def llama_speculative(t: dict[str, Path], threads: int, prompt: str, gen: int, k: int) -> dict[str, float]:
     out = _run([str(t["llama-speculative"]), "-m", str(t["target"]), "-md", str(t["draft"]), "-t", str(threads),
                 "-td", str(threads), "-p", prompt, "-n", str(gen), "--spec-draft-n-max", str(k), "--temp", "0",
-                "-c", "1024", "--no-warmup"])
+                "-c", "1024"])
     decoded = re.search(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds", out)
     accept = re.search(r"accept\s*=\s*([\d.]+)%", out)
     if decoded is None:
