@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
             built.tuner.apply_incumbent()
         return EXIT_NO_TRAFFIC
     except KeyboardInterrupt:
-        # The interrupted trial is already told FAIL (tuning.Tuner); leave the server on the best
+        # The interrupted trial is already told FAIL (trial.TrialRunner); leave the server on the best
         # (in continuous mode: the saved incumbent, which a restart keeps).
         with suppress(Exception):
             if continuous is not None and continuous.incumbent is not None:

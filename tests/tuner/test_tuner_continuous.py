@@ -176,7 +176,7 @@ def test_acceptance_shift_needs_consecutive_confirmations_and_enough_drafts():
 def test_after_an_interleaved_challenge_the_incumbent_serves_alone_long_enough_to_keep_the_share():
     from optuna.trial import TrialState
 
-    from tuner.loop.tuning import Challenge
+    from tuner.loop.trial import Challenge
     from tuner.measurement.measure import Measurement, Outcome, PairedMeasurement
     from tuner.measurement.paired import PairedRatio
 

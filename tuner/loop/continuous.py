@@ -46,7 +46,8 @@ from tuner.loop.assemble import Assembled
 from tuner.loop.fleet import keep
 from tuner.loop.metrics import TunerMetrics
 from tuner.loop.space import SearchSpace, policy_key
-from tuner.loop.tuning import Challenge, NoTraffic
+from tuner.loop.trial import Challenge
+from tuner.loop.tuning import NoTraffic
 from tuner.measurement.admin import ServerUnavailable
 
 
