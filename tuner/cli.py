@@ -30,7 +30,8 @@ from service.server.client import MoespecClient
 from tuner.drivers.progress import ProgressPrinter, fmt_cost
 from tuner.loop.assemble import TuneSettings, assemble
 from tuner.loop.claims import claims_for
-from tuner.loop.continuous import ContinuousConfig, ContinuousTuner
+from tuner.loop.continuous import ContinuousTuner
+from tuner.loop.continuous_config import ContinuousConfig
 from tuner.loop.fleet import Fleet
 from tuner.loop.pruning import PruneRule
 from tuner.loop.sampler import InitialDesign, SamplerKind, rationale

@@ -17,8 +17,11 @@ from tests.support.tuner_fixtures import FakeServer, SyntheticTraffic
 from tests.tuner.test_tuner_loop import settings
 from tuner.loop import study as st
 from tuner.loop.assemble import assemble
-from tuner.loop.continuous import ContinuousConfig, ContinuousTuner, PromotionGate, ShiftDetector, idle_floor
+from tuner.loop.continuous import ContinuousTuner, idle_floor
+from tuner.loop.continuous_config import ContinuousConfig
 from tuner.loop.metrics import TunerMetrics
+from tuner.loop.promotion import PromotionGate
+from tuner.loop.shift import ShiftDetector
 from tuner.measurement.admin import PolicyAdmin
 from tuner.measurement.collector import SpanCollector
 from tuner.measurement.spans import request_sample
