@@ -30,7 +30,8 @@ from service.server.client import MoespecClient
 from tuner.drivers.progress import ProgressPrinter, fmt_cost
 from tuner.loop.assemble import TuneSettings, assemble
 from tuner.loop.claims import claims_for
-from tuner.loop.continuous import ContinuousConfig, ContinuousTuner
+from tuner.loop.continuous import ContinuousTuner
+from tuner.loop.continuous_config import ContinuousConfig
 from tuner.loop.fleet import Fleet
 from tuner.loop.pruning import PruneRule
 from tuner.loop.sampler import InitialDesign, SamplerKind, rationale
@@ -295,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
             built.tuner.apply_incumbent()
         return EXIT_NO_TRAFFIC
     except KeyboardInterrupt:
-        # The interrupted trial is already told FAIL (tuning.Tuner); leave the server on the best
+        # The interrupted trial is already told FAIL (trial.TrialRunner); leave the server on the best
         # (in continuous mode: the saved incumbent, which a restart keeps).
         with suppress(Exception):
             if continuous is not None and continuous.incumbent is not None:

@@ -31,7 +31,9 @@ from service.types import Drafter, DraftPolicy
 from tuner.drivers.progress import ProgressPrinter
 from tuner.drivers.rig import Rig, RigSpec, open_rig
 from tuner.loop.assemble import TuneSettings, assemble
-from tuner.loop.continuous import ContinuousConfig, ContinuousTuner, Decision
+from tuner.loop.continuous import ContinuousTuner
+from tuner.loop.continuous_config import ContinuousConfig
+from tuner.loop.decisions import Decision
 from tuner.loop.exploration import Round, TokenTrace, round_costs, summarize
 from tuner.loop.pruning import PruneRule
 from tuner.loop.sampler import InitialDesign

@@ -47,11 +47,11 @@ from service.types import Drafter, DraftPolicy, ModelInfo
 from tuner.drivers.progress import ProgressPrinter
 from tuner.drivers.rig import RigSpec, open_rig
 from tuner.loop.assemble import TuneSettings, assemble
+from tuner.loop.events import EventKind, TunerEvent
 from tuner.loop.pruning import PruneRule
 from tuner.loop.sampler import InitialDesign
 from tuner.loop.space import LengthOnly, PolicyKey, SearchSpace, policy_key
 from tuner.loop.study import open_storage
-from tuner.loop.tuning import EventKind, TunerEvent
 from tuner.measurement.admin import PolicyAdmin
 from tuner.measurement.collector import SpanCollector
 from tuner.measurement.compare import compare

@@ -20,9 +20,9 @@ from tests.tuner.test_tuner_whatif import RecordingServer, cost
 from tests.whatif.test_whatif import H, info, synthetic_step
 from tuner.loop import study as st
 from tuner.loop.assemble import TuneSettings
+from tuner.loop.events import EventKind, TunerEvent
 from tuner.loop.sampler import InitialDesign
 from tuner.loop.space import LengthOnly, SearchSpace, policy_key
-from tuner.loop.tuning import EventKind, TunerEvent
 from tuner.measurement.collector import SpanCollector
 from tuner.measurement.spans import request_sample
 from tuner.measurement.window import WindowSpec

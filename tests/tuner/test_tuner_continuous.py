@@ -17,8 +17,11 @@ from tests.support.tuner_fixtures import FakeServer, SyntheticTraffic
 from tests.tuner.test_tuner_loop import settings
 from tuner.loop import study as st
 from tuner.loop.assemble import assemble
-from tuner.loop.continuous import ContinuousConfig, ContinuousTuner, PromotionGate, ShiftDetector, idle_floor
+from tuner.loop.continuous import ContinuousTuner, idle_floor
+from tuner.loop.continuous_config import ContinuousConfig
 from tuner.loop.metrics import TunerMetrics
+from tuner.loop.promotion import PromotionGate
+from tuner.loop.shift import ShiftDetector
 from tuner.measurement.admin import PolicyAdmin
 from tuner.measurement.collector import SpanCollector
 from tuner.measurement.spans import request_sample
@@ -176,7 +179,7 @@ def test_acceptance_shift_needs_consecutive_confirmations_and_enough_drafts():
 def test_after_an_interleaved_challenge_the_incumbent_serves_alone_long_enough_to_keep_the_share():
     from optuna.trial import TrialState
 
-    from tuner.loop.tuning import Challenge
+    from tuner.loop.trial import Challenge
     from tuner.measurement.measure import Measurement, Outcome, PairedMeasurement
     from tuner.measurement.paired import PairedRatio
 

@@ -11,9 +11,10 @@ from service.types import Drafter, DraftPolicy
 from tests.support.tuner_fixtures import FakeServer, SyntheticTraffic
 from tuner.loop import study as st
 from tuner.loop.assemble import TuneSettings, assemble
+from tuner.loop.events import EventKind
 from tuner.loop.pruning import PruneRule
 from tuner.loop.space import policy_key
-from tuner.loop.tuning import EventKind, NoTraffic
+from tuner.loop.tuning import NoTraffic
 from tuner.measurement.admin import PolicyAdmin, ServerUnavailable
 from tuner.measurement.collector import SpanCollector
 from tuner.measurement.measure import TrialMode

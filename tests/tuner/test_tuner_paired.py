@@ -14,9 +14,9 @@ from optuna.trial import TrialState
 from tests.support.tuner_fixtures import FakeServer, SyntheticTraffic, model_info
 from tests.tuner.test_tuner_loop import build, cost
 from tuner.loop import study as st
+from tuner.loop.events import EventKind
 from tuner.loop.pruning import PruneRule
 from tuner.loop.space import policy_key
-from tuner.loop.tuning import EventKind
 from tuner.measurement.measure import TrialMode
 from tuner.measurement.paired import PairedRatio, drift_log_variance, relative_variance
 from tuner.measurement.window import RequestSample, WindowSpec, WindowStats

@@ -17,8 +17,8 @@ from tests.support.tuner_fixtures import FakeServer, SyntheticTraffic, model_inf
 from tests.whatif.test_whatif import H, info, synthetic_step
 from tuner.loop import study as st
 from tuner.loop.assemble import TuneSettings, assemble
+from tuner.loop.events import EventKind
 from tuner.loop.space import SearchSpace, policy_key
-from tuner.loop.tuning import EventKind
 from tuner.measurement.admin import PolicyAdmin
 from tuner.measurement.collector import SpanCollector
 from tuner.measurement.spans import request_sample

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TextIO
 
+from tuner.loop.events import EventKind, TunerEvent
 from tuner.loop.space import policy_key
-from tuner.loop.tuning import EventKind, TunerEvent
 
 
 def fmt_cost(value: float | None, objective: str) -> str:

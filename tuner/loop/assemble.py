@@ -13,12 +13,14 @@ from pathlib import Path
 import optuna
 
 from service.types import ModelInfo
+from tuner.loop.events import TunerEvent
 from tuner.loop.fleet import Fleet
 from tuner.loop.pruning import PruneRule
 from tuner.loop.sampler import InitialDesign, SamplerKind, initial_policies, make_sampler, rationale, temperature_step
 from tuner.loop.space import LengthOnly, SearchSpace
 from tuner.loop.study import open_study
-from tuner.loop.tuning import Tuner, TunerConfig, TunerEvent
+from tuner.loop.tuner_config import TunerConfig
+from tuner.loop.tuning import Tuner
 from tuner.measurement.admin import PolicyAdmin
 from tuner.measurement.collector import SpanCollector
 from tuner.measurement.measure import MeasureConfig, Measurer, TrialMode

@@ -1,0 +1,64 @@
+"""How one trial's candidate is measured against its control, by `TrialMode`.
+
+Sequential (or no control yet, or the candidate is the control itself): the candidate alone,
+pruned against the control's mean. Paired: beside the control in one traffic split
+(`Measurer.measure_paired`). Interleaved: control, candidate, control windows
+(`interleaved.InterleavedMeasurer`). The trial window is stretched where a policy switch is
+expensive, so switching stays a small part of the time spent measuring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from service.types import DraftPolicy
+from tuner.loop import study as st
+from tuner.loop.space import policy_key
+from tuner.measurement.admin import PolicyAdmin
+from tuner.measurement.interleaved import InterleavedMeasurer
+from tuner.measurement.measure import Measurement, Measurer, PairedMeasurement, TrialMode
+from tuner.measurement.window import WindowSpec, WindowStats
+
+
+class AgainstControl:
+    def __init__(self, measurer: Measurer, admin: PolicyAdmin, mode: TrialMode, switch_window_factor: float):
+        self._measurer = measurer
+        self._admin = admin
+        self._mode = mode
+        self._switch_window_factor = switch_window_factor
+        self._interleaved = InterleavedMeasurer(measurer)
+
+    def measure(
+        self,
+        policy: DraftPolicy,
+        control: st.PolicyScore | None,
+        progress: Callable[[WindowStats], None],
+        heartbeat: Callable[[], None],
+        prune: bool,
+        share: float,
+    ) -> Measurement | PairedMeasurement:
+        """Measure `policy` the configured way against `control` (alone when there is none yet)."""
+        mode, window = self._mode, self.window()
+        if control is None or mode is TrialMode.SEQUENTIAL or control.key == policy_key(policy):
+            self._interleaved.forget_control()
+            prune_against = control.mean if control is not None and prune else None
+            return self._measurer.measure(policy, prune_against, progress, heartbeat, window)
+        control_policy = replace(control.policy, policy_id=f"{policy.policy_id}/control")
+        if mode is TrialMode.PAIRED:
+            self._interleaved.forget_control()
+            return self._measurer.measure_paired(policy, control_policy, share, control.mean, progress, heartbeat,
+                                                 window, prune)
+        return self._interleaved.measure(policy, control, progress, heartbeat, window, prune)
+
+    def window(self) -> WindowSpec:
+        """The trial window, stretched where a policy switch is expensive: every window lasts at
+        least `switch_window_factor` x the backend's last measured switch, so switching costs at most
+        ~1/factor of the time spent measuring."""
+        base = self._measurer.window
+        factor = self._switch_window_factor
+        switch = self._admin.model_info().policy_switch_seconds if factor > 0 else 0.0
+        if switch <= 0:
+            return base
+        floor = factor * switch
+        return replace(base, min_seconds=max(base.min_seconds, floor), max_seconds=base.max_seconds + floor)
