@@ -32,10 +32,10 @@ import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from service import expert_parallel
 from service.types import StepRecord
 from service.whatif.fit import (
     CostCurve,
@@ -53,6 +53,9 @@ from service.whatif.replay import (
     position_steps,
     replay_steps,
 )
+
+if TYPE_CHECKING:  # the EP view imports torch: only a prediction with a placement needs it
+    from service import expert_parallel
 
 REPLAY_DRAWS = 32  # random draws of the untested positions; the spread is reported
 
@@ -220,6 +223,8 @@ def _predict_length(kp: int, steps: list[StepRecord], ids: list[np.ndarray], wal
             drafted_at[i] += 1
             accepted_at[i] += i < a
         if placement is not None:
+            from service import expert_parallel  # a placement exists, so torch is loaded already
+
             view = expert_parallel.pass_view(placement, window_ids, ep_token_bytes)
             ranks += view.ranks_touched
             most += view.max_rank_experts
