@@ -67,9 +67,12 @@ def test_bench_fleet_runs_one_worker_then_one_per_replica_on_one_database(postgr
         assert {t.user_attrs["tuner_id"] for t in search_trials} <= {f"w{i}" for i in range(int(workers))}
         assert study.user_attrs["winner"]["policy"] == search["pick"]
         assert search["measured_as"] in result["seconds_per_token"] and search["over_grid_best"] > 0
+        winners = set()
         for i in range(int(workers)):
             lines = (out / f"{search['study']}-w{i}.log").read_text().splitlines()
             assert any(" s  trial " in line for line in lines), lines  # stamped progress lines
+            winners |= {line.split("winner: ", 1)[1].split(" applied as")[0] for line in lines if "winner: " in line}
+        assert len(winners) == 1, winners  # one winner for the whole fleet, from the same trials
     assert result["grid_best"] in GRID
 
 

@@ -6,8 +6,12 @@ Contract:
   own trial FAIL with `fail_reason` "busy: ...", which never counts towards the budget, and asks
   again). A claim of a trial that is no longer RUNNING (its worker died and the trial was failed)
   is taken over. `release` after the trial is told.
-- `in_flight_elsewhere(study)`: RUNNING search trials of other workers, so a worker does not start
-  a trial the budget has no room for (the budget is shared: finished search trials of the study).
+- `take_budget_slot(study, storage, trial, budget)`: before a search trial is measured it takes one
+  of the budget's `budget` slots (a claim row per slot): the database lets one worker take each, so
+  workers that ask at the same moment cannot together overshoot the budget. A slot whose trial ended
+  without counting (failed, busy, a re-proposal; `study.counts_towards_budget`) is taken over.
+- `in_flight_elsewhere(study)`: RUNNING search trials of other workers, so a worker does not ask a
+  trial the budget has no room for (the budget is shared: finished search trials of the study).
 - `once(study, what)`: true for one worker only (the initial design and each re-measurement are
   enqueued once, not once per worker).
 - `keep(...)`: between rounds a continuous worker waits in slices of `check_seconds`; each slice it
@@ -51,6 +55,18 @@ class Fleet:
                 return False
 
         return self.claims.claim(study.study_name, claim_key(key), trial, self.worker, running)
+
+    def take_budget_slot(self, study: optuna.Study, storage: optuna.storages.BaseStorage, trial: int,
+                         budget: int) -> bool:
+        def holds(number: int) -> bool:  # a slot stays taken while its trial runs or counts
+            try:
+                t = storage.get_trial(st.trial_id(storage, study, number))
+            except KeyError:
+                return False
+            return t.state is TrialState.RUNNING or st.counts_towards_budget(t)
+
+        return any(self.claims.claim(study.study_name, f"budget:{slot}", trial, self.worker, holds) is None
+                   for slot in range(budget))
 
     def release(self, study: optuna.Study, trial: int, key: PolicyKey) -> None:
         self.claims.release(study.study_name, claim_key(key), trial)

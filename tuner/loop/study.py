@@ -172,13 +172,17 @@ def search_trials_done(study: optuna.Study) -> int:
     `max_consecutive_failures` starved ones in a row stop the search instead, so no traffic cannot
     loop forever); re-proposals of a measured policy reuse its result and spend no traffic, so they
     do not count either (the budget is traffic spent, not sampler calls)."""
-    done = 0
-    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
-        reason = str(t.user_attrs.get("fail_reason", ""))
-        if (role(t) == ROLE_SEARCH and reason != FAIL_INTERRUPTED and not reason.startswith(NOT_MEASURED)
-                and "duplicate_of" not in t.user_attrs):
-            done += 1
-    return done
+    finished = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+    return sum(1 for t in study.get_trials(deepcopy=False, states=finished) if counts_towards_budget(t))
+
+
+def counts_towards_budget(t: FrozenTrial) -> bool:
+    """A finished trial that `search_trials_done` counts."""
+    if t.state not in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
+        return False
+    reason = str(t.user_attrs.get("fail_reason", ""))
+    return (role(t) == ROLE_SEARCH and reason != FAIL_INTERRUPTED and not reason.startswith(NOT_MEASURED)
+            and "duplicate_of" not in t.user_attrs)
 
 
 @dataclass(frozen=True)

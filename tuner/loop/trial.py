@@ -112,11 +112,14 @@ class TrialRunner:
         if holder is None:
             self._claimed = (trial.number, key)
             return True
-        reason = f"{st.FAIL_BUSY}: {key.label()} is being measured by {holder}"
+        self._busy(trial, policy, f"{st.FAIL_BUSY}: {key.label()} is being measured by {holder}")
+        return False
+
+    def _busy(self, trial: optuna.Trial, policy: DraftPolicy, reason: str) -> None:
+        """Tell FAIL a trial the fleet has no room for; it does not count and the loop asks again."""
         self._fail(trial, reason)
         self._emit(TunerEvent(EventKind.TRIAL_FINISHED, trial.number, str(trial.user_attrs.get("role", "")), policy,
                               TrialState.FAIL.name, message=f"{reason}; not counted, asking again"))
-        return False
 
     def _release_claim(self) -> None:
         if self._claimed is not None:
@@ -131,6 +134,10 @@ class TrialRunner:
         trial.set_user_attr("tuner_id", cfg.tuner_id)
         st.beat(trial, self._wall_clock)
         policy = self._space.suggest(trial, st.policy_id(study.study_name, trial.number))
+        if role == st.ROLE_SEARCH and not self._fleet.take_budget_slot(study, self._storage, trial.number,
+                                                                       cfg.trials):
+            self._busy(trial, policy, f"{st.FAIL_BUSY}: every search trial of the budget is taken by the fleet")
+            return TrialState.FAIL
         if not self._claim(trial, policy):
             return TrialState.FAIL
         best = control or st.incumbent(study, self._space)

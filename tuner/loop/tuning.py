@@ -157,19 +157,35 @@ class Tuner:
         candidates = st.remeasure_candidates(self._study, self._space, self._config.remeasure_top)
         paired = self._config.mode is not TrialMode.SEQUENTIAL
         anchor = candidates[0] if paired and candidates else None
+        elsewhere = []
         for candidate in candidates:
             if attempts.get(candidate.key, 0):
                 continue  # already re-measured (possibly before a restart)
             if anchor is not None and anchor.key == candidate.key:
                 continue  # paired with itself it would measure a ratio of 1: the control needs no re-measure
             if not self._fleet.once(self._study, f"remeasure {claim_key(candidate.key)}"):
-                continue  # another worker of the fleet re-measures it
+                elsewhere.append(candidate.key)  # another worker of the fleet re-measures it
+                continue
             self._study.enqueue_trial(
                 self._space.params_of(candidate.policy),
                 user_attrs={"role": st.ROLE_REMEASURE, "remeasure_of": candidate.trials[0]},
             )
             self._trials.run(st.ROLE_REMEASURE, control=anchor)
             self.apply_incumbent()
+        self._wait_for_remeasures(elsewhere)
+
+    def _wait_for_remeasures(self, keys: list) -> None:
+        """Until the re-measures other workers took are told: every worker then picks its winner from
+        the same trials (a re-measure another worker has claimed but not yet started is invisible to
+        `_wait_for_fleet`). A worker that died between its claim and its trial would hold us forever:
+        after `stale_seconds` without a result, go on without it."""
+        deadline = self._wall_clock() + self._config.stale_seconds
+        while keys and self._wall_clock() < deadline:
+            told = st.remeasured(self._study, self._space)
+            keys = [k for k in keys if not told.get(k, 0)]
+            if keys:
+                self._recover_stale()
+                self._sleep(self._config.fleet_wait_seconds)
 
     def _finish(self) -> st.PolicyScore | None:
         if self._config.mode is TrialMode.SEQUENTIAL:
