@@ -22,6 +22,7 @@ static void swiglu_act(const float *g, const float *u, float r, int64_t I, float
    x_{rows[q]} gate_up^T, y [np, H]. Every product is matmul_p's, so each row's arithmetic is its own. */
 static void expert_apply(const float *x, int64_t H, int64_t I, const void *gate_up_t, const void *down_t, int fmt,
                          const int64_t *rows, const float *r, int64_t np, float *y) {
+    if (np <= 0) return;  /* no positions: nothing to compute, and no unwritten scratch is read */
     float xs[ROW_CHUNK * H], gu[ROW_CHUNK * 2 * I], act[ROW_CHUNK * I];
     for (int64_t q = 0; q < np; q++) memcpy(xs + q * H, x + rows[q] * H, (size_t)H * sizeof(float));
     matmul_p(xs, np, H, gate_up_t, fmt, 2 * I, NULL, gu);
