@@ -74,9 +74,9 @@ class EngineConfig:
     ngram_max: int = 4
     capture_topk: bool = False  # keep [L, w, m] routed ids in every StepRecord
     capture_routing: bool = True  # count unique experts (off only to measure its overhead)
-    fast_step: bool = True  # fused kernels (kernels.py); False: the previous eager step, to compare
+    fast_step: bool = True  # fused kernels (kernels.py); False: the eager torch step, to compare against
     # The fast step's matrix products: "fp32", or "bf16" (inputs rounded to bf16, float32 sums: the
-    # target's logits move ~0.003 on average, at most ~2% of their scale); None: bf16 where the CPU
+    # target's logits move a little, less than in transformers' own bf16 run); None: bf16 where the CPU
     # multiplies bf16 pairs natively (Kernels.default_math). Attention, norms, routing and the draft
     # model stay float32.
     math: str | None = None

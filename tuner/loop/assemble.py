@@ -58,9 +58,8 @@ def trial_mode(settings: TuneSettings, info: ModelInfo) -> TrialMode:
     """Paired where the backend serves several policies at once in passes of their own,
     control/candidate/control windows where it cannot or where requests share passes (continuous
     batching: a plain control in a pass beside an n-gram k=8 candidate pays for its 9-position
-    window; measured in-process at 2 callers, the candidate/plain cost ratio came out 0.61-0.66 mixed
-    against 0.94-1.08 with each policy alone, README). The modelled objective counts bytes, which a slower
-    machine does not change, so it needs no control and runs sequentially."""
+    window, so a paired ratio there favours long drafts; docs/tuner.md). The modelled objective counts
+    bytes, which a slower machine does not change, so it needs no control and runs sequentially."""
     if settings.trial_mode is not None:
         if settings.trial_mode is TrialMode.PAIRED and not info.concurrent_policies:
             return TrialMode.INTERLEAVED  # asked for, impossible here: the nearest thing that works

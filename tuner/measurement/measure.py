@@ -30,7 +30,7 @@ from tuner.measurement.window import CostModel, Objective, WindowSpec, WindowSta
 
 
 class TrialMode(enum.StrEnum):
-    """How a trial's candidate is compared (see README "Paired trials")."""
+    """How a trial's candidate is compared (docs/tuner.md: which mode `auto` picks, paired and interleaved trials)."""
 
     PAIRED = "paired"  # beside the control (the incumbent) in one traffic split, request by request
     INTERLEAVED = "interleaved"  # control, candidate, control windows: a backend with one policy at a time
