@@ -15,16 +15,19 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from service.engine.weights import DEFAULT_DRAFT_DIR
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
 
 HEALTH_NAMES = ("", "moespec.v1.Inference", "moespec.v1.PolicyAdmin")  # as the proto documents them
 GRACE_SECONDS = 3.0
 LONG_GENERATION = 480
-# Slow on purpose, so the generation outlasts the grace period: nine-position verify passes whose
-# near-uniform drafts (the highest draft temperature) are almost never accepted, ~1 token per pass
-# (about 8 s for LONG_GENERATION tokens on this CPU).
-SLOW_POLICY = ["--drafter", "model", "--draft-length", "8", "--draft-temperature", "2.0"]
+# Slow on purpose, so the generation outlasts the grace period whatever the machine's speed: the
+# dense draft model (each drafted token costs about a target step, unlike the draft head) drafting 8
+# near-uniform tokens (the highest draft temperature) that are almost never accepted, so every
+# committed token pays 8 draft steps and a nine-position verify pass.
+SLOW_POLICY = ["--draft-model", str(DEFAULT_DRAFT_DIR), "--drafter", "model", "--draft-length", "8",
+               "--draft-temperature", "2.0"]
 
 
 @pytest.fixture
