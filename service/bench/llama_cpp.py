@@ -86,7 +86,11 @@ def llama_batched(t: dict[str, Path], threads: int, depth: int, gen: int, batch:
     out = _run([str(t["llama-batched-bench"]), "-m", str(t["target"]), "-t", str(threads),
                 "-c", str(batch * (depth + gen)), "-b", "2048", "-ub", "512", "-npp", str(depth), "-ntg", str(gen),
                 "-npl", str(batch), "--output-format", "jsonl"])
-    row = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    # One JSON object per batch size; the tool's log lines (with their own prefixes) come around it.
+    found = re.search(r'\{[^{}]*"speed_tg"[^{}]*\}', out)
+    if found is None:
+        raise RuntimeError(f"llama-batched-bench printed no result:\n{out[-2000:]}")
+    row = json.loads(found[0])
     return {"generation_tokens_per_second": float(row["speed_tg"]),
             "output_tokens_per_second": batch * gen / float(row["t"])}
 
