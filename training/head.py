@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from service.engine.draft_head import DraftHead, head_config, load_head, save_head
 from service.engine.model import Transformer
+from service.engine.model_training import features_train, forward_train
 from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, MODELS_DIR, load_model
 from training.common import batch, combine, corpus_files, encode, train_for
 
@@ -58,7 +59,7 @@ def target_view(target: Transformer, tokens: torch.Tensor, vocab: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """tokens [B, T] -> (embeddings [B, T, H], normed final features [B, T, H], full-vocab logits [B, T, V])."""
     with torch.no_grad():
-        features, _ = target.features_train(tokens)
+        features, _ = features_train(target, tokens)
         return target.embed_tokens(tokens), features, target.lm_head(features)
 
 
@@ -107,7 +108,7 @@ def evaluate_head(target: Transformer, head: DraftHead, data: torch.Tensor, wind
 def dense_agreement(target: Transformer, draft: Transformer, data: torch.Tensor, windows: int = 24) -> float:
     """The dense draft's teacher-forced greedy agreement on the same windows as `evaluate_head`."""
     tokens = batch(data, windows, 256, torch.Generator().manual_seed(1234))[:, :-1]
-    return round((target.forward_train(tokens)[0].argmax(-1) == draft.forward_train(tokens)[0].argmax(-1))
+    return round((forward_train(target, tokens)[0].argmax(-1) == forward_train(draft, tokens)[0].argmax(-1))
                  .float().mean().item(), 3)
 
 

@@ -24,7 +24,9 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from service.engine.draft_head import load_head  # noqa: E402
-from service.engine.model import ModelConfig, Transformer, init_weights  # noqa: E402
+from service.engine.model import Transformer  # noqa: E402
+from service.engine.model_config import ModelConfig  # noqa: E402
+from service.engine.model_training import forward_train, init_weights  # noqa: E402
 from service.engine.weights import (  # noqa: E402
     DEFAULT_DRAFT_DIR,
     DEFAULT_HEAD_DIR,  # noqa: E402
@@ -93,12 +95,12 @@ def train(model: Transformer, data: torch.Tensor, minutes: float, peak_lr: float
     def loss_of_batch() -> tuple[torch.Tensor, str]:
         xy = batch(data, batch_size, seq, gen)
         x, y = xy[:, :-1], xy[:, 1:]
-        logits, balance = model.forward_train(x)
+        logits, balance = forward_train(model, x)
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss = ce + 0.01 * balance
         if teacher is not None:
             with torch.no_grad():
-                soft = teacher.forward_train(x)[0].softmax(-1)
+                soft = forward_train(teacher, x)[0].softmax(-1)
             loss = 0.3 * ce + 0.7 * -(soft * logits.log_softmax(-1)).sum(-1).mean()
         return loss, f"ce {ce.item():.3f} balance {balance.item():.3f}"
 
@@ -112,8 +114,8 @@ def evaluate(target: Transformer, draft: Transformer, data: torch.Tensor, window
     gen = torch.Generator().manual_seed(1234)
     xy = batch(data, windows, 256, gen)
     x, y = xy[:, :-1], xy[:, 1:]
-    t_logits, _ = target.forward_train(x)
-    d_logits, _ = draft.forward_train(x)
+    t_logits, _ = forward_train(target, x)
+    d_logits, _ = forward_train(draft, x)
     loss = lambda lg: F.cross_entropy(lg.reshape(-1, lg.shape[-1]), y.reshape(-1)).item()  # noqa: E731
     agreement = (t_logits.argmax(-1) == d_logits.argmax(-1)).float().mean().item()
     # Routed ids per layer from a pass over the flattened windows: [L, B*T, m].

@@ -36,8 +36,10 @@ from service.engine.attention_kernel import AttentionPass
 from service.engine.head_kernel import HeadWeights
 from service.engine.kernel_pool import ONE_THREAD, KernelThreads
 from service.engine.kernels import Kernels
-from service.engine.model import DecoderLayer, KVCache, ModelConfig, RaggedBatch, RMSNorm, apply_rope
+from service.engine.layers import DecoderLayer, RMSNorm, apply_rope
+from service.engine.model_config import ModelConfig
 from service.engine.packed import PackedWeight, panel_format
+from service.engine.ragged import KVCache, RaggedBatch
 
 HEAD_MODEL_TYPE = "moespec_draft_head"
 

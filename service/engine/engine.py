@@ -35,8 +35,9 @@ from service import expert_parallel
 from service.engine.draft_head import is_head_dir, load_head
 from service.engine.kernel_pool import ONE_THREAD, KernelPool, KernelThreads
 from service.engine.kernels import build as build_kernels
-from service.engine.model import KERNEL_WINDOW_MAX, KVCache
+from service.engine.layers import KERNEL_WINDOW_MAX
 from service.engine.packed import MATHS
+from service.engine.ragged import KVCache
 from service.engine.scheduler import Scheduler, unique_experts_per_layer
 from service.engine.sequence import Sequence
 from service.engine.threads import usable_cores

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from service.engine.draft_head import DraftHead
-from service.engine.model import KVCache, RaggedBatch
+from service.engine.ragged import KVCache, RaggedBatch
 from service.engine.sampling import draft_probs, point_mass, sample
 from service.engine.sequence import Sequence
 

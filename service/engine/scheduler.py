@@ -49,7 +49,7 @@ import torch
 
 from service import expert_parallel
 from service.engine import model_drafting, ngram
-from service.engine.model import RaggedBatch
+from service.engine.ragged import RaggedBatch
 from service.engine.sampling import accept, accept_greedy_ids, point_mass, target_probs
 from service.engine.sequence import Sequence
 from service.types import BatchPassRecord, Drafter, FinishReason, GenerationResult, StepRecord, accepted_positions

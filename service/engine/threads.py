@@ -95,7 +95,7 @@ def request_timer(model, steps: int = 16, prompt_tokens: int = 96) -> Callable[[
     """A measurement for `choose`: wall seconds of a short request to `model` (an inference
     Transformer) on a scratch cache, with torch set to the given thread count: a prefill (matmuls
     that threads can split) and plain decode steps (small ops they mostly cannot), as served."""
-    from service.engine.model import KVCache
+    from service.engine.ragged import KVCache
 
     cache = KVCache(model.cfg, prompt_tokens + steps + 1)
     prompt = torch.arange(prompt_tokens) % model.cfg.vocab_size

@@ -2,7 +2,7 @@
 
 A directory holds `config.json`, `model.safetensors` (bf16) and the tokenizer files. On disk each
 routed expert has its own `mlp.experts.{j}.{gate,up,down}_proj.weight`; in memory the experts of a
-layer are stacked (`model.Experts`), as in transformers >= 5.
+layer are stacked (`layers.Experts`), as in transformers >= 5.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from service.engine.kernel_pool import ONE_THREAD, KernelThreads
 from service.engine.kernels import Kernels
-from service.engine.model import KERNEL_WINDOW_MAX, ModelConfig, Transformer
+from service.engine.layers import KERNEL_WINDOW_MAX
+from service.engine.model import Transformer
+from service.engine.model_config import ModelConfig
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_TARGET_DIR = MODELS_DIR / "target"

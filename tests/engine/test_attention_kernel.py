@@ -102,7 +102,7 @@ def test_every_pass_takes_the_attention_kernel_once_per_layer_unless_fused_atten
     """Counted on the real kernel (wrapped, still run): a pass calls it once per layer whether or not
     it is longer than the MoE kernel's window (prefill passes take it too); a model fused with
     fused_attention=False never does (eager SDPA)."""
-    from service.engine.model import KVCache
+    from service.engine.ragged import KVCache
     from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
 
     calls = []

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from service.engine.kernels import build as build_kernels
-from service.engine.model import KVCache, RaggedBatch
+from service.engine.ragged import KVCache, RaggedBatch
 from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
 from service.types import Drafter, DraftPolicy, FinishReason, GenerationRequest, SamplingParams
 from tests.support.engine_helpers import fit_pvalue, heldout_prompts, make_engine, patch_engine_sampling

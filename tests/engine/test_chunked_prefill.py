@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from service.engine.model import KVCache
+from service.engine.ragged import KVCache
 from service.engine.sampling import accept_greedy, accept_greedy_ids, target_probs
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 from tests.engine.test_batching import assert_same_or_near_tie, run_together

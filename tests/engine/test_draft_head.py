@@ -13,8 +13,8 @@ from scipy.stats import chisquare
 from service.engine import kernels
 from service.engine.draft_head import DraftHead, load_head
 from service.engine.engine import Engine, EngineConfig
-from service.engine.model import KVCache, RaggedBatch
 from service.engine.model_drafting import chain_reference
+from service.engine.ragged import KVCache, RaggedBatch
 from service.engine.weights import DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, load_model
 from service.types import DraftPolicy, GenerationRequest, SamplingParams
 

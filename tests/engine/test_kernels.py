@@ -245,7 +245,7 @@ def test_a_built_library_is_reused_from_the_cache(tmp_path):
 def test_the_kernel_window_limit_decides_which_path_a_pass_takes(k):
     """A 32-position pass: past a limit of 16 it is bitwise the eager grouped path (the same module
     fused without kernels), within a limit of 128 bitwise the fused block."""
-    from service.engine.model import UNION_WINDOW_MAX
+    from service.engine.layers import UNION_WINDOW_MAX
     from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
 
     eager_model = load_for_inference(DEFAULT_TARGET_DIR)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from service.engine import kernels
-from service.engine.model import UNION_WINDOW_MAX, KVCache
+from service.engine.layers import UNION_WINDOW_MAX
+from service.engine.ragged import KVCache
 from service.engine.weights import (
     DEFAULT_DRAFT_DIR,
     DEFAULT_HEAD_DIR,
@@ -162,7 +163,7 @@ def test_a_fast_ragged_pass_of_several_slots_matches_transformers(target_oracle,
     window after a 50-token prefix, a 30-token prefill from position 0 and a one-token step; every
     window's logits are transformers' for its own sequence (no padding, no mask: each token carries
     its slot and position into the fused attention kernel)."""
-    from service.engine.model import RaggedBatch
+    from service.engine.ragged import RaggedBatch
 
     seqs = [long_ids[:55], long_ids[100:121], long_ids[200:230]]
     slots, starts = [0, 2, 1], [50, 20, 0]  # sequence b's window: seqs[b][starts[b]:]

@@ -16,7 +16,7 @@ import itertools
 import pytest
 import torch
 
-from service.engine.model import KVCache
+from service.engine.ragged import KVCache
 from service.engine.sampling import target_probs
 from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
 from service.types import SamplingParams

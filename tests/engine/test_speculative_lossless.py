@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from service.engine import ngram
-from service.engine.model import KVCache
+from service.engine.ragged import KVCache
 from service.engine.sampling import accept, draft_probs, point_mass, sample, target_probs
 from service.engine.weights import DEFAULT_TARGET_DIR
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams

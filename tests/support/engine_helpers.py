@@ -13,7 +13,7 @@ import torch
 from scipy.stats import chi2, chisquare, ncx2
 
 from service.engine import Engine, EngineConfig, sampling
-from service.engine.model import KVCache, RaggedBatch
+from service.engine.ragged import KVCache, RaggedBatch
 from service.engine.weights import MODELS_DIR
 from tests.conftest import RecordingBackend
 
