@@ -133,7 +133,7 @@ def capture_overhead(prompts: list[str], max_new: int, threads: int, rounds: int
                 engines[capture].generate(request, policy)
                 seconds[capture] += time.perf_counter() - t0
     # The capture's own work, timed alone on a 5-position window, as a share of a plain decode step.
-    from service.engine import unique_experts_per_layer
+    from service.engine.step_records import unique_experts_per_layer
 
     engine = engines[True]
     routed = torch.randint(0, engine.info.num_experts, (engine.info.num_layers, 5, engine.info.top_k))

@@ -38,7 +38,7 @@ from service.engine.kernels import build as build_kernels
 from service.engine.layers import KERNEL_WINDOW_MAX
 from service.engine.packed import MATHS
 from service.engine.ragged import KVCache
-from service.engine.scheduler import Scheduler, unique_experts_per_layer
+from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence
 from service.engine.threads import usable_cores
 from service.engine.weights import DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, load_for_inference
@@ -57,7 +57,7 @@ from service.types import (
     new_token_budget,
 )
 
-__all__ = ["Engine", "EngineConfig", "unique_experts_per_layer"]
+__all__ = ["Engine", "EngineConfig"]
 
 
 @dataclass(frozen=True)

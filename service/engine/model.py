@@ -71,10 +71,11 @@ class Transformer(nn.Module):
                            math: str = "fp32") -> None:
         """Concatenate projections that read the same input, for fewer matmuls per step; with kernels
         (kernels.build()), also the fast step: passes up to `kernel_window_max` positions run each
-        layer's attention sub-block (unless `fused_attention` is False: the previous fast step, kept
-        to measure against) and MoE block in one kernel call each, the output layer too, short windows
-        the MLPs, every norm its own call; `kernel_threads` says when a call splits its positions over
-        threads. Without kernels, the previous eager step.
+        layer's attention sub-block (unless `fused_attention` is False: attention then runs as one
+        padded SDPA call per layer beside the other kernels, kept to measure against) and MoE block in
+        one kernel call each, the output layer too, short windows the MLPs, every norm its own call;
+        `kernel_threads` says when a call splits its positions over threads. Without kernels, the
+        eager step.
 
         The fused tensors are copies: call after the weights are final (training never fuses).
         """

@@ -3,30 +3,28 @@
 Contract:
 - Callers `submit` a Sequence and block until it is done; the scheduler thread is the only one that
   runs the models. Up to `max_batch` sequences run at once, each in its own KV-cache slot; more wait.
-- One scheduler step = draft for every running sequence (its own policy: n-gram lookups per
-  sequence, the draft model in batched ragged passes), then ONE target pass over all their windows
-  `[last committed token, drafts...]` back to back (ragged), then per-sequence acceptance with the
-  sequence's own sampling and generator (`accept`, `accept_greedy_ids`, ... looked up in this module,
-  imported from `service.engine.sampling`), commit, stop rules and streaming.
+- One scheduler step = draft for every running sequence (its own policy, drafting.py), then ONE
+  target pass over all their windows `[last committed token, drafts...]` back to back (ragged),
+  then per-sequence acceptance with the sequence's own sampling and generator (`accept`,
+  `accept_greedy_ids`, ... looked up in this module, imported from `service.engine.sampling`),
+  commit, stop rules and streaming.
 - Sequences join and leave between steps. Chunked prefill: each scheduler iteration runs at most
   one prefill pass of at most `prefill_chunk` prompt tokens over the newcomers (first come, first
   served; a longer prompt continues in the next iterations), then the step of the running
   sequences, newcomers whose prompt is now all in included; so a long prompt never stalls them for
   more than one bounded pass per token. With nobody decoding, one pass prefills every waiting prompt
-  whole. (Prompt chunks run in a pass of their own rather than beside the decode windows: when
-  attention was one padded call per pass, a long chunk beside 16 one-token windows cost more than
-  the two passes, measured; not re-measured with the fused attention kernel; see the README.)
-  A sequence whose `should_stop()` is true (cancel, deadline) leaves before the next pass, with what
-  it has; `should_stop` is polled once per scheduler iteration the sequence is in (prefill included:
-  a cancelled request stops prefilling too).
+  whole. Prompt chunks run in a pass of their own rather than beside the decode windows: when
+  attention was one padded call per pass, a long prompt chunk beside short decode windows padded
+  every window to the chunk's length and cost more than the two passes (docs/engine.md, "Chunked
+  prefill"). A sequence whose `should_stop()` is true (cancel, deadline) leaves before the next
+  pass, with what it has; `should_stop` is polled once per scheduler iteration the sequence is in
+  (prefill included: a cancelled request stops prefilling too).
 - Per-step work that does not need a request's own generator runs once per pass: one argmax over
   every row for the greedy requests, the per-request and batch unions in one scatter; sampled
   requests keep their own `target_probs` / `accept` calls (their random streams must not interleave).
-- Every step yields one StepRecord per sequence (its own window's union) and one BatchPassRecord
-  for the pass (the union over every position of every window; `prefill_tokens`: the prompt tokens
-  of the prefill pass that ran just before it, what its requests waited for), attached to those
-  StepRecords. Draft and verify seconds of a step are the pass's. Every pass takes a pass id,
-  prefill passes too.
+- Every step yields one StepRecord per sequence and one BatchPassRecord for the pass, attached to
+  those StepRecords (step_records.py). Draft and verify seconds of a step are the pass's. Every
+  pass takes a pass id, prefill passes too.
 - A fault while running a pass fails the sequences in it (their callers get the exception); the
   scheduler keeps serving the others and newcomers.
 
@@ -44,49 +42,19 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from service import expert_parallel
-from service.engine import model_drafting, ngram
+from service.engine import step_records
+from service.engine.drafting import draft, uses_head
 from service.engine.ragged import RaggedBatch
-from service.engine.sampling import accept, accept_greedy_ids, point_mass, target_probs
+from service.engine.sampling import accept, accept_greedy_ids, target_probs
 from service.engine.sequence import Sequence
-from service.types import BatchPassRecord, Drafter, FinishReason, GenerationResult, StepRecord, accepted_positions
+from service.types import Drafter, FinishReason, GenerationResult
 
 if TYPE_CHECKING:
     from service.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
-
-
-def unique_experts_per_layer(routed: torch.Tensor, num_experts: int) -> tuple[int, ...]:
-    """routed ids [L, w, m] -> distinct experts per layer: mark every expert any position picked."""
-    L = routed.shape[0]
-    touched = np.zeros((L, num_experts), dtype=bool)
-    np.put_along_axis(touched, routed.numpy().reshape(L, -1), True, axis=1)  # [L, E]
-    return tuple(touched.sum(-1).tolist())
-
-
-def unique_experts_per_window(routed: torch.Tensor, lengths: list[int], num_experts: int
-                              ) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
-    """routed ids [L, N, m] of B windows back to back -> (each window's distinct experts per layer,
-    the whole pass's), in one scatter: `unique_experts_per_layer` of every window and of the pass.
-    (numpy: on arrays this small each torch op costs several times more.)"""
-    L, N, m = routed.shape
-    B = len(lengths)
-    window = np.repeat(np.arange(B), lengths)  # [N] window of each position
-    flat = (window[None, :, None] * num_experts + routed.numpy()).reshape(L, N * m)  # [L, N*m] into [B*E]
-    touched = np.zeros((L, B * num_experts), dtype=bool)
-    np.put_along_axis(touched, flat, True, axis=1)
-    touched = touched.reshape(L, B, num_experts)
-    own = touched.sum(-1).T.tolist()  # [B, L]
-    return [tuple(c) for c in own], tuple(touched.any(1).sum(-1).tolist())
-
-
-def uses_head(seq: Sequence) -> bool:
-    """The sequence drafts with the model drafter (a draft head, where the engine has one)."""
-    return seq.policy.drafter is Drafter.MODEL and seq.policy.draft_length > 0
 
 
 @dataclass(frozen=True)
@@ -269,7 +237,7 @@ class Scheduler:
         """One target pass over the verify windows of `seqs`; `prefilled` prompt tokens ran just before."""
         e = self.e
         start_ns, t0 = time.time_ns(), time.perf_counter()
-        proposals = self._draft(seqs)  # per sequence: (drafts, q [k', V] or None, draft seconds)
+        proposals = draft(e, seqs)  # per sequence: (drafts, q [k', V] or None, draft seconds)
         t1 = time.perf_counter()
         windows = [[s.ids[-1], *drafts] for s, (drafts, _, _) in zip(seqs, proposals, strict=True)]  # [w_b]
         lengths = [len(w) for w in windows]
@@ -283,12 +251,13 @@ class Scheduler:
         t2 = time.perf_counter()
         if len(seqs) == 1 and lengths[0] == 1:
             e.observe_plain_step(t2 - t1)
-        own_unique, batch_unique = self._unions(routed, lengths)
-        pass_record = self._pass_record(pass_id, lengths, routed, batch_unique, prefilled, start_ns, t1 - t0, t2 - t1)
+        own_unique, batch_unique = step_records.unions(e, routed, lengths)
+        pass_record = step_records.pass_record(e, pass_id, lengths, routed, batch_unique, prefilled, start_ns,
+                                               t1 - t0, t2 - t1)
         step_unit = e.current_decode_step_seconds()
         # Each window's routed ids, only where a record keeps them (top-k capture, the EP estimate): a
         # batched step does this loop for every request, so it does nothing a request does not need.
-        window_ids = routed.split(lengths, dim=1) if self._records_ids() else [None] * len(seqs)
+        window_ids = routed.split(lengths, dim=1) if step_records.records_ids(e) else [None] * len(seqs)
         for seq, (drafts, _, draft_s), window, ids, unique, (n_ok, _, bonus) in zip(
                 seqs, proposals, windows, window_ids, own_unique, verdicts, strict=True):
             k = len(drafts)
@@ -296,7 +265,8 @@ class Scheduler:
                 # The draft cache holds the old tokens plus drafts 1..k-1. A dense draft's entries of
                 # accepted drafts stay valid; a head's read its own feature estimates, so they are redone.
                 seq.draft_valid = len(seq.ids) + (0 if e.draft_is_head else min(n_ok, k - 1))
-            record = self._record(seq, k, n_ok, window, ids, unique, draft_s, t2 - t1, step_unit, pass_record)
+            record = step_records.step_record(e, seq, k, n_ok, window, ids, unique, draft_s, t2 - t1, step_unit,
+                                              pass_record)
             try:
                 finish = seq.commit([*drafts[:n_ok], bonus], record, e.eos_id, e.decode)
             except Exception as error:  # e.g. the caller's on_delta raised: only this request fails
@@ -327,89 +297,3 @@ class Scheduler:
                 verdicts.append((n_ok, tuple(ok.tolist()), int(bonus)))
             offset += w
         return verdicts
-
-    def _unions(self, routed: torch.Tensor, lengths: list[int]) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
-        """Each window's distinct experts per layer and the pass's (zeros when routing is not counted)."""
-        if not self.e.config.capture_routing:
-            zeros = (0,) * routed.shape[0]
-            return [zeros] * len(lengths), zeros
-        if len(lengths) == 1:  # a request alone: its window is the pass (one scatter, fewer ops)
-            unique = unique_experts_per_layer(routed, self.e.target.cfg.num_experts)
-            return [unique], unique
-        return unique_experts_per_window(routed, lengths, self.e.target.cfg.num_experts)
-
-    # ------------------------------------------------------------------ drafting
-    def _draft(self, seqs: list[Sequence]) -> list[tuple[list[int], torch.Tensor | None, float]]:
-        """Each sequence's proposal (drafts, q [k', V] or None, seconds) under its own policy; the
-        draft model runs batched over them."""
-        cfg, vocab = self.e.config, self.e.info.vocab_size
-        out: list[tuple[list[int], torch.Tensor | None, float]] = []
-        model_rows: list[tuple[int, int]] = []  # (index in seqs, k)
-        for i, seq in enumerate(seqs):
-            k = seq.draft_budget()
-            t0 = time.perf_counter()
-            if k > 0 and seq.policy.drafter is Drafter.NGRAM:
-                drafts = ngram.propose(seq.tokens, k, cfg.ngram_min, cfg.ngram_max)
-                out.append((drafts.tolist(), point_mass(drafts, vocab), time.perf_counter() - t0))
-            else:
-                out.append(([], None, 0.0))
-                if k > 0:
-                    model_rows.append((i, k))
-        if model_rows:
-            t0 = time.perf_counter()
-            draft_rounds = model_drafting.draft_with_head if self.e.draft_is_head else model_drafting.draft_dense
-            drafted = draft_rounds(self.e, [seqs[i] for i, _ in model_rows], [k for _, k in model_rows])
-            seconds = time.perf_counter() - t0
-            for (i, _), (drafts, q) in zip(model_rows, drafted, strict=True):
-                out[i] = (drafts.tolist(), q, seconds)
-        return out
-
-    # ------------------------------------------------------------------ records
-    def _pass_record(self, pass_id: int, lengths: list[int], routed: torch.Tensor, unique: tuple[int, ...],
-                     prefill_tokens: int, start_ns: int, draft_s: float, verify_s: float) -> BatchPassRecord:
-        cfg = self.e.target.cfg
-        E, m = cfg.num_experts, cfg.num_experts_per_tok
-        N = sum(lengths)
-        ep = {} if self.e.ep is None else expert_parallel.pass_fields(self.e.ep, routed, self.e.ep_token_bytes)
-        return BatchPassRecord(pass_id=pass_id, batch_size=len(lengths), positions=N,
-                               windows=tuple(lengths), unique_experts=unique, unique_experts_bound=min(E, N * m),
-                               draft_seconds=draft_s, verify_seconds=verify_s, start_time_ns=start_ns,
-                               prefill_tokens=prefill_tokens, **ep)
-
-    def _captures_topk(self) -> bool:
-        """Step records keep each window's routed ids (`capture_topk`, or a step recording)."""
-        return self.e.config.capture_topk or self.e.recorder is not None
-
-    def _records_ids(self) -> bool:
-        """Step records need each window's routed ids: captured top-k ids, or an EP estimate."""
-        return self._captures_topk() or self.e.ep is not None
-
-    def _record(self, seq: Sequence, drafted: int, accepted: int, window: list[int],
-                routed: torch.Tensor | None, unique: tuple[int, ...], draft_s: float, verify_s: float,
-                step_unit: float, batch: BatchPassRecord) -> StepRecord:
-        """routed: the window's ids [L, w, m] (None unless `_records_ids`)."""
-        e, policy = self.e, seq.policy
-        cfg, capture = e.target.cfg, self._captures_topk()
-        E, m = cfg.num_experts, cfg.num_experts_per_tok
-        ep = {}  # the optional expert-parallel fields, estimated only with an EP size
-        if e.ep is not None:
-            ep = expert_parallel.pass_fields(e.ep, routed, e.ep_token_bytes)
-        return StepRecord.of_policy(
-            policy,
-            drafted=drafted,
-            accepted=accepted,
-            committed=accepted + 1,
-            accepted_per_position=accepted_positions(drafted, accepted),
-            window=len(window),
-            unique_experts=unique,
-            shared_experts=1,
-            num_experts=E,
-            top_k=m,
-            draft_seconds=draft_s,
-            verify_seconds=verify_s,
-            decode_step_equivalents=verify_s / step_unit,
-            topk_ids=tuple(tuple(tuple(pos) for pos in layer) for layer in routed.tolist()) if capture else None,
-            window_ids=tuple(window) if capture else None,
-            batch=batch,
-            **ep,
-        )

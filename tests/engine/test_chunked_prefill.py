@@ -202,7 +202,7 @@ def test_greedy_acceptance_on_ids_equals_the_tensor_rule():
 
 
 def test_the_unions_of_every_window_in_one_scatter_equal_one_count_per_window():
-    from service.engine.scheduler import unique_experts_per_layer, unique_experts_per_window
+    from service.engine.step_records import unique_experts_per_layer, unique_experts_per_window
 
     gen = torch.Generator().manual_seed(1)
     for _ in range(200):

@@ -1,0 +1,115 @@
+"""The records of one scheduler step: a StepRecord per sequence and a BatchPassRecord for the pass.
+
+A sequence's StepRecord holds its own window's union (the distinct experts its positions picked,
+per layer); the pass's BatchPassRecord the union over every position of every window, its bound
+and the prompt tokens of the prefill pass just before it, and is attached to each of those
+StepRecords. Routed ids go into a record only where it keeps them (captured top-k ids, an
+expert-parallel estimate): a batched step builds one record per request, so a record does nothing
+its request does not need. Apart from the scheduler's loop because this is pure bookkeeping over a
+finished pass: it never runs a model or touches a sequence's state.
+
+Shape legend: B windows in a pass, N positions in it, w a window, L layers, m experts per token,
+E routed experts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from service import expert_parallel
+from service.engine.sequence import Sequence
+from service.types import BatchPassRecord, StepRecord, accepted_positions
+
+if TYPE_CHECKING:
+    from service.engine.engine import Engine
+
+
+def unique_experts_per_layer(routed: torch.Tensor, num_experts: int) -> tuple[int, ...]:
+    """routed ids [L, w, m] -> distinct experts per layer: mark every expert any position picked."""
+    L = routed.shape[0]
+    touched = np.zeros((L, num_experts), dtype=bool)
+    np.put_along_axis(touched, routed.numpy().reshape(L, -1), True, axis=1)  # [L, E]
+    return tuple(touched.sum(-1).tolist())
+
+
+def unique_experts_per_window(routed: torch.Tensor, lengths: list[int], num_experts: int
+                              ) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    """routed ids [L, N, m] of B windows back to back -> (each window's distinct experts per layer,
+    the whole pass's), in one scatter: `unique_experts_per_layer` of every window and of the pass.
+    (numpy: on arrays this small each torch op costs several times more.)"""
+    L, N, m = routed.shape
+    B = len(lengths)
+    window = np.repeat(np.arange(B), lengths)  # [N] window of each position
+    flat = (window[None, :, None] * num_experts + routed.numpy()).reshape(L, N * m)  # [L, N*m] into [B*E]
+    touched = np.zeros((L, B * num_experts), dtype=bool)
+    np.put_along_axis(touched, flat, True, axis=1)
+    touched = touched.reshape(L, B, num_experts)
+    own = touched.sum(-1).T.tolist()  # [B, L]
+    return [tuple(c) for c in own], tuple(touched.any(1).sum(-1).tolist())
+
+
+def unions(e: Engine, routed: torch.Tensor, lengths: list[int]) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    """Each window's distinct experts per layer and the pass's (zeros when routing is not counted)."""
+    if not e.config.capture_routing:
+        zeros = (0,) * routed.shape[0]
+        return [zeros] * len(lengths), zeros
+    if len(lengths) == 1:  # a request alone: its window is the pass (one scatter, fewer ops)
+        unique = unique_experts_per_layer(routed, e.target.cfg.num_experts)
+        return [unique], unique
+    return unique_experts_per_window(routed, lengths, e.target.cfg.num_experts)
+
+
+def pass_record(e: Engine, pass_id: int, lengths: list[int], routed: torch.Tensor, unique: tuple[int, ...],
+                prefill_tokens: int, start_ns: int, draft_s: float, verify_s: float) -> BatchPassRecord:
+    cfg = e.target.cfg
+    E, m = cfg.num_experts, cfg.num_experts_per_tok
+    N = sum(lengths)
+    ep = {} if e.ep is None else expert_parallel.pass_fields(e.ep, routed, e.ep_token_bytes)
+    return BatchPassRecord(pass_id=pass_id, batch_size=len(lengths), positions=N,
+                           windows=tuple(lengths), unique_experts=unique, unique_experts_bound=min(E, N * m),
+                           draft_seconds=draft_s, verify_seconds=verify_s, start_time_ns=start_ns,
+                           prefill_tokens=prefill_tokens, **ep)
+
+
+def captures_topk(e: Engine) -> bool:
+    """Step records keep each window's routed ids (`capture_topk`, or a step recording)."""
+    return e.config.capture_topk or e.recorder is not None
+
+
+def records_ids(e: Engine) -> bool:
+    """Step records need each window's routed ids: captured top-k ids, or an EP estimate."""
+    return captures_topk(e) or e.ep is not None
+
+
+def step_record(e: Engine, seq: Sequence, drafted: int, accepted: int, window: list[int],
+                routed: torch.Tensor | None, unique: tuple[int, ...], draft_s: float, verify_s: float,
+                step_unit: float, batch: BatchPassRecord) -> StepRecord:
+    """routed: the window's ids [L, w, m] (None unless `records_ids`)."""
+    policy = seq.policy
+    cfg, capture = e.target.cfg, captures_topk(e)
+    E, m = cfg.num_experts, cfg.num_experts_per_tok
+    ep = {}  # the optional expert-parallel fields, estimated only with an EP size
+    if e.ep is not None:
+        ep = expert_parallel.pass_fields(e.ep, routed, e.ep_token_bytes)
+    return StepRecord.of_policy(
+        policy,
+        drafted=drafted,
+        accepted=accepted,
+        committed=accepted + 1,
+        accepted_per_position=accepted_positions(drafted, accepted),
+        window=len(window),
+        unique_experts=unique,
+        shared_experts=1,
+        num_experts=E,
+        top_k=m,
+        draft_seconds=draft_s,
+        verify_seconds=verify_s,
+        decode_step_equivalents=verify_s / step_unit,
+        topk_ids=tuple(tuple(tuple(pos) for pos in layer) for layer in routed.tolist()) if capture else None,
+        window_ids=tuple(window) if capture else None,
+        batch=batch,
+        **ep,
+    )
