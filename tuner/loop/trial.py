@@ -12,7 +12,8 @@ the incumbent.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import optuna
@@ -86,19 +87,26 @@ class TrialRunner:
         (default: the incumbent)."""
         trial = self._study.ask()
         try:
-            return self._run_asked(trial, role, control), trial.number
+            with self._interruptions_told(trial):
+                return self._run_asked(trial, role, control), trial.number
         except optuna.exceptions.UpdateFinishedTrialError:
             # Another worker took this one for dead (no heartbeat for stale_seconds: a stalled machine)
             # and failed it: its result is lost, not counted, and the search goes on.
             return TrialState.FAIL, trial.number
+
+    @contextmanager
+    def _interruptions_told(self, trial: optuna.Trial) -> Iterator[None]:
+        """Whatever interrupts `trial` tells it FAIL with the reason before it propagates (the
+        bookkeeping a restart would do, done now); its fleet claim is released either way."""
+        try:
+            yield
         except ServerUnavailable as e:
             self._fail(trial, f"{st.FAIL_UNREACHABLE}: {e}")
             raise
         except AdminRejected:
             self._fail(trial, "admin token refused")
             raise
-        except BaseException:
-            # Ctrl-C / SIGTERM (or a bug): the bookkeeping a restart would do, done now.
+        except BaseException:  # Ctrl-C / SIGTERM, or a bug
             self._fail(trial, st.FAIL_INTERRUPTED)
             raise
         finally:
@@ -180,7 +188,7 @@ class TrialRunner:
         if params is not None:
             self._study.enqueue_trial(params, user_attrs={"role": st.ROLE_CHALLENGE})
         trial = self._study.ask()
-        try:
+        with self._interruptions_told(trial):
             trial.set_user_attr("role", st.ROLE_CHALLENGE)
             trial.set_user_attr("tuner_id", self._config.tuner_id)
             st.beat(trial, self._wall_clock)
@@ -197,14 +205,6 @@ class TrialRunner:
             paired = measured if isinstance(measured, PairedMeasurement) else None
             m = paired.candidate if paired else measured
             state = self._tell(trial, m, incumbent, paired)
-        except ServerUnavailable as e:
-            self._fail(trial, f"{st.FAIL_UNREACHABLE}: {e}")
-            raise
-        except BaseException:
-            self._fail(trial, st.FAIL_INTERRUPTED)
-            raise
-        finally:
-            self._release_claim()
         self._emit(TunerEvent(EventKind.TRIAL_FINISHED, trial.number, st.ROLE_CHALLENGE, policy, state.name,
                               m.value if state is not TrialState.FAIL else None, m.stats, incumbent,
                               message=str(trial.user_attrs.get("fail_reason") or trial.user_attrs.get("prune_reason")
