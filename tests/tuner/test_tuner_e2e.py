@@ -113,12 +113,20 @@ def test_tuner_stores_valued_trials_with_attrs_and_leaves_the_best_policy_applie
 
 
 def trial_state(storage: optuna.storages.BaseStorage, study: str, number: int) -> TrialState | None:
-    """Trial `number`'s state in the stored study (None while the study or the trial does not exist)."""
+    """Trial `number`'s state in the stored study (None while the study or the trial does not exist).
+    A RUNNING trial reads WAITING until its tuner has stamped it as its own: killed in the instant
+    between Optuna's ask and that stamp, the trial has no owner, and a restarted tuner rightly leaves
+    it to the stale-heartbeat recovery (another worker's trial looks the same) instead of failing it."""
     try:
         trials = storage.get_all_trials(storage.get_study_id_from_name(study), deepcopy=False)
     except KeyError:
         return None
-    return trials[number].state if len(trials) > number else None
+    if len(trials) <= number:
+        return None
+    trial = trials[number]
+    if trial.state is TrialState.RUNNING and "tuner_id" not in trial.user_attrs:
+        return TrialState.WAITING
+    return trial.state
 
 
 def test_sigkill_mid_trial_then_restart_resumes_without_losing_finished_trials(served, admin_client, otlp_port,
