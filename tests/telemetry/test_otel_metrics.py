@@ -114,6 +114,25 @@ def test_acceptance_and_cost_series_match_the_steps(recorded):
             sum(s.decode_step_equivalents for s in steps))
 
 
+def test_measurements_inside_a_sampled_request_span_carry_no_exemplars(engine):
+    """Every measurement of a request is taken inside its sampled span, where the SDK's default
+    filter would attach exemplars (and pay a reservoir offer per measurement, on the request's path);
+    the server turns them off. A data point with exemplars fails here."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    reader, spans = InMemoryMetricReader(), InMemorySpanExporter()
+    telemetry = build_telemetry_from_config(TelemetryConfig(), engine.info, extra_metric_readers=[reader],
+                                            extra_span_processors=[SimpleSpanProcessor(spans)])
+    try:
+        generate(engine, telemetry, max_new_tokens=8)
+        points = collect(reader)
+    finally:
+        telemetry.shutdown()
+    assert any(s.context.trace_flags.sampled for s in spans.get_finished_spans())  # exemplars were possible
+    assert points and all(not getattr(p, "exemplars", ()) for series in points.values() for p in series)
+
+
 def test_failed_request_records_duration_with_error_type(engine):
     reader = InMemoryMetricReader()
     telemetry = build_telemetry_from_config(TelemetryConfig(), engine.info, extra_metric_readers=[reader])
