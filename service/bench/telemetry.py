@@ -31,7 +31,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from otel.api import NoTelemetry
-from otel.config import TelemetryConfig
+from otel.config import DEFAULT_VERIFY_SPAN_RATIO, TelemetryConfig
 from otel.setup import build_telemetry_from_config
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
@@ -104,7 +104,7 @@ def run_benchmark(
     block: int = 4,
     max_new_tokens: int = 32,
     policy: DraftPolicy = BENCH_POLICY,
-    verify_span_ratio: float = 1.0,
+    verify_span_ratio: float = DEFAULT_VERIFY_SPAN_RATIO,
     prompts: Sequence[str] = DEFAULT_PROMPTS,
     log: Callable[[str], None] | None = None,
 ) -> list[ModeResult]:
@@ -187,8 +187,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block", type=int, default=4, help="requests per mode per cycle (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per request (default 32)")
     parser.add_argument("--draft-length", type=int, default=3, help="model drafter's k (default 3)")
-    parser.add_argument("--verify-span-ratio", type=float, default=1.0,
-                        help="share of verify steps with a span (default 1: the worst case)")
+    parser.add_argument("--verify-span-ratio", type=float, default=DEFAULT_VERIFY_SPAN_RATIO,
+                        help=f"share of verify steps with a span (default {DEFAULT_VERIFY_SPAN_RATIO}, the "
+                             "server's; 1 is the worst case)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
 
