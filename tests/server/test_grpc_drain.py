@@ -22,10 +22,12 @@ from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
 HEALTH_NAMES = ("", "moespec.v1.Inference", "moespec.v1.PolicyAdmin")  # as the proto documents them
 GRACE_SECONDS = 3.0
 LONG_GENERATION = 480
-# Slow on purpose, so the generation outlasts the grace period whatever the machine's speed: the
-# dense draft model (each drafted token costs about a target step, unlike the draft head) drafting 8
-# near-uniform tokens (the highest draft temperature) that are almost never accepted, so every
-# committed token pays 8 draft steps and a nine-position verify pass.
+# Slow on purpose, so the generations outlast the grace period whatever the machine's speed: the
+# dense draft model drafting 8 near-uniform tokens (the highest draft temperature) that are almost
+# never accepted, so every committed token pays 8 draft steps and a nine-position verify pass; and
+# eight such generations share the batch. Two alone take ~1.3x the time to the grace period's end on
+# a fast machine; eight take ~3.5x.
+IN_FLIGHT = 8
 SLOW_POLICY = ["--draft-model", str(DEFAULT_DRAFT_DIR), "--drafter", "model", "--draft-length", "8",
                "--draft-temperature", "2.0"]
 
@@ -70,9 +72,11 @@ def test_sigterm_drains_on_an_open_port_and_ends_the_stream_with_cancelled(servi
         stream = inference.GenerateStream(request, timeout=120)
         chunks = [next(stream)]  # in flight
         unary: list = []
-        unary_call = threading.Thread(target=lambda: unary.append(inference.Generate(request, timeout=120)))
-        unary_call.start()
-        time.sleep(0.5)  # the unary call reaches the engine (its generation takes seconds)
+        unary_calls = [threading.Thread(target=lambda: unary.append(inference.Generate(request, timeout=120)))
+                       for _ in range(IN_FLIGHT - 1)]
+        for call in unary_calls:
+            call.start()
+        time.sleep(0.5)  # the unary calls reach the engine (their generations take seconds)
         proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         time.sleep(0.3)  # well past the moment the old server closed its port (~60 ms)
@@ -91,7 +95,8 @@ def test_sigterm_drains_on_an_open_port_and_ends_the_stream_with_cancelled(servi
         assert time.monotonic() - signalled < GRACE_SECONDS, "the checks above ran after the grace period"
 
         chunks += list(stream)  # ends without an error status
-        unary_call.join(30)
+        for call in unary_calls:
+            call.join(30)
     final = chunks[-1]
     assert final.finish_reason == "cancelled"
     assert all(c.finish_reason == "" for c in chunks[:-1])
@@ -99,14 +104,15 @@ def test_sigterm_drains_on_an_open_port_and_ends_the_stream_with_cancelled(servi
     assert 0 < final.completion_tokens == len(streamed) < LONG_GENERATION
     assert final.spec.verify_steps > 0 and final.max_new_tokens == LONG_GENERATION
     assert time.monotonic() - signalled >= GRACE_SECONDS - 0.2  # it ran until the grace period ended
-    (response,) = unary  # the unary call in flight answers too, with what it generated
-    assert response.finish_reason == "cancelled" and 0 < response.completion_tokens < LONG_GENERATION
+    assert len(unary) == IN_FLIGHT - 1  # the unary calls in flight answer too, with what they generated
+    for response in unary:
+        assert response.finish_reason == "cancelled" and 0 < response.completion_tokens < LONG_GENERATION
 
     assert proc.wait(timeout=30) == 0
     log.seek(0)
     stderr = log.read()
     assert "Traceback" not in stderr, stderr
-    assert "grace period" in stderr and "stopping 2 generation" in stderr  # the operator is told why
+    assert "grace period" in stderr and f"stopping {IN_FLIGHT} generation" in stderr  # the operator is told why
 
 
 def test_sigterm_with_nothing_in_flight_exits_at_once(serving):
