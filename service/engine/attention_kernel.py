@@ -98,7 +98,8 @@ class AttentionPass:
             raise ValueError(f"attention_block: cache slots must lie in [0, {num_slots})")
         self.n, self.layers, self.K, self.S, self.D = positions.numel(), L, K, S, D
         self.tensors = (positions, slots, k_cache, v_cache, rope_cos, rope_sin)  # alive while in use
-        self._layer_bytes = k_cache.stride(0) * k_cache.element_size()
+        self.layer_floats = k_cache.stride(0)
+        self._layer_bytes = self.layer_floats * k_cache.element_size()
         self._k, self._v = k_cache.data_ptr(), v_cache.data_ptr()
         self._shared = (rope_cos.data_ptr(), rope_sin.data_ptr(), positions.data_ptr(), slots.data_ptr())
 

@@ -20,6 +20,9 @@ kernels; their C source and contract are in moe_kernel.py.
 ragged pass; its C source, contract and argument checks are in attention_kernel.py, compiled into the
 same library (it uses `dot`, `exp512`, `matmul_p` and `rms_norm` from here).
 
+`decoder_layers(stack, pass, x, last_mlp)`: every layer of a Qwen2-MoE pass (attention, norm, MoE
+block, residual) in one call, bitwise the per-layer calls; see decoder_kernel.py.
+
 The library is compiled with the system C compiler into a cache folder keyed by the source, the
 flags and this CPU's feature flags (so a shared home folder never serves code for another CPU), and
 loaded with ctypes only once kernel_cache has checked the folder, the file and its recorded SHA-256.
@@ -40,14 +43,24 @@ from pathlib import Path
 
 import torch
 
-from service.engine import attention_kernel, bf16_kernel, csrc, head_kernel, kernel_cache, kernel_pool, moe_kernel
+from service.engine import (
+    attention_kernel,
+    bf16_kernel,
+    csrc,
+    decoder_kernel,
+    head_kernel,
+    kernel_cache,
+    kernel_pool,
+    moe_kernel,
+)
 from service.engine.attention_kernel import AttentionPass, AttentionWeights
+from service.engine.decoder_kernel import DecoderStack
 from service.engine.kernel_pool import ONE_THREAD, KernelPool, KernelThreads
 from service.engine.moe_kernel import MoeBlock
 from service.engine.packed import PackedWeight
 
-__all__ = ["AttentionPass", "AttentionWeights", "KernelThreads", "Kernels", "MoeBlock", "ONE_THREAD", "PackedWeight",
-           "build"]
+__all__ = ["AttentionPass", "AttentionWeights", "DecoderStack", "KernelThreads", "Kernels", "MoeBlock", "ONE_THREAD",
+           "PackedWeight", "build"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +70,7 @@ _SOURCE = kernel_pool.SOURCE + csrc.read("common.c")  # dot, exp512, bf16_value,
 _SOURCE += bf16_kernel.SOURCE + csrc.read("matmul.c")
 
 _SOURCE += moe_kernel.SOURCE + attention_kernel.SOURCE + head_kernel.SOURCE  # they use the helpers above
+_SOURCE += decoder_kernel.SOURCE  # the layer loop over moe_block and attention_block
 
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-pthread")
 
@@ -88,6 +102,10 @@ class Kernels:
         self._attention.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr, i64, i64, i64, ctypes.c_int,
                                     ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
         self._attention.restype = None
+        self._decoder = lib.decoder_layers
+        self._decoder.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr,
+                                  ptr, ptr]
+        self._decoder.restype = ctypes.c_int
         self._head_draft = lib.head_draft
         self._head_draft.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
         self._head_draft.restype = ctypes.c_int
@@ -151,6 +169,30 @@ class Kernels:
         self._attention(x.data_ptr(), where.n, weights.H, *weights.args, *where.args(layer), weights.o_ptr,
                         scratch.data_ptr(), out.data_ptr(), _handle(pool), int(kv_only))
         return None if kv_only else out
+
+    def decoder_layers(self, stack: DecoderStack, where: AttentionPass, x: torch.Tensor, last_mlp: bool,
+                       attention_pool: KernelPool | None = None,
+                       moe_pool: KernelPool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] (the embedded tokens) -> (hidden states after every layer [N, H], routed ids
+        [L, N, m]) in one call (see decoder_kernel.py), writing each layer's keys and values; the
+        calls inside split over the pools' threads as the per-layer calls would. Without last_mlp (a
+        prefill) the last layer only writes its keys and values: the states are then the last but
+        one layer's and the ids [L - 1, N, m]."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape != (where.n, stack.H) or not x.is_contiguous() \
+                or not x.is_cpu:
+            raise ValueError(f"decoder_layers: x must be a contiguous float32 CPU tensor [{where.n}, {stack.H}]")
+        if (where.layers, where.K, where.D) != (stack.L, *stack.kv):
+            raise ValueError(f"decoder_layers: the cache holds {where.layers} layers of {where.K} kv heads of "
+                             f"{where.D}, the model {stack.L} of {stack.kv[0]} of {stack.kv[1]}")
+        out = x.clone()
+        ids = torch.empty(stack.L, where.n, stack.m, dtype=torch.long)
+        rope_cos, rope_sin, positions, slots, k_cache, v_cache, S = where.args(0)
+        status = self._decoder(out.data_ptr(), where.n, stack.H, stack.L, ctypes.addressof(stack.array),
+                               int(last_mlp), rope_cos, rope_sin, positions, slots, k_cache, v_cache,
+                               where.layer_floats, S, ids.data_ptr(), _handle(attention_pool), _handle(moe_pool))
+        if status != 0:
+            raise MemoryError("decoder_layers: out of memory")
+        return out, ids if last_mlp else ids[:-1]
 
     def head_draft(self, weights: head_kernel.HeadWeights, tokens: torch.Tensor, features: torch.Tensor,
                    slot: int, start: int, k: int, temperature: float,

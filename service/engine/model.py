@@ -13,7 +13,8 @@ Contract:
   caller can count the distinct experts a verification pass touched (the union).
 - `fuse_for_inference(kernels)` selects the fast step: on CPU, every pass runs each layer's attention
   sub-block in one kernel call (attention_kernel.py: no padding, no mask, every token at its own slot
-  and position; prefill passes too), passes of up to kernel_window_max positions the MoE block too,
+  and position; prefill passes too), passes of up to kernel_window_max positions the MoE block too
+  (for an MoE model the whole layer loop is then one call, decoder_kernel.py),
   windows of up to UNION_WINDOW_MAX the MLPs and the output layer too (kernels.py); in all of them
   each position's result does not depend on the rest of its pass; `math="bf16"` runs their matrix
   products in bf16 arithmetic (packed.py), still row by row. Without kernels, the eager step.
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from service.engine.attention_kernel import AttentionPass
+from service.engine.decoder_kernel import DecoderStack
 from service.engine.kernel_pool import ONE_THREAD, KernelThreads
 from service.engine.kernels import Kernels
 from service.engine.layers import KERNEL_WINDOW_MAX, DecoderLayer, RMSNorm
@@ -65,6 +67,7 @@ class Transformer(nn.Module):
         self.kernel_window_max = KERNEL_WINDOW_MAX
         self.kernel_threads = ONE_THREAD
         self.fused_attention = False
+        self.decoder_stack: DecoderStack | None = None  # see fuse_for_inference
 
     def fuse_for_inference(self, kernels: Kernels | None = None, kernel_window_max: int = KERNEL_WINDOW_MAX,
                            fused_attention: bool = True, kernel_threads: KernelThreads = ONE_THREAD,
@@ -94,6 +97,8 @@ class Transformer(nn.Module):
         self.kernel_window_max = kernel_window_max
         self.kernel_threads = kernel_threads
         self.fused_attention = kernels is not None and fused_attention
+        # Every layer's attention and MoE block fused: the whole layer loop is one call (decoder_kernel.py).
+        self.decoder_stack = DecoderStack(self.layers) if self.fused_attention and self.cfg.is_moe else None
 
     def output_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [w, H] -> logits [w, V]; in the kernel up to kernel_window_max rows (the
@@ -117,12 +122,11 @@ class Transformer(nn.Module):
         whole pass: its union is the batch union). Attention: with the fused kernel one call per layer,
         each token at its own slot and position; without it one padded SDPA call per layer.
         """
-        x, ids = self._layers(tokens, batch, cache, last_mlp=True)
+        x, routed = self._layers(tokens, batch, cache, last_mlp=True)
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
         features = self.norm(x)
-        return ForwardOutput(logits=self.output_logits(features), routed_ids=torch.stack(ids) if ids else None,
-                             features=features)
+        return ForwardOutput(logits=self.output_logits(features), routed_ids=routed, features=features)
 
     def fill_cache(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache,
                    features: bool = False) -> torch.Tensor | None:
@@ -135,9 +139,9 @@ class Transformer(nn.Module):
         return self.norm(x) if features else None
 
     def _layers(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache,
-                last_mlp: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                last_mlp: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder layers over one pass -> final hidden states [N, H] (before the norm) and the
-        routed ids [N, m] of each MoE layer that ran."""
+        routed ids [L', N, m] of the MoE layers that ran (None for a dense model)."""
         x = self.embed_tokens(tokens)  # [N, H]
         where = cos = sin = None
         # Fused attention at every pass size: on a 16 x 95-token prefill it took ~0.6 of the padded
@@ -145,6 +149,9 @@ class Transformer(nn.Module):
         if self.fused_attention and x.is_cpu and not torch.is_grad_enabled():
             where = AttentionPass(batch.positions, batch.token_slot, cache.k, cache.v, self.rope_cos, self.rope_sin)
             pool = self.kernel_threads.attention(x.shape[0])
+            if self.decoder_stack is not None and x.shape[0] <= self.kernel_window_max:
+                return self.kernels.decoder_layers(self.decoder_stack, where, x, last_mlp, pool,
+                                                   self.kernel_threads.moe(x.shape[0]))
         else:
             cos, sin = self._rope(batch)
         ids = []
@@ -166,7 +173,7 @@ class Transformer(nn.Module):
             else:
                 h = layer.mlp(h)
             x = x + h
-        return x, ids
+        return x, torch.stack(ids) if ids else None
 
     def _rope(self, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, 1, D] at each token's position (eager attention)."""

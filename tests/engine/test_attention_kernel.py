@@ -99,9 +99,9 @@ def test_attention_weights_that_do_not_fit_are_refused_naming_the_tensor(attenti
 
 
 def test_every_pass_takes_the_attention_kernel_once_per_layer_unless_fused_attention_is_off(k):
-    """Counted on the real kernel (wrapped, still run): a pass calls it once per layer whether or not
-    it is longer than the MoE kernel's window (prefill passes take it too); a model fused with
-    fused_attention=False never does (eager SDPA)."""
+    """Counted on the real kernels (wrapped, still run): a pass within the MoE kernel's window runs
+    all its layers in one decoder_layers call; a longer one calls the attention kernel once per layer
+    (prefill passes take it too); a model fused with fused_attention=False calls neither (eager SDPA)."""
     from service.engine.ragged import KVCache
     from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
 
@@ -112,13 +112,18 @@ def test_every_pass_takes_the_attention_kernel_once_per_layer_unless_fused_atten
             calls.append(args[2])  # the layer
             return super().attention_block(*args)
 
+        def decoder_layers(self, *args):
+            calls.append("all layers")
+            return super().decoder_layers(*args)
+
     counting = Counting(k.path)
     ids = torch.randint(1, 4000, (32,), generator=torch.Generator().manual_seed(5))
-    cases = [(16, True, 16, 4), (16, True, 32, 4), (128, True, 32, 4), (128, False, 32, 0)]
+    one_call, per_layer = ["all layers"], list(range(4))
+    cases = [(16, True, 16, one_call), (16, True, 32, per_layer), (128, True, 32, one_call), (128, False, 32, [])]
     for limit, fused, n, want in cases:
         model = load_for_inference(DEFAULT_TARGET_DIR, kernels=counting, kernel_window_max=limit,
                                    fused_attention=fused)
         calls.clear()
         with torch.inference_mode():
             model.forward(ids[:n], 0, KVCache(model.cfg, 64))
-        assert calls == list(range(want)), (limit, fused, n)
+        assert calls == want, (limit, fused, n)

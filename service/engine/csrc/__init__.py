@@ -1,7 +1,7 @@
 """The C sources of the fused kernels, shipped as package data and compiled by kernels.build.
 
 They form one translation unit, concatenated in the order kernels.py gives (kernel_pool.c,
-common.c, bf16.c, matmul.c, moe.c, attention.c, head.c): later files use the helpers of
+common.c, bf16.c, matmul.c, moe.c, attention.c, head.c, decoder.c): later files use the helpers of
 earlier ones, so a file alone does not compile. Each is read where its Python wrapper lives.
 """
 
