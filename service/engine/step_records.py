@@ -56,10 +56,14 @@ def unions(e: Engine, routed: torch.Tensor, lengths: list[int]) -> tuple[list[tu
     if not e.config.capture_routing:
         zeros = (0,) * routed.shape[0]
         return [zeros] * len(lengths), zeros
+    E, m = e.target.cfg.num_experts, e.target.cfg.num_experts_per_tok
+    if max(lengths) == 1:  # plain decoding: one position picks m distinct experts (top-k), nothing to count
+        own = (m,) * routed.shape[0]
+        return [own] * len(lengths), own if len(lengths) == 1 else unique_experts_per_layer(routed, E)
     if len(lengths) == 1:  # a request alone: its window is the pass (one scatter, fewer ops)
-        unique = unique_experts_per_layer(routed, e.target.cfg.num_experts)
+        unique = unique_experts_per_layer(routed, E)
         return [unique], unique
-    return unique_experts_per_window(routed, lengths, e.target.cfg.num_experts)
+    return unique_experts_per_window(routed, lengths, E)
 
 
 def pass_record(e: Engine, pass_id: int, lengths: list[int], routed: torch.Tensor, unique: tuple[int, ...],
