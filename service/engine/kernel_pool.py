@@ -74,19 +74,14 @@ class KernelPool:
 class KernelThreads:
     """When a kernel call splits its work over the pool's threads: from a kernel's minimum number of
     positions in the pass on (no pool: never). Splitting never changes a bit of the result (every
-    position and output column is computed on its own). The MoE block and attention need 2 positions;
-    the output layer splits its columns, so even one position pays. Measured on the 2-core development
-    machine (AMD EPYC, in-process, shipped model, a warm pool of 2, ms per call, 1 -> 2 threads): MoE
-    block 1.14 -> 0.81 at 16 positions (split by position; by expert, the C source, 0.20 against 0.21 on
-    recorded calls at a later, faster moment); attention 0.076 -> 0.049 at 2 and 0.30 -> 0.20 at 16;
-    output layer 0.077 -> 0.046 at 1 and 0.45 -> 0.34 at 16. A single position: attention has nothing
-    to split (0.047 -> 0.049); the MoE block split by expert took 0.035 against 0.052 ms on replayed
-    calls, but real single-stream decoding gained nothing (two engines alternating, 4 runs of 12 rounds:
-    median per-round ratio 0.91, 1.04, 0.96, 1.00), and a split step also waits for the other thread to
-    wake, so one position stays on one thread."""
+    position and output column is computed on its own). The MoE block splits by expert, so even a
+    one-position decode step pays: with the whole layer loop in one call (decoder_kernel.py) the
+    pool's workers are still spinning from the previous layer's call when the next one comes
+    (single-stream plain decoding with and without the split: docs/engine.md). Attention needs 2
+    positions (it splits tokens); the output layer splits its columns, so one position pays."""
 
     pool: KernelPool | None = None
-    moe_min_positions: int = 2
+    moe_min_positions: int = 1
     linear_min_positions: int = 1
     attention_min_positions: int = 2
 
