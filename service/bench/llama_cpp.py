@@ -3,8 +3,8 @@
 llama.cpp comes from `scripts/setup_llama_cpp.sh` (built from the package registry's llama-cpp-python
 source, the shipped target and dense draft converted to bf16 GGUF); without it the command exits 2
 and names the script. Both sides run at the same thread count (`--threads`: llama.cpp's `-t`,
-moespec's kernel threads) and alternate within every round, the order swapped each round, so load
-from elsewhere on the machine moves both. Modes:
+moespec's kernel threads) and each mode's two sides run back to back, the order swapped each round,
+so load from elsewhere on the machine moves both sides of a pair. Modes:
 
 - decode: one stream generating --tokens tokens after --depth tokens of context. llama.cpp:
   `llama-bench -p 0 -n N -d D`; moespec: plain greedy decoding after a D-token held-out prompt.
@@ -28,8 +28,10 @@ import json
 import re
 import statistics
 import subprocess
+import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 from service.bench.engine import load_prompts
@@ -65,44 +67,56 @@ def tools(root: Path) -> dict[str, Path]:
     return found
 
 
-def _run(cmd: list[str], timeout: float = 600) -> str:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        raise RuntimeError(f"{Path(cmd[0]).name} exited {done.returncode}:\n{done.stderr[-2000:]}")
-    return done.stdout + done.stderr
+ATTEMPTS = 3
+
+
+class ToolFailed(Exception):
+    """A llama.cpp tool exited with an error, or printed no result in ATTEMPTS runs."""
+
+
+def _run(cmd: list[str], result: str, timeout: float = 600) -> tuple[str, re.Match]:
+    """Run a llama.cpp tool until its output matches the `result` pattern -> (output, match).
+
+    Why more than once: the tools sometimes exit 0 having printed nothing after setting up the
+    context (llama-batched-bench about 1 run in 20 here, llama-speculative too); a rerun measures."""
+    name = Path(cmd[0]).name
+    for _ in range(ATTEMPTS):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise ToolFailed(f"{name} exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+        out = done.stdout + done.stderr
+        found = re.search(result, out)
+        if found is not None:
+            return out, found
+    last = out.strip().splitlines()[-1:] if out.strip() else ["(nothing)"]
+    raise ToolFailed(f"{name} printed no result in {ATTEMPTS} runs (its last line: {last[0]!r}): {' '.join(cmd)}")
 
 
 # -- llama.cpp side ------------------------------------------------------------------------------
 
 def llama_bench(t: dict[str, Path], threads: int, prompt: int, gen: int, depth: int) -> float:
     """Tokens/s of one llama-bench test (its average over its own 3 repetitions)."""
-    out = _run([str(t["llama-bench"]), "-m", str(t["target"]), "-t", str(threads), "-p", str(prompt), "-n", str(gen),
-                "-d", str(depth), "-r", "3", "-o", "json"])
-    records = json.loads(out[out.index("["):out.rindex("]") + 1])
-    return float(records[0]["avg_ts"])
+    _, found = _run([str(t["llama-bench"]), "-m", str(t["target"]), "-t", str(threads), "-p", str(prompt),
+                     "-n", str(gen), "-d", str(depth), "-r", "3", "-o", "json"], r"(?s)\[\s*\{.*\}\s*\]")
+    return float(json.loads(found[0])[0]["avg_ts"])
 
 
 def llama_batched(t: dict[str, Path], threads: int, depth: int, gen: int, batch: int) -> dict[str, float]:
-    out = _run([str(t["llama-batched-bench"]), "-m", str(t["target"]), "-t", str(threads),
-                "-c", str(batch * (depth + gen)), "-b", "2048", "-ub", "512", "-npp", str(depth), "-ntg", str(gen),
-                "-npl", str(batch), "--output-format", "jsonl"])
     # One JSON object per batch size; the tool's log lines (with their own prefixes) come around it.
-    found = re.search(r'\{[^{}]*"speed_tg"[^{}]*\}', out)
-    if found is None:
-        raise RuntimeError(f"llama-batched-bench printed no result:\n{out[-2000:]}")
+    _, found = _run([str(t["llama-batched-bench"]), "-m", str(t["target"]), "-t", str(threads),
+                     "-c", str(batch * (depth + gen)), "-b", "2048", "-ub", "512", "-npp", str(depth),
+                     "-ntg", str(gen), "-npl", str(batch), "--output-format", "jsonl"], r'\{[^{}]*"speed_tg"[^{}]*\}')
     row = json.loads(found[0])
     return {"generation_tokens_per_second": float(row["speed_tg"]),
             "output_tokens_per_second": batch * gen / float(row["t"])}
 
 
 def llama_speculative(t: dict[str, Path], threads: int, prompt: str, gen: int, k: int) -> dict[str, float]:
-    out = _run([str(t["llama-speculative"]), "-m", str(t["target"]), "-md", str(t["draft"]), "-t", str(threads),
-                "-td", str(threads), "-p", prompt, "-n", str(gen), "--spec-draft-n-max", str(k), "--temp", "0",
-                "-c", "1024"])
-    decoded = re.search(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds", out)
+    out, decoded = _run([str(t["llama-speculative"]), "-m", str(t["target"]), "-md", str(t["draft"]),
+                         "-t", str(threads), "-td", str(threads), "-p", prompt, "-n", str(gen),
+                         "--spec-draft-n-max", str(k), "--temp", "0", "-c", "1024"],
+                        r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds")
     accept = re.search(r"accept\s*=\s*([\d.]+)%", out)
-    if decoded is None:
-        raise RuntimeError(f"llama-speculative printed no speed:\n{out[-2000:]}")
     return {"tokens_per_second": int(decoded[1]) / float(decoded[2]),
             "acceptance": float(accept[1]) / 100 if accept else float("nan")}
 
@@ -155,6 +169,14 @@ def moespec_batched(engine, prompts, gen: int) -> dict[str, float]:
 # -- the run -------------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _measure(args)
+    except ToolFailed as e:
+        print(f"moespec bench llamacpp: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _measure(args: argparse.Namespace) -> int:
     from service.engine import Engine, EngineConfig
     from service.engine.weights import DEFAULT_DRAFT_DIR
 
@@ -171,32 +193,45 @@ def run(args: argparse.Namespace) -> int:
     def add(name: str, value: float) -> None:
         samples.setdefault(name, []).append(value)
 
+    def decode(side: str) -> None:
+        if side == "llama.cpp":
+            add("decode llama.cpp", llama_bench(t, args.threads, 0, args.tokens, args.depth))
+        else:
+            add("decode moespec", moespec_stream(head, stream_prompts, args.tokens, DraftPolicy())["tokens_per_second"])
+
+    def prefill(side: str) -> None:
+        if side == "llama.cpp":
+            add("prefill llama.cpp", llama_bench(t, args.threads, args.depth, 0, 0))
+        else:
+            add("prefill moespec", moespec_stream(head, stream_prompts, 1, DraftPolicy())["prefill_tokens_per_second"])
+
+    def speculative(k: int, side: str) -> None:
+        if side == "llama.cpp":
+            spec = llama_speculative(t, args.threads, text_prompt, args.tokens, k)
+            add(f"speculative k={k} llama.cpp", spec["tokens_per_second"])
+            add(f"speculative k={k} llama.cpp acceptance", spec["acceptance"])
+            return
+        for label, engine in (("dense draft", dense), ("draft head", head)):
+            spec = moespec_stream(engine, stream_prompts, args.tokens, DraftPolicy(Drafter.MODEL, k, 0.0))
+            add(f"speculative k={k} moespec {label}", spec["tokens_per_second"])
+            add(f"speculative k={k} moespec {label} acceptance", spec["acceptance"])
+
+    def batched(b: int, side: str) -> None:
+        if side == "llama.cpp":
+            figures = llama_batched(t, args.threads, args.depth, args.tokens, b)
+        else:
+            figures = moespec_batched(head, prompt_windows(head, args.depth, b), args.tokens)
+        for key, value in figures.items():
+            add(f"batch {b} {key} {side}", value)
+
+    modes = [decode, prefill, *(partial(speculative, k) for k in args.draft_lengths),
+             *(partial(batched, b) for b in args.batch)]
+    # Each mode's two sides back to back, the order swapped every round: a pair is seconds apart,
+    # so drift of the shared machine moves both sides of it alike.
     for rnd in range(args.rounds):
-        sides = ["llama.cpp", "moespec"] if rnd % 2 == 0 else ["moespec", "llama.cpp"]
-        for side in sides:
-            if side == "llama.cpp":
-                add("decode llama.cpp", llama_bench(t, args.threads, 0, args.tokens, args.depth))
-                add("prefill llama.cpp", llama_bench(t, args.threads, args.depth, 0, 0))
-                for k in args.draft_lengths:
-                    spec = llama_speculative(t, args.threads, text_prompt, args.tokens, k)
-                    add(f"speculative k={k} llama.cpp", spec["tokens_per_second"])
-                    add(f"speculative k={k} llama.cpp acceptance", spec["acceptance"])
-                for b in args.batch:
-                    for key, value in llama_batched(t, args.threads, args.depth, args.tokens, b).items():
-                        add(f"batch {b} {key} llama.cpp", value)
-            else:
-                plain = moespec_stream(head, stream_prompts, args.tokens, DraftPolicy())
-                add("decode moespec", plain["tokens_per_second"])
-                add("prefill moespec", plain["prefill_tokens_per_second"])
-                for k in args.draft_lengths:
-                    for label, engine in (("dense draft", dense), ("draft head", head)):
-                        spec = moespec_stream(engine, stream_prompts, args.tokens, DraftPolicy(Drafter.MODEL, k, 0.0))
-                        add(f"speculative k={k} moespec {label}", spec["tokens_per_second"])
-                        add(f"speculative k={k} moespec {label} acceptance", spec["acceptance"])
-                for b in args.batch:
-                    batch_prompts = prompt_windows(head, args.depth, b)
-                    for key, value in moespec_batched(head, batch_prompts, args.tokens).items():
-                        add(f"batch {b} {key} moespec", value)
+        for mode in modes:
+            for side in ("llama.cpp", "moespec") if rnd % 2 == 0 else ("moespec", "llama.cpp"):
+                mode(side)
     result = summarise(args, samples)
     (args.out / "llamacpp.json").write_text(json.dumps(result, indent=2))
     text = markdown(result)

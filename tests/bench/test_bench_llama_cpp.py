@@ -71,3 +71,35 @@ def test_a_short_real_run_measures_every_mode_on_both_sides(tmp_path):
                                                      "speculative k=2 (draft head)", "batch 2 generation",
                                                      "batch 2 output"}
     assert all(v > 0 for values in result["samples"].values() for v in values if v == v)
+
+
+def _tool(path, body: str):
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+def test_a_tool_run_that_prints_no_result_is_run_again(tmp_path):
+    """What llama-batched-bench does about 1 run in 20: exit 0 having printed nothing after its set-up."""
+    from service.bench.llama_cpp import _run
+
+    runs = tmp_path / "runs"
+    flaky = _tool(tmp_path / "llama-flaky", f'echo run >> {runs}\n[ "$(wc -l < {runs})" -ge 2 ] && echo "speed 7"\n'
+                                            "exit 0\n")
+    out, found = _run([str(flaky)], r"speed (\d+)")
+    assert found[1] == "7" and runs.read_text().count("run") == 2
+
+
+def test_a_tool_that_never_prints_a_result_fails_the_bench_with_one_line_naming_it(tmp_path):
+    bin_dir = tmp_path / "src" / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in TOOLS:
+        _tool(bin_dir / name, "echo 'W llama_context: set up' >&2\nexit 0\n")
+    (tmp_path / "models").mkdir()
+    for model in ("target-bf16.gguf", "draft-bf16.gguf"):
+        (tmp_path / "models" / model).write_text("")
+    run = subprocess.run([*MOESPEC, "bench", "llamacpp", "--llama-cpp-dir", str(tmp_path), "--rounds", "1",
+                          "--tokens", "4", "--depth", "8", "--draft-lengths", "1", "--batch", "2",
+                          "--out", str(tmp_path / "out")], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert "llama-bench printed no result in 3 runs (its last line: 'W llama_context: set up')" in run.stderr
