@@ -1,21 +1,22 @@
-"""Single-stream plain decoding as a share of the machine's memory-bandwidth limit.
+"""Single-stream plain decoding as a share of the step limit (service/bench/limit.py).
 
-The limit: a plain decode step must read every weight the token touches at least once, so no
-engine decodes faster than (copy bandwidth) / (active weight bytes per token). Active bytes are
-counted from the model's shapes (`active_weight_bytes`); the bandwidth is measured in the same run,
-right before each measurement (`copy_bandwidth`), so load from anything else on the machine moves
-the limit and the speed together. The KV cache (a few hundred kB at these context lengths) and
-activations are left out: the limit is an upper bound.
+The limit: a plain decode step must read every weight its token touches and do its multiply-adds,
+so no engine decodes faster than the step's weight bytes at this machine's cache-resident read rate
+(or its flops at the FMA rate, whichever binds). The bytes are counted from the model's shapes at
+the panels the fused kernels read (bf16 for the shipped checkpoint); both rates are measured right
+before each measurement, with the kernels' own threads, so load from anything else on the machine
+moves the limit and the speed together. Engines without the fused kernels (the eager step) are held
+to the same limit.
 
-Every figure comes twice: by wall time (what a client sees) and by this process's CPU time (time
+Every speed comes twice: by wall time (what a client sees) and by this process's CPU time (time
 the kernel did not run us is left out; memory stalls still count). On a machine shared with other
 busy processes the wall figures swing with their load and the CPU figures much less.
 
-`bandwidth_share` runs three steps round by round, rotating which goes first, on the same prompts
+`bandwidth_share` runs the steps round by round, rotating which goes first, on the same prompts
 with greedy sampling (all emit the same tokens), and reports every round, so the spread is visible
 next to the medians: the default fast step, the same with eager attention (`EngineConfig.
-fused_attention=False`: the fast step before attention moved into the kernel) and the previous
-eager step (`EngineConfig.fast_step=False`). Speed-ups pair the default with each, round by round.
+fused_attention=False`), with float32 products (`math="fp32"`) and the eager step
+(`EngineConfig.fast_step=False`). Speed-ups pair the default with each, round by round.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
+from service.bench.limit import fused_step_cost, measure_rates
 from service.types import DraftPolicy, GenerationRequest, SamplingParams
 
 # Which EngineConfig each mode runs; "fast" is the default and the one the others are compared to.
@@ -34,38 +34,6 @@ MODES = {"reference": dict(fast_step=False), "eager_attention": dict(fused_atten
          "fp32_math": dict(math="fp32"), "fast": {}}
 BASELINES = ("reference", "eager_attention", "fp32_math")
 TARGET_SHARE = 0.25
-
-
-def active_weight_bytes(cfg, bytes_per_param: int = 4) -> int:
-    """Weight bytes one plain decode step (one position) reads from a Qwen2-MoE config."""
-    H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
-    A, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    attention = H * (A + 2 * K) * D + (A + 2 * K) * D + A * D * H  # q/k/v weights + biases, o
-    norms = 2 * H
-    if cfg.is_moe:
-        m, I, Is, E = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, \
-            cfg.num_experts
-        ffn = (E + 1) * H + m * 3 * H * I + 3 * H * Is  # router + shared gate, m routed experts, shared expert
-    else:
-        ffn = 3 * H * cfg.intermediate_size
-    per_token = H + L * (attention + norms + ffn) + H + V * H  # embedding row, layers, final norm, lm_head
-    return per_token * bytes_per_param
-
-
-def copy_bandwidth(megabytes: int = 256, repeats: int = 3) -> tuple[float, float]:
-    """Bytes per second of a large tensor copy (read + write counted, as STREAM's copy), by wall and
-    by CPU time, medians of `repeats`; the buffer is far larger than the last-level cache, copied with
-    torch's current threads."""
-    src = torch.ones(megabytes * 2**20 // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # touch every page before timing
-    wall, cpu = [], []
-    for _ in range(repeats):
-        t0, c0 = time.perf_counter(), time.process_time()
-        dst.copy_(src)
-        wall.append(2 * src.numel() * 4 / (time.perf_counter() - t0))
-        cpu.append(2 * src.numel() * 4 / max(time.process_time() - c0, 1e-9))
-    return statistics.median(wall), statistics.median(cpu)
 
 
 @dataclass
@@ -76,9 +44,8 @@ class Round:
     seconds: float  # wall time of the generate calls
     cpu_seconds: float  # this process's CPU time over the same calls
     step_ms_median: float  # plain decode steps alone (StepRecord.verify_seconds, wall)
-    bandwidth_gbs: float  # wall
-    bandwidth_cpu_gbs: float
-    active_bytes: int
+    read_gbs: float  # the cache-resident read rate measured before this round's mode
+    limit_tokens_per_second: float
 
     @property
     def tokens_per_second(self) -> float:
@@ -89,16 +56,12 @@ class Round:
         return self.tokens / self.cpu_seconds
 
     @property
-    def limit_tokens_per_second(self) -> float:
-        return self.bandwidth_gbs * 1e9 / self.active_bytes
-
-    @property
     def share(self) -> float:
         return self.tokens_per_second / self.limit_tokens_per_second
 
     @property
     def share_cpu(self) -> float:
-        return self.tokens_per_cpu_second / (self.bandwidth_cpu_gbs * 1e9 / self.active_bytes)
+        return self.tokens_per_cpu_second / self.limit_tokens_per_second
 
 
 def bandwidth_share(prompts: list[str], max_new: int, rounds: int, threads: int) -> dict:
@@ -107,7 +70,8 @@ def bandwidth_share(prompts: list[str], max_new: int, rounds: int, threads: int)
     engines = {mode: Engine(EngineConfig(threads=threads, **overrides)) for mode, overrides in MODES.items()}
     if engines["fast"].step_kind != "fast":
         raise RuntimeError("the fused kernel did not build here (no C compiler?): nothing to compare")
-    active = active_weight_bytes(engines["fast"].target.cfg)
+    fast = engines["fast"]
+    cost, bf16_math = fused_step_cost(fast.target, context=len(fast.tokenizer.encode(prompts[0]).ids) + max_new // 2)
     greedy = SamplingParams(temperature=0)
     for engine in engines.values():  # warm-up: first calls pay one-off allocations
         engine.generate(GenerationRequest(prompt=prompts[0], max_new_tokens=8, sampling=greedy), DraftPolicy())
@@ -115,7 +79,7 @@ def bandwidth_share(prompts: list[str], max_new: int, rounds: int, threads: int)
     for r in range(rounds):
         order = list(MODES)
         for mode in order[r % len(order):] + order[:r % len(order)]:
-            bandwidth, bandwidth_cpu = copy_bandwidth()
+            rates = measure_rates(fast.target.kernels, cost.weight_bytes, fast.kernel_threads.pool)
             tokens, seconds, cpu, steps = 0, 0.0, 0.0, []
             for prompt in prompts:
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -125,9 +89,9 @@ def bandwidth_share(prompts: list[str], max_new: int, rounds: int, threads: int)
                 cpu += time.process_time() - c0
                 tokens += out.completion_tokens
                 steps += [s.verify_seconds for s in out.steps]
-            results.append(Round(mode, r, tokens, seconds, cpu, 1e3 * statistics.median(steps), bandwidth / 1e9,
-                                 bandwidth_cpu / 1e9, active))
-    return summarize(results, active, threads)
+            results.append(Round(mode, r, tokens, seconds, cpu, 1e3 * statistics.median(steps),
+                                 rates.read_bytes_per_second / 1e9, cost.limit_tokens_per_second(rates, bf16_math)))
+    return summarize(results, cost.weight_bytes, threads)
 
 
 def summarize(results: list[Round], active: int, threads: int) -> dict:
@@ -146,7 +110,7 @@ def summarize(results: list[Round], active: int, threads: int) -> dict:
             speedups[f"speedup_fast_over_{base}_cpu"] = spread([f.tokens_per_cpu_second / b.tokens_per_cpu_second
                                                                 for f, b in pairs])
     return {
-        "active_weight_bytes_per_token": active,
+        "step_weight_bytes": active,
         "threads": threads,
         "rounds": len(by_mode["fast"]),
         "target_share": TARGET_SHARE,
@@ -155,8 +119,7 @@ def summarize(results: list[Round], active: int, threads: int) -> dict:
                       "tokens_per_cpu_second": spread([r.tokens_per_cpu_second for r in rs], 1),
                       "share_of_limit_cpu": spread([r.share_cpu for r in rs]),
                       "step_ms": spread([r.step_ms_median for r in rs]),
-                      "bandwidth_gbs": spread([r.bandwidth_gbs for r in rs], 2),
-                      "bandwidth_cpu_gbs": spread([r.bandwidth_cpu_gbs for r in rs], 2),
+                      "read_gbs": spread([r.read_gbs for r in rs], 2),
                       "limit_tokens_per_second": spread([r.limit_tokens_per_second for r in rs], 0)}
                   for m, rs in by_mode.items()},
         **speedups,
@@ -166,10 +129,10 @@ def summarize(results: list[Round], active: int, threads: int) -> dict:
 
 
 def markdown(summary: dict, command: str) -> str:
-    lines = [f"Single-stream plain decoding, share of the memory-bandwidth limit (`{command}`; "
+    lines = [f"Single-stream plain decoding, share of the step limit (`{command}`; "
              f"{summary['rounds']} interleaved rounds, median [min, max]; {summary['threads']} intra-op thread(s); "
-             f"{summary['active_weight_bytes_per_token'] / 1e6:.2f} MB of weights per token)",
-             "", "| step | tokens/s | decode step ms | copy GB/s | limit tokens/s | share of limit | "
+             f"{summary['step_weight_bytes'] / 1e6:.2f} MB of weights per token)",
+             "", "| step | tokens/s | decode step ms | cache read GB/s | limit tokens/s | share of limit | "
                  "share of limit, CPU time |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     fmt = lambda s, d: f"{s['median']:.{d}f} [{s['min']:.{d}f}, {s['max']:.{d}f}]"  # noqa: E731
@@ -179,7 +142,7 @@ def markdown(summary: dict, command: str) -> str:
              "fast": "fast step, fused attention (default)"}
     for mode, m in summary["modes"].items():
         lines.append(f"| {names[mode]} | {fmt(m['tokens_per_second'], 1)} | {fmt(m['step_ms'], 2)} | "
-                     f"{fmt(m['bandwidth_gbs'], 1)} | {fmt(m['limit_tokens_per_second'], 0)} | "
+                     f"{fmt(m['read_gbs'], 1)} | {fmt(m['limit_tokens_per_second'], 0)} | "
                      f"{fmt(m['share_of_limit'], 3)} | {fmt(m['share_of_limit_cpu'], 3)} |")
     lines.append("")
     for base in BASELINES:
@@ -188,13 +151,6 @@ def markdown(summary: dict, command: str) -> str:
                          f"{fmt(summary[f'speedup_fast_over_{base}'], 2)}x "
                          f"(by CPU time {fmt(summary[f'speedup_fast_over_{base}_cpu'], 2)}x)")
     lines.append(f"- target share >= {summary['target_share']}")
-    # The limit counts fp32 weights (the issue's definition); the fused kernels read the matrices as bf16
-    # panels where the checkpoint is bf16 (or for bf16 arithmetic), so they move about half these bytes.
-    fast = summary["modes"].get("fast")
-    if fast is not None:
-        lines.append(f"- the default step's kernels read the weight matrices as bf16, "
-                     f"about half the bytes the limit counts: against a bf16 limit its share is about "
-                     f"{fast['share_of_limit']['median'] / 2:.3f}")
     return "\n".join(lines) + "\n"
 
 
@@ -212,8 +168,8 @@ def plot(summary: dict, path: Path) -> None:
         ax.plot([r["round"] for r in rounds], [r["share_cpu"] for r in rounds], marker=marker, color=color, ls=":",
                 label=f"{mode} step, CPU time")
     ax.axhline(summary["target_share"], color="grey", ls="--", label="target")
-    ax.set(xlabel="round (interleaved)", ylabel="tokens/s / bandwidth limit", ylim=(0, None),
-           title="Plain decoding as a share of the bandwidth limit")
+    ax.set(xlabel="round (interleaved)", ylabel="tokens/s / step limit", ylim=(0, None),
+           title="Plain decoding as a share of the step limit")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -6,8 +6,9 @@
   `heuristic` schedule), when transformers is installed;
 - verify cost in plain-decode-step equivalents by window size and by unique experts;
 - the overhead of routing capture (on vs off, interleaved);
-- single-stream plain decoding as a share of the memory-bandwidth limit, the fast step against the
-  same with eager attention (`EngineConfig.fused_attention`) and the previous eager step
+- single-stream plain decoding as a share of the step limit (limit.py: the step's bytes and flops at
+  this machine's cache-resident read and FMA rates, measured in the same run), the fast step against
+  the same with eager attention (`EngineConfig.fused_attention`), float32 products and the eager step
   (`EngineConfig.fast_step`), interleaved round by round (`bandwidth_share`).
 
 Greedy decoding throughout, so every mode produces the same tokens and only speed differs. Every
@@ -59,9 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baselines")
     parser.add_argument("--out", default="reports/bench", help="folder for bench.json and bench.png")
     parser.add_argument("--bandwidth-rounds", type=int, default=6,
-                        help="interleaved rounds of the bandwidth-share section (fast vs previous step)")
+                        help="interleaved rounds of the step-limit share section (fast vs the other steps)")
     parser.add_argument("--only-bandwidth", action="store_true",
-                        help="run only the bandwidth-share section (writes bandwidth.json / .md / .png)")
+                        help="run only the step-limit share section (writes bandwidth.json / .md / .png)")
 
 
 def load_prompts(count: int) -> list[str]:

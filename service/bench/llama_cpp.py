@@ -35,6 +35,7 @@ from functools import partial
 from pathlib import Path
 
 from service.bench.engine import load_prompts
+from service.bench.limit import fused_step_cost, measure_rates
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -228,7 +229,11 @@ def _measure(args: argparse.Namespace) -> int:
              *(partial(batched, b) for b in args.batch)]
     # Each mode's two sides back to back, the order swapped every round: a pair is seconds apart,
     # so drift of the shared machine moves both sides of it alike.
+    # The step limit (limit.py) at the decode's middle context; llama.cpp's GGUF holds the same bf16 weights.
+    cost, bf16_math = fused_step_cost(head.target, context=args.depth + args.tokens // 2)
     for rnd in range(args.rounds):
+        rates = measure_rates(head.target.kernels, cost.weight_bytes, head.kernel_threads.pool)
+        add("decode limit", cost.limit_tokens_per_second(rates, bf16_math))
         for mode in modes:
             for side in ("llama.cpp", "moespec") if rnd % 2 == 0 else ("moespec", "llama.cpp"):
                 mode(side)
@@ -253,10 +258,19 @@ def summarise(args: argparse.Namespace, samples: dict[str, list[float]]) -> dict
                                                                              f"batch {b} {key} llama.cpp")
     ratios = {name: [a / b for a, b in zip(samples[ours], samples[theirs], strict=True)]
               for name, (ours, theirs) in pairs.items()}
-    return {"threads": args.threads, "depth": args.depth, "tokens": args.tokens, "rounds": args.rounds,
-            "samples": samples, "pairs": {n: list(p) for n, p in pairs.items()},
-            "moespec_over_llama_cpp": {n: {"median": statistics.median(r), "min": min(r), "max": max(r)}
-                                       for n, r in ratios.items()}}
+    result = {"threads": args.threads, "depth": args.depth, "tokens": args.tokens, "rounds": args.rounds,
+              "samples": samples, "pairs": {n: list(p) for n, p in pairs.items()},
+              "moespec_over_llama_cpp": {n: _spread(r) for n, r in ratios.items()}}
+    if "decode limit" in samples:  # each side's decode over the same round's step limit
+        result["decode_share_of_limit"] = {
+            side: _spread([v / limit for v, limit in zip(samples[f"decode {side}"], samples["decode limit"],
+                                                          strict=True)])
+            for side in ("moespec", "llama.cpp")}
+    return result
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def markdown(result: dict) -> str:
@@ -268,4 +282,11 @@ def markdown(result: dict) -> str:
         r = result["moespec_over_llama_cpp"][name]
         rows.append(f"| {name} | {statistics.median(s[theirs]):,.0f} | {statistics.median(s[ours]):,.0f} | "
                     f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}) |")
+    if "decode_share_of_limit" in result:
+        shares = ", ".join(f"{side} {v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f})"
+                           for side, v in result["decode_share_of_limit"].items())
+        limit = statistics.median(s["decode limit"])
+        rows += ["", f"decode as a share of the step limit (service/bench/limit.py: the step's bytes and flops at "
+                     f"this machine's cache-resident read and FMA rates, measured each round; median {limit:,.0f} "
+                     f"tokens/s): {shares}"]
     return "\n".join(rows) + "\n"

@@ -71,6 +71,7 @@ _SOURCE += bf16_kernel.SOURCE + csrc.read("matmul.c")
 
 _SOURCE += moe_kernel.SOURCE + attention_kernel.SOURCE + head_kernel.SOURCE  # they use the helpers above
 _SOURCE += decoder_kernel.SOURCE  # the layer loop over moe_block and attention_block
+_SOURCE += csrc.read("probe.c")  # the machine probes of the step limit (service/bench/limit.py)
 
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-pthread")
 
@@ -106,6 +107,12 @@ class Kernels:
         self._decoder.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr,
                                   ptr, ptr]
         self._decoder.restype = ctypes.c_int
+        self._probe_read = lib.probe_read
+        self._probe_read.argtypes = [ptr, i64, i64, ptr]
+        self._probe_read.restype = ctypes.c_float
+        self._probe_fma = lib.probe_fma
+        self._probe_fma.argtypes = [i64, ptr]
+        self._probe_fma.restype = ctypes.c_float
         self._head_draft = lib.head_draft
         self._head_draft.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
         self._head_draft.restype = ctypes.c_int
@@ -222,6 +229,22 @@ class Kernels:
         if status != 0:
             raise MemoryError("head_draft: out of memory")
         return picks, q
+
+    def probe_read(self, buf: torch.Tensor, reps: int, pool: KernelPool | None = None) -> float:
+        """Read a contiguous float32 CPU buffer `reps` times in whole blocks of 128 floats, split over
+        the pool's threads (see probe.c); returns the sum of what was read (so the reads cannot be
+        skipped)."""
+        if buf.dtype != torch.float32 or not buf.is_contiguous() or not buf.is_cpu or reps < 1:
+            raise ValueError("probe_read: a contiguous float32 CPU buffer and reps >= 1")
+        return self._probe_read(buf.data_ptr(), buf.numel(), reps, _handle(pool))
+
+    def probe_fma(self, reps: int, pool: KernelPool | None = None) -> int:
+        """`reps` rounds of fused multiply-adds on every thread of the pool (see probe.c) -> the
+        flops done (2 per multiply-add)."""
+        if reps < 1:
+            raise ValueError("probe_fma: reps >= 1")
+        self._probe_fma(reps, _handle(pool))
+        return 2 * 16 * 12 * reps * (pool.threads if pool is not None else 1)
 
     def default_math(self) -> str:
         """The arithmetic of the matrix products where none is asked for: bf16 where this CPU multiplies
