@@ -33,7 +33,6 @@ from service.types import DraftPolicy, GenerationRequest, SamplingParams
 MODES = {"reference": dict(fast_step=False), "eager_attention": dict(fused_attention=False),
          "fp32_math": dict(math="fp32"), "fast": {}}
 BASELINES = ("reference", "eager_attention", "fp32_math")
-TARGET_SHARE = 0.25
 
 
 @dataclass
@@ -113,7 +112,6 @@ def summarize(results: list[Round], active: int, threads: int) -> dict:
         "step_weight_bytes": active,
         "threads": threads,
         "rounds": len(by_mode["fast"]),
-        "target_share": TARGET_SHARE,
         "modes": {m: {"tokens_per_second": spread([r.tokens_per_second for r in rs], 1),
                       "share_of_limit": spread([r.share for r in rs]),
                       "tokens_per_cpu_second": spread([r.tokens_per_cpu_second for r in rs], 1),
@@ -150,7 +148,6 @@ def markdown(summary: dict, command: str) -> str:
             lines.append(f"- default / {names[base]}, tokens/s paired by round: "
                          f"{fmt(summary[f'speedup_fast_over_{base}'], 2)}x "
                          f"(by CPU time {fmt(summary[f'speedup_fast_over_{base}_cpu'], 2)}x)")
-    lines.append(f"- target share >= {summary['target_share']}")
     return "\n".join(lines) + "\n"
 
 
@@ -167,7 +164,6 @@ def plot(summary: dict, path: Path) -> None:
                 label=f"{mode} step, wall")
         ax.plot([r["round"] for r in rounds], [r["share_cpu"] for r in rounds], marker=marker, color=color, ls=":",
                 label=f"{mode} step, CPU time")
-    ax.axhline(summary["target_share"], color="grey", ls="--", label="target")
     ax.set(xlabel="round (interleaved)", ylabel="tokens/s / step limit", ylim=(0, None),
            title="Plain decoding as a share of the step limit")
     ax.legend(fontsize=8)

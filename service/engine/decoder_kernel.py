@@ -1,11 +1,13 @@
-"""All decoder layers of a Qwen2-MoE pass in one C call (`Kernels.decoder_layers`).
+"""All decoder layers of a pass in one C call (`Kernels.decoder_layers`), for the Qwen2-MoE target
+and the dense Qwen2 draft.
 
 Why: with attention and the MoE block each one kernel call, a one-token decode step of the shipped
 model still spent about half of its forward pass between the calls: per layer the two wrappers'
 checks and output tensors, the post-attention norm as a module call, the residual add, the list of
 routed ids; about 200 microseconds per step against about 180 in the kernels themselves. Here the
 layer loop runs in C: the same kernels in the same order (attention_block, rms_norm, moe_block, the
-residual add), so the hidden states and routed ids are bitwise those of the Python loop.
+residual add; a dense layer's MLP through swiglu_experts as MLP.forward calls it), so the hidden
+states and routed ids are bitwise those of the Python loop.
 
 `DecoderStack` holds every layer's constant arguments, checked once when the model is fused (it
 keeps pointers into the layers' packed weights: they must not move or be replaced afterwards); a
@@ -32,34 +34,42 @@ class DecoderLayer(ctypes.Structure):
                 ("router", _ptr), ("gate_up_t", _ptr), ("down_t", _ptr), ("shared_gate_up_t", _ptr),
                 ("shared_down_t", _ptr),
                 ("E", _i64), ("m", _i64), ("gate_up_stride", _i64), ("down_stride", _i64), ("I", _i64), ("Is", _i64),
-                ("norm_topk", _int)]
+                ("norm_topk", _int), ("dense", _int)]
 
 
 class DecoderStack:
-    """The layers' arguments for `Kernels.decoder_layers`, from their fused blocks (AttentionWeights,
-    the post-attention RMSNorm, MoeBlock)."""
+    """The layers' arguments for `Kernels.decoder_layers`, from their fused blocks: AttentionWeights,
+    the post-attention RMSNorm, and MoeBlock (an MoE model) or the MLP's packed weights (a dense one)."""
 
-    def __init__(self, layers):
-        blocks = [(layer.self_attn.block, layer.post_attention_layernorm, layer.mlp.block) for layer in layers]
-        if not blocks or any(a is None or moe is None for a, _, moe in blocks):
-            raise ValueError("decoder_layers: every layer needs its fused attention and MoE blocks")
-        H = blocks[0][0].H
-        if any(a.H != H or moe.H != H or norm.weight.shape != (H,) for a, norm, moe in blocks):
-            raise ValueError("decoder_layers: the layers disagree on the hidden size")
-        self.H, self.L = H, len(blocks)
-        self.m = blocks[0][2].top_k
-        if any(moe.top_k != self.m for _, _, moe in blocks):
-            raise ValueError("decoder_layers: every layer must route the same number of experts")
-        self.norms = [norm.weight.detach().contiguous() for _, norm, _ in blocks]  # alive while in use
+    def __init__(self, layers, moe: bool):
+        attention = [layer.self_attn.block for layer in layers]
+        if not layers or any(a is None for a in attention):
+            raise ValueError("decoder_layers: every layer needs its fused attention block")
+        if moe and any(layer.mlp.block is None for layer in layers):
+            raise ValueError("decoder_layers: every layer needs its fused MoE block")
+        if not moe and any(not layer.mlp.kernel_weights for layer in layers):
+            raise ValueError("decoder_layers: every layer needs its MLP's packed weights")
+        self.H, self.L, self.moe = attention[0].H, len(layers), moe
+        self.kv = (attention[0].K, attention[0].D)
+        if any(a.H != self.H or layer.post_attention_layernorm.weight.shape != (self.H,) or self.kv != (a.K, a.D)
+               for a, layer in zip(attention, layers, strict=True)):
+            raise ValueError("decoder_layers: the layers disagree on the hidden size, kv heads or head dim")
+        self.m = layers[0].mlp.block.top_k if moe else 0
+        if moe and any(layer.mlp.block.top_k != self.m or layer.mlp.block.H != self.H for layer in layers):
+            raise ValueError("decoder_layers: every MoE layer must route the same number of experts")
+        self.norms = [layer.post_attention_layernorm.weight.detach().contiguous() for layer in layers]  # kept alive
         self.array = (DecoderLayer * self.L)()
-        for entry, (attn, norm, moe), norm_weight in zip(self.array, blocks, self.norms, strict=True):
+        for entry, attn, layer, norm_weight in zip(self.array, attention, layers, self.norms, strict=True):
             (entry.attn_norm_w, entry.attn_eps, entry.qkv_wt, entry.qkv_b, entry.A, entry.K, entry.D,
              entry.attn_fmt) = attn.args
             entry.o_wt = attn.o_ptr
-            entry.mlp_norm_w, entry.mlp_eps = norm_weight.data_ptr(), float(norm.eps)
-            (entry.router, entry.E, entry.m, entry.norm_topk, entry.gate_up_t, entry.gate_up_stride, entry.down_t,
-             entry.down_stride, entry.I, entry.shared_gate_up_t, entry.shared_down_t, entry.Is,
-             entry.moe_fmt) = moe.args
-        self.kv = (blocks[0][0].K, blocks[0][0].D)
-        if any(self.kv != (a.K, a.D) for a, _, _ in blocks):
-            raise ValueError("decoder_layers: the layers disagree on kv heads or head dim")
+            entry.mlp_norm_w, entry.mlp_eps = norm_weight.data_ptr(), float(layer.post_attention_layernorm.eps)
+            if moe:
+                (entry.router, entry.E, entry.m, entry.norm_topk, entry.gate_up_t, entry.gate_up_stride, entry.down_t,
+                 entry.down_stride, entry.I, entry.shared_gate_up_t, entry.shared_down_t, entry.Is,
+                 entry.moe_fmt) = layer.mlp.block.args
+            else:  # the MLP as swiglu_experts' only expert, as MLP.forward runs it
+                gate_up, down = layer.mlp.kernel_weights
+                entry.gate_up_t, entry.gate_up_stride, entry.down_t, entry.down_stride = (
+                    gate_up.data_ptr(), gate_up.stride, down.data_ptr(), down.stride)
+                entry.I, entry.moe_fmt, entry.E, entry.m, entry.dense = down.in_features, gate_up.format, 1, 1, 1

@@ -179,7 +179,7 @@ class Kernels:
 
     def decoder_layers(self, stack: DecoderStack, where: AttentionPass, x: torch.Tensor, last_mlp: bool,
                        attention_pool: KernelPool | None = None,
-                       moe_pool: KernelPool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       moe_pool: KernelPool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [N, H] (the embedded tokens) -> (hidden states after every layer [N, H], routed ids
         [L, N, m]) in one call (see decoder_kernel.py), writing each layer's keys and values; the
         calls inside split over the pools' threads as the per-layer calls would. Without last_mlp (a
@@ -192,13 +192,15 @@ class Kernels:
             raise ValueError(f"decoder_layers: the cache holds {where.layers} layers of {where.K} kv heads of "
                              f"{where.D}, the model {stack.L} of {stack.kv[0]} of {stack.kv[1]}")
         out = x.clone()
-        ids = torch.empty(stack.L, where.n, stack.m, dtype=torch.long)
+        ids = torch.empty(stack.L, where.n, stack.m, dtype=torch.long)  # [L, N, 0] for a dense model
         rope_cos, rope_sin, positions, slots, k_cache, v_cache, S = where.args(0)
         status = self._decoder(out.data_ptr(), where.n, stack.H, stack.L, ctypes.addressof(stack.array),
                                int(last_mlp), rope_cos, rope_sin, positions, slots, k_cache, v_cache,
                                where.layer_floats, S, ids.data_ptr(), _handle(attention_pool), _handle(moe_pool))
         if status != 0:
             raise MemoryError("decoder_layers: out of memory")
+        if not stack.moe:
+            return out, None
         return out, ids if last_mlp else ids[:-1]
 
     def head_draft(self, weights: head_kernel.HeadWeights, tokens: torch.Tensor, features: torch.Tensor,

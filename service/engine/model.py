@@ -34,7 +34,7 @@ from service.engine.attention_kernel import AttentionPass
 from service.engine.decoder_kernel import DecoderStack
 from service.engine.kernel_pool import ONE_THREAD, KernelThreads
 from service.engine.kernels import Kernels
-from service.engine.layers import KERNEL_WINDOW_MAX, DecoderLayer, RMSNorm
+from service.engine.layers import KERNEL_WINDOW_MAX, UNION_WINDOW_MAX, DecoderLayer, RMSNorm
 from service.engine.model_config import ModelConfig
 from service.engine.packed import PackedWeight, panel_format
 from service.engine.ragged import KVCache, RaggedBatch
@@ -68,6 +68,7 @@ class Transformer(nn.Module):
         self.kernel_threads = ONE_THREAD
         self.fused_attention = False
         self.decoder_stack: DecoderStack | None = None  # see fuse_for_inference
+        self.decoder_stack_max = 0
 
     def fuse_for_inference(self, kernels: Kernels | None = None, kernel_window_max: int = KERNEL_WINDOW_MAX,
                            fused_attention: bool = True, kernel_threads: KernelThreads = ONE_THREAD,
@@ -97,8 +98,10 @@ class Transformer(nn.Module):
         self.kernel_window_max = kernel_window_max
         self.kernel_threads = kernel_threads
         self.fused_attention = kernels is not None and fused_attention
-        # Every layer's attention and MoE block fused: the whole layer loop is one call (decoder_kernel.py).
-        self.decoder_stack = DecoderStack(self.layers) if self.fused_attention and self.cfg.is_moe else None
+        # Every layer's attention and MLP fused: the whole layer loop is one call (decoder_kernel.py), for
+        # the passes the per-layer MLP would run in its kernel (MoE: kernel_window_max, dense: 16 positions).
+        self.decoder_stack = DecoderStack(self.layers, self.cfg.is_moe) if self.fused_attention else None
+        self.decoder_stack_max = kernel_window_max if self.cfg.is_moe else UNION_WINDOW_MAX
 
     def output_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [w, H] -> logits [w, V]; in the kernel up to kernel_window_max rows (the
@@ -149,7 +152,7 @@ class Transformer(nn.Module):
         if self.fused_attention and x.is_cpu and not torch.is_grad_enabled():
             where = AttentionPass(batch.positions, batch.token_slot, cache.k, cache.v, self.rope_cos, self.rope_sin)
             pool = self.kernel_threads.attention(x.shape[0])
-            if self.decoder_stack is not None and x.shape[0] <= self.kernel_window_max:
+            if self.decoder_stack is not None and x.shape[0] <= self.decoder_stack_max:
                 return self.kernels.decoder_layers(self.decoder_stack, where, x, last_mlp, pool,
                                                    self.kernel_threads.moe(x.shape[0]))
         else:

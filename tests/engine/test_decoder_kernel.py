@@ -1,8 +1,8 @@
-"""`Kernels.decoder_layers`, the whole layer loop of a Qwen2-MoE pass in one C call, against the
-per-layer Python loop it replaces (the same kernels called one by one): bitwise the same hidden
-states, routed ids, logits and KV caches on the shipped target, for a decode step, a ragged batched
-verify pass, a prefill (whose last layer only writes keys and values) and a pass split over two
-threads; and its refusals."""
+"""`Kernels.decoder_layers`, the whole layer loop of a pass in one C call, against the per-layer
+Python loop it replaces (the same kernels called one by one): bitwise the same hidden states,
+routed ids, logits and KV caches on the shipped MoE target and dense draft, for a decode step, a
+ragged batched verify pass, a prefill (whose last layer only writes keys and values) and a pass
+split over two threads; and its refusals."""
 
 from __future__ import annotations
 
@@ -11,19 +11,19 @@ import torch
 
 from service.engine.kernel_pool import KernelThreads
 from service.engine.ragged import KVCache, RaggedBatch
-from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
+from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_for_inference
 
 # (slots, starts, lengths) after a shared prompt prefix in every slot: one decode token, a batch of
-# verify windows of mixed lengths, a long window.
+# verify windows of mixed lengths, a 14-token window (the longest the dense MLP's kernel takes is 16).
 PASSES = {"decode step": ([0], [40], [1]), "batched verify": ([2, 0, 1], [40, 41, 40], [3, 1, 5]),
-          "long window": ([1], [40], [24])}
+          "long window": ([1], [40], [14])}
 
 
-@pytest.fixture(scope="module")
-def pair(k):
+@pytest.fixture(scope="module", params=[DEFAULT_TARGET_DIR, DEFAULT_DRAFT_DIR], ids=["moe target", "dense draft"])
+def pair(k, request):
     """The fused model twice: the one-call loop and, on its twin, the per-layer Python loop."""
-    one_call = load_for_inference(DEFAULT_TARGET_DIR, kernels=k)
-    per_layer = load_for_inference(DEFAULT_TARGET_DIR, kernels=k)
+    one_call = load_for_inference(request.param, kernels=k)
+    per_layer = load_for_inference(request.param, kernels=k)
     assert one_call.decoder_stack is not None
     per_layer.decoder_stack = None
     return one_call, per_layer
@@ -50,13 +50,16 @@ def test_one_call_is_bitwise_the_per_layer_loop(pair, name):
         results.append((out, cache))
     (a, cache_a), (b, cache_b) = results
     assert torch.equal(a.logits, b.logits) and torch.equal(a.features, b.features)
-    assert a.routed_ids.shape == (4, sum(lengths), 8) and torch.equal(a.routed_ids, b.routed_ids)
+    if pair[0].cfg.is_moe:
+        assert a.routed_ids.shape == (4, sum(lengths), 8) and torch.equal(a.routed_ids, b.routed_ids)
+    else:
+        assert a.routed_ids is None and b.routed_ids is None
     assert torch.equal(cache_a.k, cache_b.k) and torch.equal(cache_a.v, cache_b.v)
 
 
 def test_a_prefill_writes_every_layer_cache_bitwise_and_skips_the_last_mlp(pair):
-    tokens = torch.randint(1, 4000, (30,), generator=torch.Generator().manual_seed(3))
-    batch = RaggedBatch.build([0, 1], [0, 0], [18, 12])
+    tokens = torch.randint(1, 4000, (14,), generator=torch.Generator().manual_seed(3))
+    batch = RaggedBatch.build([0, 1], [0, 0], [8, 6])
     caches = []
     for model in pair:
         cache = KVCache(model.cfg, 64, slots=2)
@@ -89,10 +92,10 @@ def test_a_cache_of_another_shape_is_refused_naming_it(pair, k):
     from service.engine.attention_kernel import AttentionPass
 
     model = pair[0]
-    other = KVCache(model.cfg.__class__(**{**model.cfg.__dict__, "num_hidden_layers": 3}), 16)
+    other = KVCache(model.cfg.__class__(**{**model.cfg.__dict__, "num_hidden_layers": 7}), 16)
     batch = RaggedBatch.build([0], [0], [1])
     where = AttentionPass(batch.positions, batch.token_slot, other.k, other.v, model.rope_cos, model.rope_sin)
-    with pytest.raises(ValueError, match="the cache holds 3 layers"):
+    with pytest.raises(ValueError, match="the cache holds 7 layers"):
         k.decoder_layers(model.decoder_stack, where, torch.zeros(1, model.cfg.hidden_size), True)
     with pytest.raises(ValueError, match="x must be a contiguous float32"):
         k.decoder_layers(model.decoder_stack, where, torch.zeros(2, model.cfg.hidden_size), True)

@@ -1,5 +1,6 @@
 /* See decoder_kernel.py. One layer's constant arguments: its attention sub-block's (attention.c), its
-   post-attention norm's and its MoE block's (moe.c). Field order is decoder_kernel.DecoderLayer's. */
+   post-attention norm's and its MoE block's (moe.c), or for a dense layer (dense != 0) its MLP's as
+   swiglu_experts' one expert (gate_up_t, down_t, I, moe_fmt). Field order is decoder_kernel.DecoderLayer's. */
 struct decoder_layer {
     const float *attn_norm_w; const void *qkv_wt; const float *qkv_b; const void *o_wt;
     int64_t A, K, D;
@@ -8,11 +9,11 @@ struct decoder_layer {
     const float *router; const void *gate_up_t; const void *down_t; const void *shared_gate_up_t;
     const void *shared_down_t;
     int64_t E, m, gate_up_stride, down_stride, I, Is;
-    int norm_topk;
+    int norm_topk, dense;
 };
 
 /* x [N, H] (the embedded tokens) -> x after all L layers, in place; ids [L, N, m] the routed experts of
-   each layer. last_mlp == 0: a prefill, whose last layer only writes its keys and values (x is then
+   each MoE layer (dense layers write none). last_mlp == 0: a prefill, whose last layer only writes its keys and values (x is then
    left after layer L - 2, ids of layer L - 1 unwritten). k_cache / v_cache: layer 0's [slots, K, S, D],
    the next layer's layer_floats further on. Each layer is attention_block, rms_norm, moe_block and the
    residual add, the same calls in the same order as the Python loop, so the result is bitwise its own.
@@ -29,10 +30,13 @@ int decoder_layers(float *x, int64_t N, int64_t H, int64_t L, const struct decod
         if (N * (d->E + 1) > logit_floats) logit_floats = N * (d->E + 1);
         if (N * d->m > weight_floats) weight_floats = N * d->m;
     }
-    float *scratch = malloc((size_t)(attention_floats + 3 * N * H + logit_floats + weight_floats + N) * sizeof(float));
+    if (weight_floats < N) weight_floats = N;  /* a dense layer's weights: one per position */
+    const size_t floats = (size_t)(attention_floats + 3 * N * H + logit_floats + weight_floats + N);
+    float *scratch = malloc(floats * sizeof(float) + (size_t)N * sizeof(int64_t));
     if (!scratch) return 1;
     float *attended = scratch + attention_floats, *normed = attended + N * H, *moe_out = normed + N * H;
     float *logits = moe_out + N * H, *weights = logits + logit_floats, *scale = weights + weight_floats;
+    int64_t *only_expert = (int64_t *)(scratch + floats);  /* a dense layer's ids: expert 0 for every position */
     int64_t *layer_ids = ids;
     for (int64_t l = 0; l < L; l++) {
         const struct decoder_layer *d = &layers[l];
@@ -43,11 +47,17 @@ int decoder_layers(float *x, int64_t N, int64_t H, int64_t L, const struct decod
                         attention_pool, kv_only);
         if (kv_only) break;
         rms_norm(attended, N, H, d->mlp_norm_w, d->mlp_eps, normed);
-        moe_block(normed, N, H, d->router, d->E, d->m, d->norm_topk, d->gate_up_t, d->gate_up_stride, d->down_t,
-                  d->down_stride, d->I, d->shared_gate_up_t, d->shared_down_t, d->Is, d->moe_fmt, logits,
-                  layer_ids, weights, moe_out, scale, moe_pool);
+        if (d->dense) {
+            for (int64_t p = 0; p < N; p++) only_expert[p] = 0, weights[p] = 1.0f;
+            swiglu_experts(normed, N, H, d->I, d->gate_up_t, d->gate_up_stride, d->down_t, d->down_stride, d->moe_fmt,
+                           1, only_expert, weights, 1, moe_out, 0);
+        } else {
+            moe_block(normed, N, H, d->router, d->E, d->m, d->norm_topk, d->gate_up_t, d->gate_up_stride, d->down_t,
+                      d->down_stride, d->I, d->shared_gate_up_t, d->shared_down_t, d->Is, d->moe_fmt, logits,
+                      layer_ids, weights, moe_out, scale, moe_pool);
+            layer_ids += N * d->m;
+        }
         for (int64_t i = 0; i < N * H; i++) x[i] = attended[i] + moe_out[i];
-        layer_ids += N * d->m;
     }
     free(scratch);
     return 0;
