@@ -226,12 +226,29 @@ class Scheduler:
         features = e.target.fill_cache(tokens, batch, e.target_cache, features=head_users)
         if features is not None:
             e.target_features[batch.token_slot, batch.positions] = features
+        self._prefill_dense_draft(chunks)
         next(self._pass_ids)  # prefill passes are numbered too: a gap in a request's pass ids is a pass it waited
         for chunk in chunks:
             chunk.seq.prefilled += chunk.length
             if chunk.completes:  # decodes from this iteration's step on
                 self._prefilling.remove(chunk.seq)
                 self._running.append(chunk.seq)
+
+    def _prefill_dense_draft(self, chunks: list[PrefillChunk]) -> None:
+        """A dense draft model's cache takes the prompt chunks of the sequences that draft with it in the
+        same prefill pass: their first step then drafts at once instead of catching up on the whole
+        prompt (prefill work, timed as prefill, as llama.cpp's speculative decoding times it)."""
+        e = self.e
+        if e.draft is None or e.draft_is_head:
+            return
+        dense = [c for c in chunks if uses_head(c.seq) and c.seq.draft_valid == c.start]
+        if not dense:
+            return
+        tokens = torch.tensor([t for c in dense for t in c.tokens()])
+        batch = RaggedBatch.build([c.seq.slot for c in dense], [c.start for c in dense], [c.length for c in dense])
+        e.draft.fill_cache(tokens, batch, e.draft_cache)
+        for chunk in dense:
+            chunk.seq.draft_valid = chunk.start + chunk.length
 
     def _step(self, seqs: list[Sequence], prefilled: int) -> None:
         """One target pass over the verify windows of `seqs`; `prefilled` prompt tokens ran just before."""

@@ -211,3 +211,35 @@ def test_the_unions_of_every_window_in_one_scatter_equal_one_count_per_window():
         own, whole = unique_experts_per_window(routed, lengths, 16)
         assert own == [unique_experts_per_layer(w, 16) for w in routed.split(lengths, dim=1)]
         assert whole == unique_experts_per_layer(routed, 16)
+
+
+def test_a_dense_draft_takes_the_prompt_in_the_prefill_pass_and_its_first_step_feeds_one_token():
+    """Counted on the real draft model (wrapped, still run): its cache holds the prompt after the
+    prefill pass, bitwise what a fresh forward over the prompt writes, so the first step's drafting
+    feeds the last prompt token alone, not the whole prompt."""
+    from service.engine.weights import DEFAULT_DRAFT_DIR
+
+    engine = make_engine(draft_dir=DEFAULT_DRAFT_DIR)
+    fed: list[int] = []
+    forward = engine.draft.forward_ragged
+
+    def counting(tokens, *args, **kwargs):
+        fed.append(tokens.shape[0])
+        return forward(tokens, *args, **kwargs)
+
+    engine.draft.forward_ragged = counting
+    try:
+        prompt = long_prompt(engine, 40)
+        ids = engine.tokenizer.encode(prompt).ids
+        result = engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=6, sampling=GREEDY),
+                                 DraftPolicy(drafter=Drafter.MODEL, draft_length=2, draft_temperature=0.0))
+    finally:
+        engine.draft.forward_ragged = forward
+        engine.close()
+    assert result.completion_tokens == 6 and fed[0] == 1, fed
+    fresh = KVCache(engine.draft.cfg, engine.max_context)
+    with torch.inference_mode():
+        engine.draft.forward(torch.tensor(ids[:-1]), 0, fresh)
+    n = len(ids) - 1
+    assert any(torch.equal(engine.draft_cache.k[:, slot, :, :n], fresh.k[:, 0, :, :n])
+               for slot in range(engine.draft_cache.slots))
