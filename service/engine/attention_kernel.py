@@ -77,9 +77,12 @@ class AttentionPass:
     layer's call shares, checked once per pass: the kernel writes and reads there unchecked."""
 
     def __init__(self, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+                 rope_cos: torch.Tensor, rope_sin: torch.Tensor, position_range: tuple[int, int] | None = None,
+                 slot_range: tuple[int, int] | None = None):
         """positions, slots [N] int64; k_cache, v_cache [L, slots, K, S, D] float32; rope_cos, rope_sin
-        [max positions, D] float32; all contiguous CPU tensors."""
+        [max positions, D] float32; all contiguous CPU tensors. position_range / slot_range: the lowest
+        and highest of positions / slots where the caller knows them (a RaggedBatch does; four
+        reductions saved a step), else read from the tensors."""
         if positions.dtype != torch.int64 or slots.dtype != torch.int64 or positions.dim() != 1 \
                 or positions.shape != slots.shape or not (positions.is_contiguous() and slots.is_contiguous()):
             raise ValueError("attention_block: positions and slots must be contiguous int64 [N]")
@@ -92,10 +95,13 @@ class AttentionPass:
         if rope_cos.dim() != 2 or rope_cos.shape[1] != D or rope_sin.shape != rope_cos.shape:
             raise ValueError(f"attention_block: rope tables must be [positions, {D}]")
         bound = min(S, rope_cos.shape[0])
-        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= bound):
-            raise ValueError(f"attention_block: positions must lie in [0, {bound})")
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
-            raise ValueError(f"attention_block: cache slots must lie in [0, {num_slots})")
+        if positions.numel():
+            low, high = position_range or (int(positions.min()), int(positions.max()))
+            if low < 0 or high >= bound:
+                raise ValueError(f"attention_block: positions must lie in [0, {bound})")
+            low, high = slot_range or (int(slots.min()), int(slots.max()))
+            if low < 0 or high >= num_slots:
+                raise ValueError(f"attention_block: cache slots must lie in [0, {num_slots})")
         self.n, self.layers, self.K, self.S, self.D = positions.numel(), L, K, S, D
         self.tensors = (positions, slots, k_cache, v_cache, rope_cos, rope_sin)  # alive while in use
         self.layer_floats = k_cache.stride(0)

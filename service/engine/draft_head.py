@@ -145,7 +145,8 @@ class DraftHead(nn.Module):
     def _attention(self, x: torch.Tensor, batch: RaggedBatch, cache: KVCache) -> torch.Tensor:
         attn = self.layer.self_attn
         if attn.block is not None and x.is_cpu and not torch.is_grad_enabled():
-            where = AttentionPass(batch.positions, batch.token_slot, cache.k, cache.v, self.rope_cos, self.rope_sin)
+            where = AttentionPass(batch.positions, batch.token_slot, cache.k, cache.v, self.rope_cos, self.rope_sin,
+                                  batch.position_range, batch.slot_range)
             return self.kernels.attention_block(attn.block, where, 0, x, self.kernel_threads.attention(x.shape[0]))
         if batch.size == 1:
             first, last = batch.starts[0], batch.span

@@ -150,7 +150,8 @@ class Transformer(nn.Module):
         # Fused attention at every pass size: on a 16 x 95-token prefill it took ~0.6 of the padded
         # SDPA path's time per layer (measured in-process, loaded machine).
         if self.fused_attention and x.is_cpu and not torch.is_grad_enabled():
-            where = AttentionPass(batch.positions, batch.token_slot, cache.k, cache.v, self.rope_cos, self.rope_sin)
+            where = AttentionPass(batch.positions, batch.token_slot, cache.k, cache.v, self.rope_cos, self.rope_sin,
+                                  batch.position_range, batch.slot_range)
             pool = self.kernel_threads.attention(x.shape[0])
             if self.decoder_stack is not None and x.shape[0] <= self.decoder_stack_max:
                 return self.kernels.decoder_layers(self.decoder_stack, where, x, last_mlp, pool,

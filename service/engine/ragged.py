@@ -40,10 +40,16 @@ class RaggedBatch:
     token_slot: torch.Tensor  # [N] cache slot of each token
     width: int  # w': the longest window
     span: int  # S': keys any sequence attends to
+    slot_range: tuple[int, int]  # the lowest and highest cache slot (AttentionPass's bounds check)
 
     @property
     def size(self) -> int:
         return len(self.starts)
+
+    @property
+    def position_range(self) -> tuple[int, int]:
+        """The lowest and highest position of the pass's tokens."""
+        return min(self.starts), self.span - 1
 
     @functools.cached_property
     def row(self) -> torch.Tensor:
@@ -68,13 +74,16 @@ class RaggedBatch:
     def build(cls, slots: list[int], starts: list[int], lengths: list[int]) -> RaggedBatch:
         if not slots or len(slots) != len(starts) or len(slots) != len(lengths) or min(lengths) < 1:
             raise ValueError(f"need one or more windows of >= 1 token, got {lengths}")
-        # Plain lists, one tensor each at the end: a batched step builds this every pass, and small
-        # torch ops cost more than the Python here.
+        # Plain lists, one tensor at the end, cut into views: every step builds this, and a small
+        # torch op costs more than the Python here.
         positions = [start + i for start, n in zip(starts, lengths, strict=True) for i in range(n)]
         token_slot = [slot for slot, n in zip(slots, lengths, strict=True) for _ in range(n)]
-        return cls(slots=torch.tensor(slots), starts=tuple(starts), lengths=tuple(lengths),
-                   positions=torch.tensor(positions), token_slot=torch.tensor(token_slot), width=max(lengths),
-                   span=max(start + n for start, n in zip(starts, lengths, strict=True)))
+        N = len(positions)
+        packed = torch.tensor(positions + token_slot + list(slots))
+        return cls(slots=packed[2 * N:], starts=tuple(starts), lengths=tuple(lengths), positions=packed[:N],
+                   token_slot=packed[N:2 * N], width=max(lengths),
+                   span=max(start + n for start, n in zip(starts, lengths, strict=True)),
+                   slot_range=(min(slots), max(slots)))
 
 
 class KVCache:

@@ -8,7 +8,18 @@ import pytest
 import torch
 
 from service.engine import kernels
-from tests.support.kernel_cases import AH, AHID, AK, PASSES, SLOTS, S, attention_reference, ragged_pass, run_attention
+from tests.support.kernel_cases import (
+    AH,
+    AHID,
+    AK,
+    PASSES,
+    SLOTS,
+    S,
+    attention_reference,
+    ragged_pass,
+    rope_tables,
+    run_attention,
+)
 
 
 @pytest.mark.parametrize("name", list(PASSES))
@@ -127,3 +138,33 @@ def test_every_pass_takes_the_attention_kernel_once_per_layer_unless_fused_atten
         with torch.inference_mode():
             model.forward(ids[:n], 0, KVCache(model.cfg, 64))
         assert calls == want, (limit, fused, n)
+
+
+def test_a_ragged_batch_knows_its_position_and_slot_ranges_and_a_pass_outside_the_cache_is_refused():
+    """The ranges a RaggedBatch hands AttentionPass (instead of four reductions) are its tensors'."""
+    from service.engine.ragged import KVCache, RaggedBatch
+
+    g = torch.Generator().manual_seed(7)
+    for _ in range(50):
+        B = int(torch.randint(1, 6, (1,), generator=g))
+        slots = torch.randperm(8, generator=g)[:B].tolist()
+        starts = torch.randint(0, 40, (B,), generator=g).tolist()
+        lengths = torch.randint(1, 9, (B,), generator=g).tolist()
+        batch = RaggedBatch.build(slots, starts, lengths)
+        assert batch.position_range == (int(batch.positions.min()), int(batch.positions.max()))
+        assert batch.slot_range == (int(batch.token_slot.min()), int(batch.token_slot.max()))
+        assert batch.slots.tolist() == slots
+    cache = KVCache(load_target_cfg(), 16, slots=2)
+    cos, sin = rope_tables(64, cache.k.shape[-1])
+    for slots, starts in (([0], [15]), ([2], [0])):  # position 16 past a 16-long cache; slot 2 of 2
+        batch = RaggedBatch.build(slots, starts, [2 if starts[0] else 1])
+        with pytest.raises(ValueError, match="must lie in"):
+            kernels.AttentionPass(batch.positions, batch.token_slot, cache.k, cache.v, cos, sin,
+                                  batch.position_range, batch.slot_range)
+
+
+def load_target_cfg():
+    from service.engine.model_config import ModelConfig
+    from service.engine.weights import DEFAULT_TARGET_DIR
+
+    return ModelConfig.from_json(DEFAULT_TARGET_DIR / "config.json")
