@@ -65,6 +65,7 @@ def test_space_follows_model_info():
 
 def test_space_is_conditional(space):
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    seen = set()
     for _ in range(60):
         trial = study.ask()
         policy = space.suggest(trial, "p")
@@ -72,10 +73,38 @@ def test_space_is_conditional(space):
             assert set(trial.params) == {"draft_length"}
         elif policy.drafter is Drafter.NGRAM:
             assert set(trial.params) == {"draft_length", "drafter"}
+        elif policy.draft_temperature == 0:  # greedy drafts: no temperature asked
+            assert trial.params["draft_greedy"] is True
+            assert set(trial.params) == {"draft_length", "drafter", "draft_greedy"}
         else:
-            assert set(trial.params) == {"draft_length", "drafter", "draft_temperature"}
+            assert set(trial.params) == {"draft_length", "drafter", "draft_greedy", "draft_temperature"}
         assert space.policy_from_params(trial.params, "p") == policy
         study.tell(trial, 1.0)
+        seen.add((policy.drafter, policy.draft_temperature == 0))
+    assert {(Drafter.MODEL, True), (Drafter.MODEL, False)} <= seen  # both branches of draft_greedy came up
+
+
+def test_greedy_drafts_are_a_point_a_search_can_hold_and_enqueue():
+    """With a continuous temperature, T = 0 has no mass unless it is a point of its own: a sampler
+    that knows greedy won keeps asking it (TPE over its history), and an enqueued greedy policy
+    round-trips; a stored trial without draft_greedy (an older study) reads as sampled."""
+    space = SearchSpace.from_model_info(model_info())
+    greedy = DraftPolicy(Drafter.MODEL, 4, 0.0, policy_id="p")
+    assert space.params_of(greedy) == {"draft_length": 4, "drafter": "model", "draft_greedy": True}
+    assert space.policy_from_params(space.params_of(greedy), "p") == greedy
+    assert space.policy_from_params({"draft_length": 4, "drafter": "model", "draft_temperature": 0.3}, "p") == \
+        DraftPolicy(Drafter.MODEL, 4, 0.3, policy_id="p")
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0, n_startup_trials=10, multivariate=True,
+                                                                 group=True))
+    for _ in range(40):
+        trial = study.ask()
+        policy = space.suggest(trial, "")
+        # The landscape of the shipped pair under greedy load: greedy drafts best, cost up with T.
+        cost = 1.0 if policy.draft_length == 0 or policy.drafter is Drafter.NGRAM else \
+            0.5 + policy.draft_temperature + 0.02 * abs(policy.draft_length - 6)
+        study.tell(trial, cost)
+    best = space.policy_from_params(study.best_trial.params, "")
+    assert best.drafter is Drafter.MODEL and best.draft_temperature == 0.0
 
 
 def test_grid_mode_enqueues_every_point_of_the_discrete_space_once(space):
@@ -96,7 +125,8 @@ def test_grid_mode_enqueues_every_point_of_the_discrete_space_once(space):
 def joint_space_after_history(sampler: optuna.samplers.BaseSampler, space: SearchSpace) -> set[str]:
     """The parameters `sampler` would model jointly (Optuna's public `infer_relative_search_space`)
     after a history holding all three branches of the conditional space: plain decoding (length
-    only), n-gram (length, drafter) and the model drafter (length, drafter, temperature)."""
+    only), n-gram (length, drafter) and the model drafter (length, drafter, greedy or not,
+    temperature)."""
     study = optuna.create_study(sampler=sampler)
     for policy in (DraftPolicy(Drafter.MODEL, 0), DraftPolicy(Drafter.NGRAM, 3), DraftPolicy(Drafter.MODEL, 3, 0.5),
                    DraftPolicy(Drafter.NGRAM, 5), DraftPolicy(Drafter.MODEL, 2, 1.0)):
@@ -111,7 +141,7 @@ def test_default_sampler_is_multivariate_grouped_tpe(space):
     # Multivariate: parameters are modelled jointly (an independent TPE infers no joint space).
     # Grouped: the conditional temperature and drafter join the model although plain-decoding trials
     # lack them (an ungrouped multivariate TPE keeps only the parameters every trial has).
-    everything = {"draft_length", "drafter", "draft_temperature"}
+    everything = {"draft_length", "drafter", "draft_greedy", "draft_temperature"}
     assert joint_space_after_history(make_sampler(SamplerKind.TPE, seed=0, n_trials=30), space) == everything
     # Negative controls: the check tells the two settings apart on the real sampler.
     with warnings.catch_warnings():

@@ -3,9 +3,15 @@
 Contract: the space is conditional, asked in this order so that equivalent policies are one point:
   draft_length in 0..max_draft_length            (0 = plain decoding: nothing else is asked)
   drafter in ModelInfo.drafters                  (only when draft_length > 0 and "drafter" is tunable)
-  draft_temperature in [0, max_temperature]      (only for the model drafter and when tunable)
+  draft_greedy in {true, false}                  (only for the model drafter, when the temperature is
+                                                  tunable and continuous: true = argmax drafts, T = 0)
+  draft_temperature in [0, max_temperature]      (only for the model drafter, when tunable and not greedy)
 Knobs missing from ModelInfo.tunable keep the server's defaults. `temperature_step` makes the space
-discrete (for the exhaustive grid); without it the temperature is continuous. `LengthOnly` narrows a
+discrete (for the exhaustive grid, where T = 0 is a grid point and draft_greedy is not asked);
+without it the temperature is continuous, and greedy drafting is a point of its own: a continuous
+range puts no mass on T = 0 exactly, where argmax drafts (the most agreement per position for a
+greedy request) are often the best policy, and a search would otherwise settle on a small T > 0
+that drafts worse. Trials stored without draft_greedy (older studies) read as sampled. `LengthOnly` narrows a
 space to the draft length of one drafter at a fixed draft temperature (the question the what-if hint
 answers; `moespec bench tuner --scenario whatif`), passed down explicitly (TuneSettings.restrict).
 """
@@ -87,9 +93,12 @@ class SearchSpace:
             drafter = Drafter(trial.suggest_categorical("drafter", [d.value for d in self.drafters]))
         temperature = self.fixed_temperature if drafter is Drafter.MODEL else DEFAULT_TEMPERATURE
         if drafter is Drafter.MODEL and self.tune_temperature:
-            temperature = trial.suggest_float(
-                "draft_temperature", 0.0, self.max_temperature, step=self.temperature_step
-            )
+            if self.temperature_step is None and trial.suggest_categorical("draft_greedy", [True, False]):
+                temperature = 0.0
+            else:
+                temperature = trial.suggest_float(
+                    "draft_temperature", 0.0, self.max_temperature, step=self.temperature_step
+                )
         return DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=temperature, policy_id=policy_id)
 
     def policy_from_params(self, params: dict[str, object], policy_id: str) -> DraftPolicy:
@@ -99,7 +108,7 @@ class SearchSpace:
             return DraftPolicy(draft_length=0, policy_id=policy_id)
         drafter = Drafter(params.get("drafter", self.drafters[0].value))
         default = self.fixed_temperature if drafter is Drafter.MODEL else DEFAULT_TEMPERATURE
-        temperature = float(params.get("draft_temperature", default))
+        temperature = 0.0 if params.get("draft_greedy") else float(params.get("draft_temperature", default))
         return DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=temperature, policy_id=policy_id)
 
     def params_of(self, policy: DraftPolicy) -> dict[str, object]:
@@ -108,7 +117,11 @@ class SearchSpace:
         if policy.draft_length and self.tune_drafter:
             params["drafter"] = policy.drafter.value
         if policy.draft_length and policy.drafter is Drafter.MODEL and self.tune_temperature:
-            params["draft_temperature"] = policy.draft_temperature
+            greedy = self.temperature_step is None and policy.draft_temperature == 0
+            if self.temperature_step is None:
+                params["draft_greedy"] = greedy
+            if not greedy:
+                params["draft_temperature"] = policy.draft_temperature
         return params
 
     def contains(self, policy: DraftPolicy) -> bool:
