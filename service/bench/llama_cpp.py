@@ -84,7 +84,8 @@ def _run(cmd: list[str], result: str, timeout: float = 600) -> tuple[str, re.Mat
     for _ in range(ATTEMPTS):
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
-            raise ToolFailed(f"{name} exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+            last = done.stderr.strip().splitlines()[-1:] or ["(nothing on stderr)"]
+            raise ToolFailed(f"{name} exited {done.returncode}: {last[0]}")
         out = done.stdout + done.stderr
         found = re.search(result, out)
         if found is not None:
@@ -227,13 +228,13 @@ def _measure(args: argparse.Namespace) -> int:
 
     modes = [decode, prefill, *(partial(speculative, k) for k in args.draft_lengths),
              *(partial(batched, b) for b in args.batch)]
-    # Each mode's two sides back to back, the order swapped every round: a pair is seconds apart,
-    # so drift of the shared machine moves both sides of it alike.
     # The step limit (limit.py) at the decode's middle context; llama.cpp's GGUF holds the same bf16 weights.
     cost, bf16_math = fused_step_cost(head.target, context=args.depth + args.tokens // 2)
     for rnd in range(args.rounds):
         rates = measure_rates(head.target.kernels, cost.weight_bytes, head.kernel_threads.pool)
         add("decode limit", cost.limit_tokens_per_second(rates, bf16_math))
+        # Each mode's two sides back to back, the order swapped every round: a pair is seconds apart,
+        # so drift of the shared machine moves both sides of it alike.
         for mode in modes:
             for side in ("llama.cpp", "moespec") if rnd % 2 == 0 else ("moespec", "llama.cpp"):
                 mode(side)

@@ -2,9 +2,9 @@
 and the dense Qwen2 draft.
 
 Why: with attention and the MoE block each one kernel call, a one-token decode step of the shipped
-model still spent about half of its forward pass between the calls: per layer the two wrappers'
-checks and output tensors, the post-attention norm as a module call, the residual add, the list of
-routed ids; about 200 microseconds per step against about 180 in the kernels themselves. Here the
+model still spent about as long between the calls as in them (per layer the two wrappers' checks and
+output tensors, the post-attention norm as a module call, the residual add, the list of routed ids;
+figures in docs/engine.md). Here the
 layer loop runs in C: the same kernels in the same order (attention_block, rms_norm, moe_block, the
 residual add; a dense layer's MLP through swiglu_experts as MLP.forward calls it), so the hidden
 states and routed ids are bitwise those of the Python loop.

@@ -20,8 +20,8 @@ kernels; their C source and contract are in moe_kernel.py.
 ragged pass; its C source, contract and argument checks are in attention_kernel.py, compiled into the
 same library (it uses `dot`, `exp512`, `matmul_p` and `rms_norm` from here).
 
-`decoder_layers(stack, pass, x, last_mlp)`: every layer of a Qwen2-MoE pass (attention, norm, MoE
-block, residual) in one call, bitwise the per-layer calls; see decoder_kernel.py.
+`decoder_layers(stack, pass, x, last_mlp)`: every layer of a pass (attention, norm, MoE block or
+dense MLP, residual) in one call, bitwise the per-layer calls; see decoder_kernel.py.
 
 The library is compiled with the system C compiler into a cache folder keyed by the source, the
 flags and this CPU's feature flags (so a shared home folder never serves code for another CPU), and

@@ -14,7 +14,7 @@ Contract:
 - `fuse_for_inference(kernels)` selects the fast step: on CPU, every pass runs each layer's attention
   sub-block in one kernel call (attention_kernel.py: no padding, no mask, every token at its own slot
   and position; prefill passes too), passes of up to kernel_window_max positions the MoE block too
-  (for an MoE model the whole layer loop is then one call, decoder_kernel.py),
+  (the whole layer loop is then one call, decoder_kernel.py; for the dense draft up to 16 positions),
   windows of up to UNION_WINDOW_MAX the MLPs and the output layer too (kernels.py); in all of them
   each position's result does not depend on the rest of its pass; `math="bf16"` runs their matrix
   products in bf16 arithmetic (packed.py), still row by row. Without kernels, the eager step.

@@ -1,6 +1,6 @@
 /* See decoder_kernel.py. One layer's constant arguments: its attention sub-block's (attention.c), its
    post-attention norm's and its MoE block's (moe.c), or for a dense layer (dense != 0) its MLP's as
-   swiglu_experts' one expert (gate_up_t, down_t, I, moe_fmt). Field order is decoder_kernel.DecoderLayer's. */
+   swiglu_experts' one expert (gate_up_t, down_t, I, moe_fmt). Field order: decoder_kernel.DecoderLayer. */
 struct decoder_layer {
     const float *attn_norm_w; const void *qkv_wt; const float *qkv_b; const void *o_wt;
     int64_t A, K, D;
@@ -13,9 +13,10 @@ struct decoder_layer {
 };
 
 /* x [N, H] (the embedded tokens) -> x after all L layers, in place; ids [L, N, m] the routed experts of
-   each MoE layer (dense layers write none). last_mlp == 0: a prefill, whose last layer only writes its keys and values (x is then
-   left after layer L - 2, ids of layer L - 1 unwritten). k_cache / v_cache: layer 0's [slots, K, S, D],
-   the next layer's layer_floats further on. Each layer is attention_block, rms_norm, moe_block and the
+   each MoE layer (dense layers write none). last_mlp == 0: a prefill, whose last layer only writes its
+   keys and values (x is then left after layer L - 2, ids of layer L - 1 unwritten). k_cache / v_cache:
+   layer 0's [slots, K, S, D], the next layer's layer_floats further on. Each layer is attention_block,
+   rms_norm, moe_block (a dense layer: swiglu_experts with its MLP as the one expert, weight 1) and the
    residual add, the same calls in the same order as the Python loop, so the result is bitwise its own.
    Returns 0, or 1 when the scratch could not be allocated (nothing written). */
 int decoder_layers(float *x, int64_t N, int64_t H, int64_t L, const struct decoder_layer *layers, int last_mlp,
