@@ -43,6 +43,8 @@ SPEC_POLICY_ID = "moespec.spec.policy_id"
 SPEC_DRAFTER = "moespec.spec.drafter"
 SPEC_DRAFT_LENGTH = "moespec.spec.draft_length"
 SPEC_DRAFT_TEMPERATURE = "moespec.spec.draft_temperature"
+# Who picked each step's draft length ("static", "moespec", "sglang-ema", ...): request and verify spans.
+SPEC_CONTROLLER = "moespec.spec.controller"
 SPEC_VERIFY_STEPS = "moespec.spec.verify_steps"
 SPEC_DRAFTED_TOKENS = "moespec.spec.drafted_tokens"
 SPEC_ACCEPTED_TOKENS = "moespec.spec.accepted_tokens"
@@ -89,19 +91,22 @@ MOE_BATCH_EP_MAX_RANK_EXPERTS = "moespec.moe.batch_ep_max_rank_experts"  # int[L
 MOE_BATCH_EP_DISPATCH_BYTES = "moespec.moe.batch_ep_dispatch_bytes"  # int, all layers
 EP_VERIFY_BATCH_SPAN_KEYS = (MOE_BATCH_EP_RANKS_TOUCHED, MOE_BATCH_EP_MAX_RANK_EXPERTS, MOE_BATCH_EP_DISPATCH_BYTES)
 # (it also carries COST_DRAFT_SECONDS and COST_VERIFY_SECONDS of the pass, and links to the request spans)
-# (the verify span also carries SPEC_DRAFTER, SPEC_DRAFT_LENGTH, SPEC_ACCEPTED_TOKENS,
-#  SPEC_COMMITTED_TOKENS and COST_VERIFY_SECONDS, with per-step values)
+# (the verify span also carries SPEC_DRAFTER, SPEC_DRAFT_LENGTH, SPEC_CONTROLLER, SPEC_DRAFTED_TOKENS,
+#  SPEC_ACCEPTED_TOKENS, SPEC_COMMITTED_TOKENS and COST_VERIFY_SECONDS, with per-step values: drafted
+#  is the length the step used, draft_length the policy's most)
 
 REQUEST_SPAN_KEYS = (
     GEN_AI_OPERATION_NAME, GEN_AI_PROVIDER_NAME, GEN_AI_REQUEST_MODEL, GEN_AI_REQUEST_TEMPERATURE,
     GEN_AI_REQUEST_MAX_TOKENS, GEN_AI_USAGE_INPUT_TOKENS, GEN_AI_USAGE_OUTPUT_TOKENS,
     GEN_AI_RESPONSE_FINISH_REASONS, SPEC_POLICY_ID, SPEC_DRAFTER, SPEC_DRAFT_LENGTH, SPEC_DRAFT_TEMPERATURE,
-    SPEC_VERIFY_STEPS, SPEC_DRAFTED_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_COMMITTED_TOKENS, SPEC_EMPTY_DRAFTS,
+    SPEC_CONTROLLER, SPEC_VERIFY_STEPS, SPEC_DRAFTED_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_COMMITTED_TOKENS,
+    SPEC_EMPTY_DRAFTS,
     MOE_UNIQUE_EXPERTS_MEAN, MOE_UNIQUE_EXPERTS_MAX, COST_DRAFT_SECONDS, COST_VERIFY_SECONDS,
     MOE_BATCH_UNIQUE_EXPERTS_MEAN,
 )
 VERIFY_SPAN_KEYS = (
-    SPEC_DRAFTER, SPEC_DRAFT_LENGTH, SPEC_ACCEPTED_TOKENS, SPEC_COMMITTED_TOKENS, MOE_UNIQUE_EXPERTS,
+    SPEC_DRAFTER, SPEC_DRAFT_LENGTH, SPEC_CONTROLLER, SPEC_DRAFTED_TOKENS, SPEC_ACCEPTED_TOKENS,
+    SPEC_COMMITTED_TOKENS, MOE_UNIQUE_EXPERTS,
     MOE_UNIQUE_EXPERTS_BOUND, MOE_SHARED_EXPERTS, MOE_WIDEST_LAYER, COST_VERIFY_SECONDS,
     COST_DECODE_STEP_EQUIVALENTS,
 )
@@ -177,6 +182,14 @@ STEP_SECONDS = MetricSpec(
     "moespec.cost.step.duration", Kind.HISTOGRAM, "s",
     "Draft plus verify wall time of one step (sum / committed tokens = seconds per committed token).",
     STEP_SECONDS_BUCKETS, STEP_METRIC_KEYS)
+STEP_DRAFTED_TOKENS = MetricSpec(
+    "moespec.spec.step.drafted_tokens", Kind.HISTOGRAM, "{token}",
+    "Drafts one verify step verified (the length an adaptive controller chose; at most the policy's).",
+    None, STEP_METRIC_KEYS)
+RULE_CALIBRATION_ERROR = MetricSpec(
+    "moespec.spec.rule.calibration_error", Kind.HISTOGRAM, "1",
+    "Per request under the moespec controller: |expected - observed accepted drafts| / drafts verified.",
+    (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0), STEP_METRIC_KEYS)
 DRAFTED_TOKENS = MetricSpec(
     "moespec.spec.drafted_tokens", Kind.COUNTER, "{token}",
     "Draft tokens proposed (accepted / drafted = acceptance rate).", None, STEP_METRIC_KEYS)
@@ -232,11 +245,13 @@ TUNER_SPANS_DROPPED = MetricSpec(
     None, (TUNER_DROP_REASON, TUNER_STUDY))
 
 METRICS = (REQUEST_DURATION, TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, STEP_ACCEPTED_TOKENS, STEP_UNIQUE_EXPERTS,
-           STEP_DECODE_STEP_EQUIVALENTS, STEP_SECONDS, DRAFTED_TOKENS, COMMITTED_TOKENS, BATCH_UNIQUE_EXPERTS,
-           BATCH_SIZE_METRIC, DROPPED_SPANS)
+           STEP_DECODE_STEP_EQUIVALENTS, STEP_SECONDS, STEP_DRAFTED_TOKENS, DRAFTED_TOKENS, COMMITTED_TOKENS,
+           BATCH_UNIQUE_EXPERTS, BATCH_SIZE_METRIC, DROPPED_SPANS)
+# Emitted only for requests under the moespec controller (its predictions are what it measures).
+RULE_METRICS = (RULE_CALIBRATION_ERROR,)
 # Emitted only when the server estimates an expert-parallel view (`moespec serve --ep-size`).
 EP_METRICS = (STEP_EP_RANKS_TOUCHED, EP_DISPATCH_BYTES, BATCH_EP_RANKS_TOUCHED, BATCH_EP_MAX_RANK_EXPERTS)
-ALL_METRICS = METRICS + EP_METRICS
+ALL_METRICS = METRICS + EP_METRICS + RULE_METRICS
 
 
 # ------------------------------------------------------ Prometheus translation

@@ -56,6 +56,8 @@ class Instruments:
         self.time_to_first_token = histogram(a.TIME_TO_FIRST_TOKEN)
         self.time_per_output_token = histogram(a.TIME_PER_OUTPUT_TOKEN)
         self.step_accepted = histogram(a.STEP_ACCEPTED_TOKENS, accepted_token_buckets(info))
+        self.step_drafted = histogram(a.STEP_DRAFTED_TOKENS, accepted_token_buckets(info))
+        self.rule_calibration = histogram(a.RULE_CALIBRATION_ERROR)
         self.step_unique = histogram(a.STEP_UNIQUE_EXPERTS, unique_expert_buckets(info))
         self.step_cost = histogram(a.STEP_DECODE_STEP_EQUIVALENTS)
         self.step_seconds = histogram(a.STEP_SECONDS)
@@ -109,9 +111,15 @@ class Instruments:
         # One attribute dict per layer, built once per request rather than once per step.
         per_layer: list[dict] = []
         drafted = committed = dispatched = 0
+        predicted, predicted_accepted, predicted_drafted = 0.0, 0, 0  # over the steps the rule predicted
         ep = False
         for step in steps:
             self.step_accepted.record(step.accepted, attrs)
+            self.step_drafted.record(step.drafted, attrs)
+            if step.predicted_accepted is not None and step.drafted:
+                predicted += step.predicted_accepted
+                predicted_accepted += step.accepted
+                predicted_drafted += step.drafted
             self.step_cost.record(step.decode_step_equivalents, attrs)
             self.step_seconds.record(step.seconds, attrs)
             while len(per_layer) < len(step.unique_experts):
@@ -128,5 +136,8 @@ class Instruments:
         # Added even when 0 so every policy has both series (acceptance = accepted / drafted).
         self.drafted.add(drafted, attrs)
         self.committed.add(committed, attrs)
+        if predicted_drafted:
+            # A histogram takes non-negative values only: the size of the error, its sign in the spans' counts.
+            self.rule_calibration.record(abs(predicted - predicted_accepted) / predicted_drafted, attrs)
         if ep:
             self.ep_dispatch_bytes.add(dispatched, attrs)

@@ -31,6 +31,7 @@ def request_attributes(info: ModelInfo, request: GenerationRequest, policy: Draf
         a.SPEC_DRAFTER: policy.drafter.value,
         a.SPEC_DRAFT_LENGTH: policy.draft_length,
         a.SPEC_DRAFT_TEMPERATURE: float(policy.draft_temperature),
+        a.SPEC_CONTROLLER: policy.controller.value,
     }
 
 
@@ -74,6 +75,8 @@ def verify_attributes(step: StepRecord) -> dict:
     return {
         a.SPEC_DRAFTER: step.drafter.value,
         a.SPEC_DRAFT_LENGTH: step.draft_length,
+        a.SPEC_CONTROLLER: step.controller.value,
+        a.SPEC_DRAFTED_TOKENS: step.drafted,
         a.SPEC_ACCEPTED_TOKENS: step.accepted,
         a.SPEC_COMMITTED_TOKENS: step.committed,
         a.MOE_UNIQUE_EXPERTS: tuple(int(x) for x in step.unique_experts),

@@ -8,14 +8,17 @@ policy, would measure one policy as several. `canonical` sets the ignored fields
 `derived_id` names the canonical policy. The server derives an empty policy_id with it and the
 tuner groups trials by the same rules (tuner.loop.space.policy_key).
 
-Ids: "plain" (draft_length 0), "ngram-k<k>", "model-k<k>-t<T>" (T in the shortest exact form, %g).
+Ids: "plain" (draft_length 0), "ngram-k<k>", "model-k<k>-t<T>" (T in the shortest exact form, %g);
+an adaptive controller prefixes its name, and the moespec controller appends its cost weight:
+"cascade-ngram-k8", "moespec-model-k8-t0-w1.5". The cost weight matters to the moespec controller
+only; with draft_length 0 no controller has anything to choose (plain).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from service.types import Drafter, DraftPolicy
+from service.types import Controller, Drafter, DraftPolicy
 
 PLAIN_ID = "plain"
 
@@ -35,9 +38,11 @@ def canonical(policy: DraftPolicy) -> DraftPolicy:
     """The same policy with the fields its drafter ignores at their defaults (policy_id kept)."""
     default = DraftPolicy()
     if is_plain(policy):
-        policy = replace(policy, drafter=default.drafter)
+        policy = replace(policy, drafter=default.drafter, controller=default.controller)
     if not temperature_matters(policy):
         policy = replace(policy, draft_temperature=default.draft_temperature)
+    if policy.controller is not Controller.MOESPEC:
+        policy = replace(policy, cost_weight=default.cost_weight)
     return policy
 
 
@@ -46,6 +51,11 @@ def derived_id(policy: DraftPolicy) -> str:
     p = canonical(policy)
     if is_plain(p):
         return PLAIN_ID
-    if not temperature_matters(p):
-        return f"{p.drafter.value}-k{p.draft_length}"
-    return f"{p.drafter.value}-k{p.draft_length}-t{p.draft_temperature:g}"
+    base = f"{p.drafter.value}-k{p.draft_length}"
+    if temperature_matters(p):
+        base += f"-t{p.draft_temperature:g}"
+    if p.controller is Controller.STATIC:
+        return base
+    if p.controller is Controller.MOESPEC:
+        base += f"-w{p.cost_weight:g}"
+    return f"{p.controller.value}-{base}"

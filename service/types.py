@@ -15,6 +15,7 @@ MAX_DRAFT_TEMPERATURE = 2.0
 MAX_STOP_STRINGS = 8
 MAX_STOP_LENGTH = 64
 MAX_POLICY_ID_LENGTH = 128
+MAX_COST_WEIGHT = 100.0
 
 
 class InvalidRequest(ValueError):
@@ -28,6 +29,16 @@ class InvalidRequest(ValueError):
 class Drafter(enum.StrEnum):
     MODEL = "model"  # the shipped (or configured) draft model
     NGRAM = "ngram"  # prompt lookup: copy what followed the latest match of the recent suffix
+
+
+class Controller(enum.StrEnum):
+    """Who decides how many drafts a step proposes (service/engine/adaptive/)."""
+
+    STATIC = "static"  # every step drafts draft_length
+    MOESPEC = "moespec"  # per step: expected gain of one more draft against its union-aware marginal cost
+    SGLANG = "sglang-ema"  # SGLang's --speculative-adaptive: EMA of accepted length, tiers by batch size
+    TRANSFORMERS = "transformers-heuristic"  # +2 after a fully accepted window, -1 otherwise; confidence stop
+    CASCADE = "cascade"  # per request: test phases measure utility, speculation off when it is below 1
 
 
 @dataclass(frozen=True)
@@ -54,12 +65,18 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class DraftPolicy:
-    """How to speculate. draft_length 0 = plain decoding (always valid, often best on MoE)."""
+    """How to speculate. draft_length 0 = plain decoding (always valid, often best on MoE).
+
+    With an adaptive controller, draft_length is the most a step may draft: the controller chooses
+    each step's length in [0, draft_length] (service/engine/adaptive/).
+    """
 
     drafter: Drafter = Drafter.MODEL
     draft_length: int = 0
     draft_temperature: float = 1.0  # model drafter only; 0 = argmax
     policy_id: str = "default"
+    controller: Controller = Controller.STATIC
+    cost_weight: float = 1.0  # the moespec controller only: > 1 drafts less, < 1 more
 
     def validate(self, max_draft_length: int = MAX_DRAFT_LENGTH) -> None:
         if not isinstance(self.drafter, Drafter):
@@ -71,6 +88,11 @@ class DraftPolicy:
             raise InvalidRequest("policy.draft_temperature", f"must be in [0, {MAX_DRAFT_TEMPERATURE}], got {t}")
         if len(self.policy_id) > MAX_POLICY_ID_LENGTH:
             raise InvalidRequest("policy.policy_id", f"longer than {MAX_POLICY_ID_LENGTH} characters")
+        if not isinstance(self.controller, Controller):
+            raise InvalidRequest("policy.controller", f"unknown controller {self.controller!r}")
+        w = self.cost_weight
+        if not math.isfinite(w) or not 0 < w <= MAX_COST_WEIGHT:
+            raise InvalidRequest("policy.cost_weight", f"must be in (0, {MAX_COST_WEIGHT:g}], got {w}")
 
 
 @dataclass(frozen=True)
@@ -171,6 +193,9 @@ class StepRecord:
     ep_max_rank_experts: tuple[int, ...] | None = None  # [L] most distinct experts on one rank
     ep_dispatch_bytes: int | None = None  # token-expert pairs sent off the home rank * hidden * dtype bytes
     batch: BatchPassRecord | None = None  # the pass this step's window was verified in (batching engines)
+    controller: Controller = Controller.STATIC
+    planned: int | None = None  # drafts the controller asked of the drafter (None: the policy's draft_length)
+    predicted_accepted: float | None = None  # the moespec rule's expected accepted drafts of this step
 
     @classmethod
     def of_policy(cls, policy: DraftPolicy, *, drafted: int, accepted: int, committed: int,
@@ -179,7 +204,7 @@ class StepRecord:
                   decode_step_equivalents: float, **optional) -> StepRecord:
         """The one constructor both backends use: the policy's fields copied, the union's bound
         min(E, window * m) derived; `optional` holds topk_ids, window_ids, the EP fields, batch."""
-        return cls(drafter=policy.drafter, draft_length=policy.draft_length,
+        return cls(drafter=policy.drafter, draft_length=policy.draft_length, controller=policy.controller,
                    draft_temperature=policy.draft_temperature, policy_id=policy.policy_id, drafted=drafted,
                    accepted=accepted, committed=committed, accepted_per_position=accepted_per_position,
                    window=window, unique_experts=unique_experts, shared_experts=shared_experts,
@@ -189,6 +214,11 @@ class StepRecord:
     @property
     def seconds(self) -> float:
         return self.draft_seconds + self.verify_seconds
+
+    @property
+    def empty_draft(self) -> bool:
+        """Drafts were asked for and the drafter proposed none (n-gram found no match)."""
+        return self.drafted == 0 and (self.draft_length if self.planned is None else self.planned) > 0
 
     @property
     def widest_layer(self) -> int:
@@ -216,6 +246,7 @@ class SpecStats:
     # [L] mean over the steps of the batch union of the pass each was verified in; () when no step
     # came from a batched pass (a backend that does not report passes)
     batch_unique_experts_mean: tuple[float, ...] = ()
+    controller: Controller = Controller.STATIC
 
     @property
     def seconds_per_committed_token(self) -> float:
@@ -240,13 +271,14 @@ class SpecStats:
             unique_experts_max=tuple(max((s.unique_experts[i] for s in steps), default=0) for i in layers),
             draft_seconds=sum(s.draft_seconds for s in steps),
             verify_seconds=sum(s.verify_seconds for s in steps),
-            empty_drafts=sum(1 for s in steps if s.drafted == 0 and s.draft_length > 0),
+            empty_drafts=sum(1 for s in steps if s.empty_draft),
             policy_id=policy.policy_id,
             drafter=policy.drafter,
             draft_length=policy.draft_length,
             draft_temperature=policy.draft_temperature,
             batch_unique_experts_mean=tuple(sum(b.unique_experts[i] for b in batched) / len(batched)
                                             for i in layers) if batched else (),
+            controller=policy.controller,
         )
 
 
@@ -308,3 +340,7 @@ class ModelInfo:
     # This server process's identity among replicas (its `service.instance.id` resource attribute);
     # "" where the backend alone reports (the server fills it in) or an older server answers.
     instance_id: str = ""
+    # The draft-length controllers a policy may name (STATIC everywhere) and, where some are not
+    # offered, why.
+    controllers: tuple[Controller, ...] = (Controller.STATIC,)
+    controllers_note: str = ""

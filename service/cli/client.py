@@ -15,10 +15,11 @@ from dataclasses import asdict
 import grpc
 
 from service import admin_token
+from service.cli.generate import add_controller_arguments
 from service.errors import UsageError
 from service.server.client import MoespecClient, Reply
 from service.traffic import TrafficArm, TrafficSplit
-from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
+from service.types import Controller, Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
 ADMIN_TOKEN_ENV = admin_token.ADMIN_TOKEN_ENV
 
@@ -62,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--drafter", choices=[d.value for d in Drafter], default=Drafter.MODEL.value)
             p.add_argument("--draft-length", type=int, required=True, help="0 = no speculation")
             p.add_argument("--draft-temperature", type=float, default=1.0)
+            add_controller_arguments(p)
             p.add_argument("--policy-id", default="", help="label reported in responses (default: derived)")
 
     sub.add_parser("info", parents=[common], help="print the model and backend description")
@@ -141,7 +143,8 @@ def _policy(client: MoespecClient, args: argparse.Namespace) -> int:
         policy = client.get_policy(timeout=args.timeout)
     else:
         policy = client.set_policy(
-            DraftPolicy(Drafter(args.drafter), args.draft_length, args.draft_temperature, args.policy_id),
+            DraftPolicy(Drafter(args.drafter), args.draft_length, args.draft_temperature, args.policy_id,
+                        Controller(args.controller), args.cost_weight),
             timeout=args.timeout,
         )
     print(_dump(asdict(policy)))

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from service.types import Drafter, DraftPolicy, GenerationRequest, GenerationResult, InvalidRequest, SamplingParams
+from service.types import (
+    Controller,
+    Drafter,
+    DraftPolicy,
+    GenerationRequest,
+    GenerationResult,
+    InvalidRequest,
+    SamplingParams,
+)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,6 +29,15 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", choices=[d.value for d in Drafter], default=Drafter.MODEL.value)
     parser.add_argument("--draft-length", type=int, default=0, help="draft tokens per step; 0 = plain decoding")
     parser.add_argument("--draft-temperature", type=float, default=1.0, help="model drafter only; 0 = argmax")
+    add_controller_arguments(parser)
+
+
+def add_controller_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    parser.add_argument("--controller", choices=[c.value for c in Controller], default=Controller.STATIC.value,
+                        help=f"{prefix}who picks each step's draft length; with an adaptive one, --draft-length is "
+                             "the most a step drafts (docs/server.md, 'Adaptive speculation')")
+    parser.add_argument("--cost-weight", type=float, default=1.0,
+                        help=f"{prefix}the moespec controller's weight on marginal cost (> 1 drafts less)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +54,8 @@ def request_from_args(args: argparse.Namespace) -> tuple[GenerationRequest, Draf
         sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
     )
     policy = DraftPolicy(drafter=Drafter(args.drafter), draft_length=args.draft_length,
-                         draft_temperature=args.draft_temperature, policy_id="cli")
+                         draft_temperature=args.draft_temperature, policy_id="cli",
+                         controller=Controller(args.controller), cost_weight=args.cost_weight)
     return request, policy
 
 

@@ -25,10 +25,11 @@ from pathlib import Path
 from otel import cli as otel_cli
 from service import admin_token
 from service.backend import Backend
+from service.cli.generate import add_controller_arguments
 from service.engine_defaults import MAX_BATCH, PREFILL_CHUNK
 from service.errors import UsageError
 from service.server.server import MoespecServer, ServerConfig, serve
-from service.types import Drafter, DraftPolicy, InvalidRequest
+from service.types import Controller, Drafter, DraftPolicy, InvalidRequest
 
 ADMIN_TOKEN_ENV = admin_token.ADMIN_TOKEN_ENV
 
@@ -81,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="initial draft policy: tokens drafted per step (0 = no speculation)")
     parser.add_argument("--draft-temperature", type=float, default=1.0,
                         help="initial draft policy: draft sampling temperature (model drafter)")
+    add_controller_arguments(parser, prefix="initial draft policy: ")
     parser.add_argument("--ep-size", type=int, default=0,
                         help="expert-parallel view of each verify pass over P ranks (spans gain moespec.moe.ep_*; "
                              "torch: estimated from its routing, sglang: from the recorder's physical "
@@ -150,7 +152,8 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
         raise UsageError("--max-message-bytes must be at least 1024")
     if args.max_request_bytes is not None and args.max_request_bytes < 1024:
         raise UsageError("--max-request-bytes must be at least 1024")
-    policy = DraftPolicy(Drafter(args.drafter), args.draft_length, args.draft_temperature, policy_id="default")
+    policy = DraftPolicy(Drafter(args.drafter), args.draft_length, args.draft_temperature, policy_id="default",
+                         controller=Controller(args.controller), cost_weight=args.cost_weight)
     try:
         policy.validate()
     except InvalidRequest as e:

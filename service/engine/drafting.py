@@ -1,8 +1,10 @@
 """Each running sequence's proposal for one scheduler step, under its own draft policy.
 
-An n-gram sequence looks its drafts up in its own tokens (ngram.py; q is a point mass on each
-draft); the sequences that draft with the model run together, batched, in the model drafter's
-rounds (model_drafting.py: the dense draft model or the draft head). Apart from the scheduler's
+A sequence's controller (adaptive/) says how many drafts to draft (`plan`); an n-gram sequence
+looks its drafts up in its own tokens (ngram.py; q is a point mass on each draft); the sequences
+that draft with the model run together, batched, in the model drafter's rounds (model_drafting.py:
+the dense draft model or the draft head). Where the controller asks, the drafter reports its
+confidences and the controller keeps a prefix of the drafts (`cut`). Apart from the scheduler's
 loop: the loop decides which sequences run a step; this decides what each of them proposes.
 
 Shape legend: k' drafts proposed, V vocabulary.
@@ -11,11 +13,13 @@ Shape legend: k' drafts proposed, V vocabulary.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from service.engine import model_drafting, ngram
+from service.engine.adaptive.controller import DraftConfidence
 from service.engine.sampling import point_mass
 from service.engine.sequence import Sequence
 from service.types import Drafter
@@ -24,32 +28,56 @@ if TYPE_CHECKING:
     from service.engine.engine import Engine
 
 
+@dataclass
+class Proposal:
+    drafts: list[int]  # [k'] the drafts to verify
+    q: torch.Tensor | None  # [k', V] the distributions they were drawn from (None: nothing drafted)
+    seconds: float  # drafting time (the model drafter's rounds are shared by the sequences in them)
+    confidence: DraftConfidence | None = None  # of the drafts verified, where the drafter reports it
+    planned: int = 0  # drafts the controller asked for (after its cut, for the model drafter)
+
+
 def uses_head(seq: Sequence) -> bool:
     """The sequence drafts with the model drafter (a draft head, where the engine has one)."""
     return seq.policy.drafter is Drafter.MODEL and seq.policy.draft_length > 0
 
 
-def draft(e: Engine, seqs: list[Sequence]) -> list[tuple[list[int], torch.Tensor | None, float]]:
-    """Each sequence's proposal (drafts, q [k', V] or None, seconds) under its own policy; the
-    draft model runs batched over them."""
+def draft(e: Engine, seqs: list[Sequence]) -> list[Proposal]:
+    """Each sequence's proposal under its own policy and controller; the draft model runs batched."""
     cfg, vocab = e.config, e.info.vocab_size
-    out: list[tuple[list[int], torch.Tensor | None, float]] = []
+    out: list[Proposal] = []
     model_rows: list[tuple[int, int]] = []  # (index in seqs, k)
     for i, seq in enumerate(seqs):
-        k = seq.draft_budget()
+        limit = seq.draft_budget()
+        context = e.adaptive.context(len(seqs), seq.last_window, seq.last_committed)
+        k = seq.controller.plan(context, limit) if limit > 0 else 0
         t0 = time.perf_counter()
         if k > 0 and seq.policy.drafter is Drafter.NGRAM:
             drafts = ngram.propose(seq.tokens, k, cfg.ngram_min, cfg.ngram_max)
-            out.append((drafts.tolist(), point_mass(drafts, vocab), time.perf_counter() - t0))
+            out.append(Proposal(drafts.tolist(), point_mass(drafts, vocab), time.perf_counter() - t0, planned=k))
         else:
-            out.append(([], None, 0.0))
+            out.append(Proposal([], None, 0.0, planned=k))
             if k > 0:
                 model_rows.append((i, k))
     if model_rows:
         t0 = time.perf_counter()
         draft_rounds = model_drafting.draft_with_head if e.draft_is_head else model_drafting.draft_dense
-        drafted = draft_rounds(e, [seqs[i] for i, _ in model_rows], [k for _, k in model_rows])
+        rows = [seqs[i] for i, _ in model_rows]
+        drafted = draft_rounds(e, rows, [k for _, k in model_rows], [s.controller.wants_confidence for s in rows])
         seconds = time.perf_counter() - t0
-        for (i, _), (drafts, q) in zip(model_rows, drafted, strict=True):
-            out[i] = (drafts.tolist(), q, seconds)
+        e.adaptive.observe_draft_rounds(max(k for _, k in model_rows), seconds)
+        for (i, _), (drafts, q, confidence) in zip(model_rows, drafted, strict=True):
+            out[i] = _cut(seqs[i], Proposal(drafts.tolist(), q, seconds, confidence, planned=len(drafts)))
     return out
+
+
+def _cut(seq: Sequence, proposal: Proposal) -> Proposal:
+    """The prefix of the drafts the sequence's controller keeps, given the drafter's confidences."""
+    if proposal.confidence is None:
+        return proposal
+    k = seq.controller.cut(proposal.confidence)
+    if k >= len(proposal.drafts):
+        return proposal
+    c = proposal.confidence
+    return Proposal(proposal.drafts[:k], proposal.q[:k] if k else None, proposal.seconds,
+                    DraftConfidence(c.token[:k], c.top[:k]) if k else None, planned=k)

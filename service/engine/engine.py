@@ -32,6 +32,7 @@ import torch
 from tokenizers import Tokenizer
 
 from service import expert_parallel
+from service.engine.adaptive.state import AdaptiveState
 from service.engine.draft_head import is_head_dir, load_head
 from service.engine.kernel_pool import ONE_THREAD, KernelPool, KernelThreads
 from service.engine.kernels import build as build_kernels
@@ -47,6 +48,7 @@ from service.limits import PromptLimits, tokenizer_prompt_bytes
 from service.recording import StepRecorder
 from service.types import (
     MAX_DRAFT_LENGTH,
+    Controller,
     Drafter,
     DraftPolicy,
     GenerationRequest,
@@ -151,6 +153,7 @@ class Engine:
         self.ep_token_bytes = cfg.hidden_size * (config.ep.dtype_bytes if config.ep else 0)
         self.recorder = StepRecorder(config.record_steps, self.info, cfg.hidden_size) if config.record_steps else None
         self.max_batch = config.max_batch  # the Backend protocol's batch slots: the server runs this many callers
+        self.adaptive = AdaptiveState(cfg.num_experts, cfg.num_experts_per_tok, self.decode_step_seconds)
         self._scheduler = Scheduler(self, config.max_batch, config.prefill_chunk)  # owns the models from here on
         # Stop the scheduler thread (then the kernels' workers, which it calls) when the engine is collected
         # or the interpreter exits, if nobody called close() (a thread still parked in torch at exit aborts
@@ -239,6 +242,7 @@ class Engine:
             concurrent_policies=True,  # the policy is a per-call argument: any mix of arms at once
             device="cpu",  # the fused kernels and the torch fallbacks run on the CPU only
             shared_passes=self.config.max_batch > 1,  # continuous batching: one target pass serves them all
+            controllers=tuple(Controller),  # every controller runs per request in the scheduler
         )
 
 

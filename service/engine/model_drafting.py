@@ -9,8 +9,10 @@ draft, chosen by the draft directory:
   features of drafted positions were the head's own estimates, so after verification every entry
   past the last committed token is recomputed from the target's true features (written per slot
   and position by the scheduler into `Engine.target_features`).
-Each returns, per sequence, the drafted token ids [k] and q [k, V]: the distribution each draft
-was sampled from (a point mass for a greedy draft), which the acceptance rule needs.
+Each returns, per sequence, the drafted token ids [k], q [k, V]: the distribution each draft
+was sampled from (a point mass for a greedy draft), which the acceptance rule needs, and, for the
+sequences whose controller asks, the drafts' confidences (`draft_confidence`; None where the
+drafter has no probabilities to give: the draft head's greedy chain returns only its picks).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from service.engine.adaptive.controller import DraftConfidence
 from service.engine.draft_head import DraftHead
 from service.engine.ragged import KVCache, RaggedBatch
 from service.engine.sampling import draft_probs, point_mass, sample
@@ -28,11 +31,24 @@ if TYPE_CHECKING:
     from service.engine.engine import Engine
 
 
-def draft_dense(e: Engine, seqs: list[Sequence], ks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+Drafted = tuple[torch.Tensor, torch.Tensor, DraftConfidence | None]
+
+
+def draft_confidence(probs: torch.Tensor, picks: torch.Tensor) -> DraftConfidence:
+    """probs [k, V] the distributions the drafts came from, picks [k] the drafts: their
+    probabilities and each distribution's largest (fixed before its draft was drawn)."""
+    return DraftConfidence(tuple(probs.gather(1, picks[:, None].long())[:, 0].tolist()),
+                           tuple(probs.max(-1).values.tolist()))
+
+
+def draft_dense(e: Engine, seqs: list[Sequence], ks: list[int], confident: list[bool]) -> list[Drafted]:
+    """confident[b]: report sequence b's confidences (from the draft's softmax at its temperature;
+    at temperature 0, at temperature 1: a point mass says nothing)."""
     pending = [torch.tensor(s.ids[s.draft_valid:], dtype=torch.long) for s in seqs]  # tokens each still has to feed
     starts = [s.draft_valid for s in seqs]
     drafts: list[list[torch.Tensor]] = [[] for _ in seqs]
     qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+    soft: list[list[torch.Tensor]] = [[] for _ in seqs]  # the distributions confidences are read from
     for r in range(max(ks)):
         active = [b for b, k in enumerate(ks) if k > r]
         lengths = [pending[b].shape[0] for b in active]
@@ -48,13 +64,21 @@ def draft_dense(e: Engine, seqs: list[Sequence], ks: list[int]) -> list[tuple[to
             token = row.argmax(-1) if temperature == 0 else sample(q, seqs[b].gen)
             drafts[b].append(token)
             qs[b].append(q)
+            if confident[b]:
+                soft[b].append(row.float().softmax(-1) if temperature == 0 else q)
             starts[b] += pending[b].shape[0]
             pending[b] = token
-    return [(torch.cat(d), torch.cat(q)) for d, q in zip(drafts, qs, strict=True)]
+    out = []
+    for d, q, c in zip(drafts, qs, soft, strict=True):
+        picks = torch.cat(d)
+        out.append((picks, torch.cat(q), draft_confidence(torch.cat(c), picks) if c else None))
+    return out
 
 
-def draft_with_head(e: Engine, seqs: list[Sequence], ks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """With the kernels, each sequence's catch-up and chain is one C call (`Kernels.head_draft`: the
+def draft_with_head(e: Engine, seqs: list[Sequence], ks: list[int], confident: list[bool]) -> list[Drafted]:
+    """confident[b]: report sequence b's confidences where its chain samples (its q).
+
+    With the kernels, each sequence's catch-up and chain is one C call (`Kernels.head_draft`: the
     calls are independent, so a sequence's drafts never depend on the rest of the batch); without,
     the catch-up is one ragged pass over every sequence and the chains run in torch ops."""
     head, vocab_size = e.draft, e.target.cfg.vocab_size
@@ -79,12 +103,13 @@ def draft_with_head(e: Engine, seqs: list[Sequence], ks: list[int]) -> list[tupl
                                   s.policy.draft_temperature, u)
                   for j, (s, k, u) in enumerate(zip(seqs, ks, uniforms, strict=True))]
     out = []
-    for picks, q in chains:
+    for (picks, q), want in zip(chains, confident, strict=True):
         drafts = head.vocab[picks]
         if q is None:
-            out.append((drafts, point_mass(drafts, vocab_size)))
+            out.append((drafts, point_mass(drafts, vocab_size), None))
         else:  # over the target's vocabulary: zero outside the draft vocabulary
-            out.append((drafts, torch.zeros(q.shape[0], vocab_size).index_copy_(1, head.vocab, q)))
+            out.append((drafts, torch.zeros(q.shape[0], vocab_size).index_copy_(1, head.vocab, q),
+                        draft_confidence(q, picks) if want else None))
     return out
 
 

@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from service.engine import step_records
-from service.engine.drafting import draft, uses_head
+from service.engine.adaptive.controller import StepController, StepOutcome
+from service.engine.drafting import Proposal, draft, uses_head
 from service.engine.ragged import RaggedBatch
 from service.engine.sampling import accept, accept_greedy_ids, target_probs
 from service.engine.sequence import Sequence
@@ -164,10 +165,9 @@ class Scheduler:
             if self._stopped(seq):  # its deadline passed, or its caller left, while it waited
                 if not seq.done.is_set():
                     self._finish(seq, FinishReason.CANCELLED)
-            elif seq.prefill_left > 0:
-                self._prefilling.append(seq)
             else:
-                self._running.append(seq)
+                seq.controller = self.e.adaptive.controller_for(seq.policy)
+                (self._prefilling if seq.prefill_left > 0 else self._running).append(seq)
 
     def _plan_prefill(self) -> list[PrefillChunk]:
         """This pass's prompt chunks: first come, first served, `prefill_chunk` tokens in all while
@@ -254,9 +254,9 @@ class Scheduler:
         """One target pass over the verify windows of `seqs`; `prefilled` prompt tokens ran just before."""
         e = self.e
         start_ns, t0 = time.time_ns(), time.perf_counter()
-        proposals = draft(e, seqs)  # per sequence: (drafts, q [k', V] or None, draft seconds)
+        proposals = draft(e, seqs)  # per sequence: its drafts, q [k', V] or None, draft seconds, confidences
         t1 = time.perf_counter()
-        windows = [[s.ids[-1], *drafts] for s, (drafts, _, _) in zip(seqs, proposals, strict=True)]  # [w_b]
+        windows = [[s.ids[-1], *p.drafts] for s, p in zip(seqs, proposals, strict=True)]  # [w_b]
         lengths = [len(w) for w in windows]
         batch = RaggedBatch.build([s.slot for s in seqs], [len(s.ids) - 1 for s in seqs], lengths)
         out = e.target.forward_ragged(torch.tensor([t for w in windows for t in w]), batch, e.target_cache)
@@ -275,15 +275,17 @@ class Scheduler:
         # Each window's routed ids, only where a record keeps them (top-k capture, the EP estimate): a
         # batched step does this loop for every request, so it does nothing a request does not need.
         window_ids = routed.split(lengths, dim=1) if step_records.records_ids(e) else [None] * len(seqs)
-        for seq, (drafts, _, draft_s), window, ids, unique, (n_ok, _, bonus) in zip(
+        self._observe_controllers(seqs, proposals, verdicts, lengths, batch_unique, t0, t1, t2)
+        for seq, proposal, window, ids, unique, (n_ok, _, bonus) in zip(
                 seqs, proposals, windows, window_ids, own_unique, verdicts, strict=True):
+            drafts, draft_s = proposal.drafts, proposal.seconds
             k = len(drafts)
             if seq.policy.drafter is Drafter.MODEL and k > 0:
                 # The draft cache holds the old tokens plus drafts 1..k-1. A dense draft's entries of
                 # accepted drafts stay valid; a head's read its own feature estimates, so they are redone.
                 seq.draft_valid = len(seq.ids) + (0 if e.draft_is_head else min(n_ok, k - 1))
             record = step_records.step_record(e, seq, k, n_ok, window, ids, unique, draft_s, t2 - t1, step_unit,
-                                              pass_record)
+                                              pass_record, proposal.planned)
             try:
                 finish = seq.commit([*drafts[:n_ok], bonus], record, e.eos_id, e.decode)
             except Exception as error:  # e.g. the caller's on_delta raised: only this request fails
@@ -293,7 +295,23 @@ class Scheduler:
             if finish is not None:
                 self._finish(seq, finish)
 
-    def _accept(self, seqs: list[Sequence], proposals: list, logits: torch.Tensor,
+    def _observe_controllers(self, seqs: list[Sequence], proposals: list[Proposal], verdicts: list, lengths: list[int],
+                             batch_unique: tuple[int, ...], t0: float, t1: float, t2: float) -> None:
+        """Each controller hears its request's outcome; the engine's estimates learn from the pass
+        (only where some request adapts: a pass of static policies pays nothing for them)."""
+        if all(type(s.controller) is StepController for s in seqs):
+            for seq, w, v in zip(seqs, lengths, verdicts, strict=True):
+                seq.last_window, seq.last_committed = w, v[0] + 1
+            return
+        e = self.e
+        for seq, proposal, (n_ok, _, _), w in zip(seqs, proposals, verdicts, lengths, strict=True):
+            seq.controller.observe(StepOutcome(w - 1, n_ok, t2 - t0, n_ok + 1, len(seqs), proposal.confidence))
+            seq.last_window, seq.last_committed = w, n_ok + 1
+        e.adaptive.end_pass([s.controller for s in seqs], len(seqs))
+        union = sum(batch_unique) / len(batch_unique) if batch_unique else 0.0
+        e.adaptive.observe_pass(sum(lengths), union, t2 - t1, sum(v[0] + 1 for v in verdicts))
+
+    def _accept(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
                 lengths: list[int]) -> list[tuple[int, tuple[bool, ...], int]]:
         """Per sequence: (drafts accepted, accepted flags [k], the target's next token).
 
@@ -304,7 +322,8 @@ class Scheduler:
         # [n]: every row at once; numpy's argmax (first maximum, like torch's) is ~10x cheaper on 16 x 4096
         argmax = logits.numpy().argmax(-1).tolist() if greedy else []
         verdicts, offset = [], 0
-        for seq, (drafts, q, _), w in zip(seqs, proposals, lengths, strict=True):
+        for seq, proposal, w in zip(seqs, proposals, lengths, strict=True):
+            drafts, q = proposal.drafts, proposal.q
             if seq.request.sampling.greedy:
                 verdicts.append(accept_greedy_ids(drafts, argmax[offset:offset + w]))
             else:

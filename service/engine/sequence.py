@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from service.engine.adaptive.controller import StepController
 from service.types import (
     DraftPolicy,
     FinishReason,
@@ -47,6 +48,9 @@ class Sequence:
             self.gen.manual_seed(seed)
         self.slot = -1  # cache slot, assigned when the scheduler admits it
         self.draft_valid = 0  # tokens of self.ids whose keys/values the draft cache holds
+        self.controller = StepController()  # the scheduler gives it its policy's at admission
+        self.last_window = 0  # positions of its window in the last step
+        self.last_committed = 0  # and the tokens that step committed
         self.steps: list[StepRecord] = []
         self.sent_chars = 0  # completion text already streamed
         self.holdback = max((len(s) for s in request.stop), default=1) - 1
@@ -76,7 +80,8 @@ class Sequence:
         return self.prompt_len - 1 - self.prefilled
 
     def draft_budget(self) -> int:
-        """Drafts this step may propose: never past the budget (the target adds one token itself)."""
+        """Drafts this step may propose (its controller chooses how many of them): never past the
+        budget (the target adds one token itself)."""
         return min(self.policy.draft_length, self.remaining - 1)
 
     def commit(self, new_ids: list[int], record: StepRecord, eos_id: int | None,

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from service import expert_parallel
+from service.engine.adaptive.controller import StepController
 from service.engine.sequence import Sequence
 from service.types import BatchPassRecord, StepRecord, accepted_positions
 
@@ -90,8 +91,9 @@ def records_ids(e: Engine) -> bool:
 
 def step_record(e: Engine, seq: Sequence, drafted: int, accepted: int, window: list[int],
                 routed: torch.Tensor | None, unique: tuple[int, ...], draft_s: float, verify_s: float,
-                step_unit: float, batch: BatchPassRecord) -> StepRecord:
-    """routed: the window's ids [L, w, m] (None unless `records_ids`)."""
+                step_unit: float, batch: BatchPassRecord, planned: int) -> StepRecord:
+    """routed: the window's ids [L, w, m] (None unless `records_ids`); planned: the drafts the
+    sequence's controller asked for (recorded where a controller adapts the length)."""
     policy = seq.policy
     cfg, capture = e.target.cfg, captures_topk(e)
     E, m = cfg.num_experts, cfg.num_experts_per_tok
@@ -115,5 +117,13 @@ def step_record(e: Engine, seq: Sequence, drafted: int, accepted: int, window: l
         topk_ids=tuple(tuple(tuple(pos) for pos in layer) for layer in routed.tolist()) if capture else None,
         window_ids=tuple(window) if capture else None,
         batch=batch,
+        **adaptive_fields(seq.controller, planned, drafted),
         **ep,
     )
+
+
+def adaptive_fields(controller: StepController, planned: int, drafted: int) -> dict:
+    """What an adaptive controller adds to a step record (nothing for the static policy)."""
+    if type(controller) is StepController:
+        return {}
+    return {"planned": planned, "predicted_accepted": controller.expected_accepted(drafted)}

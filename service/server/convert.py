@@ -3,7 +3,7 @@
 Contract: `*_from_pb` never validates (the dataclasses' `validate()` does that, so every entry point
 refuses bad input with the same message); unset `optional` fields take the dataclass defaults. The
 only error raised here is InvalidRequest for a value the dataclass cannot even hold (an unknown
-drafter enum number).
+drafter or controller enum number).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.traffic import TrafficArm, TrafficSplit
 from service.types import (
     MAX_DRAFT_TEMPERATURE,
+    Controller,
     Drafter,
     DraftPolicy,
     FinishReason,
@@ -44,6 +45,14 @@ class Budget:
 
 _DRAFTER_TO_PB = {Drafter.MODEL: pb.DraftPolicy.MODEL, Drafter.NGRAM: pb.DraftPolicy.NGRAM}
 _DRAFTER_FROM_PB = {v: k for k, v in _DRAFTER_TO_PB.items()}
+_CONTROLLER_TO_PB = {
+    Controller.STATIC: pb.DraftPolicy.STATIC,
+    Controller.MOESPEC: pb.DraftPolicy.MOESPEC,
+    Controller.SGLANG: pb.DraftPolicy.SGLANG_EMA,
+    Controller.TRANSFORMERS: pb.DraftPolicy.TRANSFORMERS_HEURISTIC,
+    Controller.CASCADE: pb.DraftPolicy.CASCADE,
+}
+_CONTROLLER_FROM_PB = {v: k for k, v in _CONTROLLER_TO_PB.items()}
 
 
 def drafter_from_pb(value: int, field_name: str = "policy.drafter") -> Drafter:
@@ -56,6 +65,13 @@ def drafter_from_pb(value: int, field_name: str = "policy.drafter") -> Drafter:
 
 def drafter_to_pb(drafter: Drafter) -> int:
     return _DRAFTER_TO_PB[drafter]
+
+
+def controller_from_pb(value: int, field_name: str = "policy.controller") -> Controller:
+    try:
+        return _CONTROLLER_FROM_PB[value]
+    except KeyError:
+        raise InvalidRequest(field_name, f"unknown controller {value}") from None
 
 
 # -- requests ---------------------------------------------------------------------------------
@@ -102,13 +118,14 @@ def request_to_pb(request: GenerationRequest) -> pb.GenerateRequest:
 
 
 def policy_from_pb(msg: pb.DraftPolicy, field_prefix: str = "policy") -> DraftPolicy:
+    d = DraftPolicy()
     return DraftPolicy(
         drafter=drafter_from_pb(msg.drafter, f"{field_prefix}.drafter"),
         draft_length=msg.draft_length,
-        draft_temperature=(
-            msg.draft_temperature if msg.HasField("draft_temperature") else DraftPolicy().draft_temperature
-        ),
+        draft_temperature=msg.draft_temperature if msg.HasField("draft_temperature") else d.draft_temperature,
         policy_id=msg.policy_id,
+        controller=controller_from_pb(msg.controller, f"{field_prefix}.controller"),
+        cost_weight=msg.cost_weight if msg.HasField("cost_weight") else d.cost_weight,
     )
 
 
@@ -118,6 +135,8 @@ def policy_to_pb(policy: DraftPolicy) -> pb.DraftPolicy:
         draft_length=policy.draft_length,
         draft_temperature=policy.draft_temperature,
         policy_id=policy.policy_id,
+        controller=_CONTROLLER_TO_PB[policy.controller],
+        cost_weight=policy.cost_weight,
     )
 
 
@@ -157,6 +176,7 @@ def spec_to_pb(spec: SpecStats) -> pb.SpecStats:
         drafter=drafter_to_pb(spec.drafter),
         draft_length=spec.draft_length,
         draft_temperature=spec.draft_temperature,
+        controller=_CONTROLLER_TO_PB[spec.controller],
     )
 
 
@@ -177,6 +197,7 @@ def spec_from_pb(msg: pb.SpecStats) -> SpecStats:
         drafter=drafter_from_pb(msg.drafter, "spec.drafter"),
         draft_length=msg.draft_length,
         draft_temperature=msg.draft_temperature,
+        controller=controller_from_pb(msg.controller, "spec.controller"),
     )
 
 
@@ -245,6 +266,8 @@ def info_to_pb(info: ModelInfo) -> pb.ModelInfo:
         device=info.device,
         shared_passes=info.shared_passes,
         instance_id=info.instance_id,
+        controllers=[_CONTROLLER_TO_PB[c] for c in info.controllers],
+        controllers_note=info.controllers_note,
     )
 
 
@@ -270,4 +293,7 @@ def info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
         device=msg.device,
         shared_passes=msg.shared_passes,
         instance_id=msg.instance_id,
+        # A server that predates controllers offers the static one only.
+        controllers=tuple(controller_from_pb(c, "controllers") for c in msg.controllers) or (Controller.STATIC,),
+        controllers_note=msg.controllers_note,
     )

@@ -99,6 +99,10 @@ class PolicyStore:
         policy.validate(self._info.max_draft_length)
         if policy.draft_length and policy.drafter not in self._info.drafters:
             raise InvalidRequest("policy.drafter", f"{policy.drafter.value!r} is not offered by this backend")
+        if policy.controller not in self._info.controllers:
+            note = f" ({self._info.controllers_note})" if self._info.controllers_note else ""
+            raise InvalidRequest("policy.controller",
+                                 f"{policy.controller.value!r} is not offered by this backend{note}")
         if not policy.policy_id:
             policy = replace(policy, policy_id=derived_id(policy))
         return policy

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from service.sglang_backend.model_config import MoeGeometry
 from service.sglang_backend.policy import SpecConfig, tunable_knobs
-from service.types import MAX_DRAFT_LENGTH, ModelInfo
+from service.types import MAX_DRAFT_LENGTH, Controller, ModelInfo
 
 
 def build_info(target: MoeGeometry, draft_name: str, spec: SpecConfig, max_context: int,
@@ -28,4 +28,10 @@ def build_info(target: MoeGeometry, draft_name: str, spec: SpecConfig, max_conte
         concurrent_policies=False,  # speculation is fixed at engine start-up: one policy at a time
         shared_passes=True,  # SGLang's scheduler batches the requests in flight into shared passes
         device=device,
+        # SGLang 0.5.23's own --speculative-adaptive runs for EAGLE / EAGLE3 only, with the built-in
+        # worker: not for this backend's STANDALONE draft model or n-gram drafter.
+        controllers=(Controller.STATIC,),
+        controllers_note=("adaptive draft lengths are not offered: SGLang's own adaptive mode needs EAGLE or "
+                          "EAGLE3 drafting, and this backend drafts with a STANDALONE draft model or n-gram; "
+                          "moespec's controllers run in the torch backend"),
     )

@@ -9,7 +9,7 @@ import pytest
 
 from service.server.client import MoespecClient
 from service.server.server import ServerConfig
-from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
+from service.types import Controller, Drafter, DraftPolicy, GenerationRequest, SamplingParams
 from tests.conftest import ADMIN_TOKEN, ServerThread
 from tests.support.engine_helpers import HoldingBackend
 
@@ -102,3 +102,16 @@ def test_without_a_configured_token_set_policy_is_refused_and_get_policy_is_open
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert "admin token" in e.value.details()
         assert c.get_policy().policy_id == "default"
+
+
+def test_an_adaptive_policy_round_trips_and_its_requests_run_under_it(client, default_policy):
+    """The controller and its weight travel through SetPolicy / GetPolicy and the derived id; the
+    server offers every controller (GetModelInfo) and requests report the policy."""
+    assert set(client.model_info().controllers) == set(Controller)
+    policy = DraftPolicy(Drafter.NGRAM, 8, controller=Controller.MOESPEC, cost_weight=0.5, policy_id="")
+    stored = client.set_policy(policy)
+    assert stored == dataclasses.replace(policy, policy_id="moespec-ngram-k8-w0.5")
+    assert client.get_policy() == stored
+    reply = client.generate(GenerationRequest(prompt="a b c a b c a b c a b c", max_new_tokens=24,
+                                              sampling=SamplingParams(temperature=0)))
+    assert reply.spec.policy_id == "moespec-ngram-k8-w0.5" and reply.spec.draft_length == 8

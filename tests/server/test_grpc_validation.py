@@ -53,6 +53,13 @@ BAD_POLICY = [
     ("draft_temperature NaN", pb.DraftPolicy(draft_length=2, draft_temperature=math.nan), "policy.draft_temperature"),
     ("unknown drafter", pb.DraftPolicy(drafter=7, draft_length=2), "policy.drafter"),
     ("policy_id too long", pb.DraftPolicy(draft_length=2, policy_id="p" * 129), "policy.policy_id"),
+    ("unknown controller", pb.DraftPolicy(draft_length=2, controller=9), "policy.controller"),
+    ("cost_weight 0", pb.DraftPolicy(draft_length=2, controller=pb.DraftPolicy.MOESPEC, cost_weight=0.0),
+     "policy.cost_weight"),
+    ("cost_weight NaN", pb.DraftPolicy(draft_length=2, controller=pb.DraftPolicy.MOESPEC, cost_weight=math.nan),
+     "policy.cost_weight"),
+    ("cost_weight too high", pb.DraftPolicy(draft_length=2, controller=pb.DraftPolicy.MOESPEC, cost_weight=101.0),
+     "policy.cost_weight"),
 ]
 
 

@@ -21,7 +21,7 @@ from service.sglang_backend.policy import (
     verify_width,
 )
 from service.sglang_backend.sampling import sampling_params
-from service.types import Drafter, DraftPolicy, GenerationRequest, InvalidRequest, SamplingParams
+from service.types import Controller, Drafter, DraftPolicy, GenerationRequest, InvalidRequest, SamplingParams
 
 STANDALONE = SpecConfig(model_algorithm="STANDALONE", draft_model_path="/models/draft")
 
@@ -96,6 +96,7 @@ def test_model_info_of_the_shipped_target(tmp_path):
     assert info.tunable == ("drafter", "draft_length")
     assert info.expert_bytes == 3 * 256 * 64 * 2  # gate, up, down of one expert in bf16
     assert info.policy_switch_seconds == 0.0 and info.policy_switches == 0
+    assert info.controllers == (Controller.STATIC,) and "EAGLE" in info.controllers_note  # says why
 
 
 def test_moe_layers_follow_each_family_config(tmp_path):

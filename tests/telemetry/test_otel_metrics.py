@@ -12,7 +12,7 @@ from otel import attributes as a
 from otel.config import TelemetryConfig
 from otel.metrics import unique_expert_buckets
 from otel.setup import build_telemetry_from_config
-from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
+from service.types import Controller, Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
 POLICY = DraftPolicy(Drafter.MODEL, 3, 0.5, policy_id="m3")
 
@@ -107,6 +107,8 @@ def test_acceptance_and_cost_series_match_the_steps(recorded):
         steps = result.steps
         assert point(a.STEP_ACCEPTED_TOKENS).count == len(steps)
         assert point(a.STEP_ACCEPTED_TOKENS).sum == result.spec.accepted_tokens
+        assert point(a.STEP_DRAFTED_TOKENS).count == len(steps)
+        assert point(a.STEP_DRAFTED_TOKENS).sum == result.spec.drafted_tokens
         assert point(a.DRAFTED_TOKENS).value == result.spec.drafted_tokens
         assert point(a.COMMITTED_TOKENS).value == result.spec.committed_tokens == result.completion_tokens
         assert point(a.STEP_SECONDS).sum == pytest.approx(result.spec.draft_seconds + result.spec.verify_seconds)
@@ -160,3 +162,21 @@ def test_prometheus_endpoint_serves_the_translated_names(engine):
         assert set(a.prometheus_series(spec)) <= series, spec.name
     assert f'{a.prometheus_label(a.MOE_LAYER)}="3"' in text
     assert f'{a.prometheus_label(a.SPEC_POLICY_ID)}="m3"' in text
+
+
+def test_the_moespec_rule_reports_its_calibration_error_per_request(engine):
+    """|expected - observed accepted drafts| / drafts verified, from the rule's own step predictions;
+    other policies record none."""
+    reader = InMemoryMetricReader()
+    telemetry = build_telemetry_from_config(TelemetryConfig(), engine.info, extra_metric_readers=[reader])
+    policy = DraftPolicy(Drafter.NGRAM, 8, policy_id="rule", controller=Controller.MOESPEC, cost_weight=0.05)
+    result = generate(engine, telemetry, policy, max_new_tokens=48)
+    generate(engine, telemetry)
+    points = collect(reader)
+    telemetry.shutdown()
+    predicted = [s for s in result.steps if s.predicted_accepted is not None and s.drafted]
+    assert predicted, "the rule drafted nothing"
+    want = abs(sum(s.predicted_accepted - s.accepted for s in predicted)) / sum(s.drafted for s in predicted)
+    (point,) = points[a.RULE_CALIBRATION_ERROR.name]
+    assert point.attributes[a.SPEC_POLICY_ID] == "rule" and point.count == 1
+    assert point.sum == pytest.approx(want)

@@ -13,12 +13,13 @@ from otel import attributes as a
 from otel.config import TelemetryConfig
 from otel.receiver import OtlpTraceReceiver
 from otel.setup import build_telemetry_from_config
-from service.types import Drafter, DraftPolicy, GenerationRequest, InvalidRequest, SamplingParams
+from service.types import Controller, Drafter, DraftPolicy, GenerationRequest, InvalidRequest, SamplingParams
 
 POLICIES = [
     DraftPolicy(Drafter.MODEL, 0, policy_id="plain"),
     DraftPolicy(Drafter.MODEL, 3, 0.7, policy_id="model-3"),
     DraftPolicy(Drafter.NGRAM, 4, policy_id="ngram-4"),
+    DraftPolicy(Drafter.NGRAM, 8, policy_id="moespec-ngram-8", controller=Controller.MOESPEC),
 ]
 
 
@@ -64,11 +65,13 @@ def expected_request_attributes(engine, request, policy, result) -> dict:
         a.SPEC_DRAFTER: policy.drafter.value,
         a.SPEC_DRAFT_LENGTH: policy.draft_length,
         a.SPEC_DRAFT_TEMPERATURE: policy.draft_temperature,
+        a.SPEC_CONTROLLER: policy.controller.value,
         a.SPEC_VERIFY_STEPS: len(steps),
         a.SPEC_DRAFTED_TOKENS: sum(s.drafted for s in steps),
         a.SPEC_ACCEPTED_TOKENS: sum(s.accepted for s in steps),
         a.SPEC_COMMITTED_TOKENS: sum(s.committed for s in steps),
-        a.SPEC_EMPTY_DRAFTS: sum(1 for s in steps if s.draft_length and not s.drafted),
+        a.SPEC_EMPTY_DRAFTS: sum(1 for s in steps if (s.draft_length if s.planned is None else s.planned)
+                                 and not s.drafted),
         a.MOE_UNIQUE_EXPERTS_MEAN: tuple(sum(s.unique_experts[i] for s in steps) / len(steps) for i in range(L)),
         a.MOE_UNIQUE_EXPERTS_MAX: tuple(max(s.unique_experts[i] for s in steps) for i in range(L)),
         a.COST_DRAFT_SECONDS: sum(s.draft_seconds for s in steps),
@@ -133,6 +136,8 @@ def test_request_and_verify_spans_match_the_engine_step_records(engine, receiver
             assert attrs[a.SPEC_COMMITTED_TOKENS] == step.accepted + 1
         assert attrs[a.SPEC_DRAFTER] == policy.drafter.value
         assert attrs[a.SPEC_DRAFT_LENGTH] == policy.draft_length
+        assert attrs[a.SPEC_DRAFTED_TOKENS] == step.drafted
+        assert attrs[a.SPEC_CONTROLLER] == policy.controller.value
         assert attrs[a.COST_VERIFY_SECONDS] == step.verify_seconds
         assert attrs[a.COST_DECODE_STEP_EQUIVALENTS] == pytest.approx(step.decode_step_equivalents)
     # Every output token comes from a verify step.
@@ -209,7 +214,7 @@ def test_unsampled_trace_reports_no_trace_id_and_exports_nothing(engine):
         traces_served = {s["trace_id"] if s["name"] != a.VERIFY_BATCH_SPAN_NAME
                          else tuple(link["trace_id"] for link in s["links"]) for s in own.spans}
         assert traces_served == {marker_id, (marker_id,)}
-        assert ids == ["", "", ""]
+        assert ids == [""] * len(POLICIES)
 
 
 def test_server_fault_sets_error_status_and_error_type(engine, receiver):

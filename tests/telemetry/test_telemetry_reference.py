@@ -12,7 +12,7 @@ import pytest
 from otel import attributes as a
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "telemetry.md"
-ALWAYS, EP, TUNER = "always", "`--ep-size`", "`moespec tune --continuous`"
+ALWAYS, EP, TUNER, RULE = "always", "`--ep-size`", "`moespec tune --continuous`", "controller `moespec`"
 REQUEST, VERIFY, BATCH = a.request_span_name("{model}"), a.VERIFY_SPAN_NAME, a.VERIFY_BATCH_SPAN_NAME
 
 
@@ -49,7 +49,7 @@ def documented_metrics(text: str) -> set[tuple]:
 
 
 def expected_metrics() -> set[tuple]:
-    groups = ((a.METRICS, ALWAYS), (a.EP_METRICS, EP), (a.TUNER_METRICS, TUNER))
+    groups = ((a.METRICS, ALWAYS), (a.EP_METRICS, EP), (a.TUNER_METRICS, TUNER), (a.RULE_METRICS, RULE))
     return {(s.name, s.kind.value, s.unit, s.attributes, when) for specs, when in groups for s in specs}
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from service.policy_ids import canonical, derived_id
-from service.types import Drafter, DraftPolicy
+from service.types import Controller, Drafter, DraftPolicy
 from tuner.loop.space import policy_key
 
 # (policy, derived id): each group of equal ids runs one policy.
@@ -20,11 +20,22 @@ CASES = [
     (DraftPolicy(Drafter.MODEL, 4, 0.5, ""), "model-k4-t0.5"),
     (DraftPolicy(Drafter.MODEL, 4, 0.0, ""), "model-k4-t0"),
     (DraftPolicy(Drafter.MODEL, 2, 1.0, ""), "model-k2-t1"),
+    (DraftPolicy(Drafter.MODEL, 2, 1.0, "", Controller.STATIC, 3.0), "model-k2-t1"),  # the weight is moespec's
+    (DraftPolicy(Drafter.NGRAM, 0, 1.0, "", Controller.CASCADE), "plain"),  # nothing to choose
+    (DraftPolicy(Drafter.NGRAM, 8, 0.3, "", Controller.CASCADE, 2.0), "cascade-ngram-k8"),
+    (DraftPolicy(Drafter.NGRAM, 8, 1.0, "", Controller.CASCADE), "cascade-ngram-k8"),
+    (DraftPolicy(Drafter.NGRAM, 8, 1.0, "", Controller.SGLANG), "sglang-ema-ngram-k8"),
+    (DraftPolicy(Drafter.MODEL, 8, 0.0, "", Controller.MOESPEC), "moespec-model-k8-t0-w1"),
+    (DraftPolicy(Drafter.MODEL, 8, 0.0, "", Controller.MOESPEC, 1.5), "moespec-model-k8-t0-w1.5"),
+    (DraftPolicy(Drafter.MODEL, 8, 0.0, "", Controller.TRANSFORMERS), "transformers-heuristic-model-k8-t0"),
 ]
 
 
-@pytest.mark.parametrize(("policy", "expected"), CASES, ids=[f"{p.drafter.value}-{p.draft_length}-{p.draft_temperature}"
-                                                              for p, _ in CASES])
+def case_id(p: DraftPolicy) -> str:
+    return f"{p.controller}-{p.drafter.value}-{p.draft_length}-{p.draft_temperature}-{p.cost_weight}"
+
+
+@pytest.mark.parametrize(("policy", "expected"), CASES, ids=[case_id(p) for p, _ in CASES])
 def test_the_derived_id_ignores_what_the_drafter_ignores(policy, expected):
     assert derived_id(policy) == expected
 

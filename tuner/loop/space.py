@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 
 import optuna
 
-from service.policy_ids import is_plain, temperature_matters
-from service.types import MAX_DRAFT_TEMPERATURE, Drafter, DraftPolicy, ModelInfo
+from service.policy_ids import canonical, is_plain, temperature_matters
+from service.types import MAX_DRAFT_TEMPERATURE, Controller, Drafter, DraftPolicy, ModelInfo
 
 DEFAULT_TEMPERATURE = DraftPolicy().draft_temperature
 # The issue's range; the service accepts more, but beyond ~1.5 a small draft is close to uniform.
@@ -38,13 +38,18 @@ class PolicyKey:
     drafter: str  # "plain" for draft_length 0, else the drafter's value
     draft_length: int
     draft_temperature: float | None  # None where it has no effect
+    controller: str = "static"  # who picks each step's length (draft_length its most)
+    cost_weight: float | None = None  # the moespec controller's only
 
     def label(self) -> str:
         if self.drafter == "plain":
             return "plain"
-        if self.draft_temperature is None:
-            return f"{self.drafter} k={self.draft_length}"
-        return f"{self.drafter} k={self.draft_length} T={self.draft_temperature:.2f}"
+        label = f"{self.drafter} k={self.draft_length}"
+        if self.draft_temperature is not None:
+            label += f" T={self.draft_temperature:.2f}"
+        if self.controller != "static":
+            label = f"{self.controller} {label}" + (f" w={self.cost_weight:g}" if self.cost_weight is not None else "")
+        return label
 
 
 def policy_key(policy: DraftPolicy) -> PolicyKey:
@@ -52,10 +57,11 @@ def policy_key(policy: DraftPolicy) -> PolicyKey:
     policy's drafter ignores do not tell policies apart."""
     if is_plain(policy):
         return PolicyKey("plain", 0, None)
-    if not temperature_matters(policy):
-        return PolicyKey(policy.drafter.value, policy.draft_length, None)
     # Rounded so that a re-measured continuous temperature groups with its original trial.
-    return PolicyKey(policy.drafter.value, policy.draft_length, round(policy.draft_temperature, 4))
+    temperature = round(policy.draft_temperature, 4) if temperature_matters(policy) else None
+    c = canonical(policy)
+    weight = round(c.cost_weight, 4) if c.controller is Controller.MOESPEC else None
+    return PolicyKey(policy.drafter.value, policy.draft_length, temperature, c.controller.value, weight)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18moespec/v1/moespec.proto\x12\nmoespec.v1\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xa7\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.moespec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\tB\x11\n\x0f_max_new_tokens\"\xa4\x03\n\tSpecStats\x12\x14\n\x0cverify_steps\x18\x01 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x18\n\x10\x63ommitted_tokens\x18\x04 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x05 \x03(\x05\x12\x1b\n\x13unique_experts_mean\x18\x06 \x03(\x01\x12\x1a\n\x12unique_experts_max\x18\x07 \x03(\x05\x12\x15\n\rdraft_seconds\x18\x08 \x01(\x01\x12\x16\n\x0everify_seconds\x18\t \x01(\x01\x12#\n\x1bseconds_per_committed_token\x18\n \x01(\x01\x12\x11\n\tpolicy_id\x18\x0b \x01(\t\x12\x14\n\x0c\x65mpty_drafts\x18\x0c \x01(\x05\x12\x30\n\x07\x64rafter\x18\r \x01(\x0e\x32\x1f.moespec.v1.DraftPolicy.Drafter\x12\x14\n\x0c\x64raft_length\x18\x0e \x01(\x05\x12\x19\n\x11\x64raft_temperature\x18\x0f \x01(\x01\"\x95\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x10\n\x08trace_id\x18\x06 \x01(\t\x12#\n\x04spec\x18\x07 \x01(\x0b\x32\x15.moespec.v1.SpecStats\x12\x0f\n\x07seconds\x18\x08 \x01(\x01\x12\x1b\n\x13time_to_first_token\x18\t \x01(\x01\x12\x16\n\x0emax_new_tokens\x18\n \x01(\x05\x12\x1a\n\x12max_new_tokens_cut\x18\x0b \x01(\x08\"\x92\x02\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x10\n\x08trace_id\x18\x06 \x01(\t\x12#\n\x04spec\x18\x07 \x01(\x0b\x32\x15.moespec.v1.SpecStats\x12\x0f\n\x07seconds\x18\x08 \x01(\x01\x12\x1b\n\x13time_to_first_token\x18\t \x01(\x01\x12\x16\n\x0emax_new_tokens\x18\n \x01(\x05\x12\x1a\n\x12max_new_tokens_cut\x18\x0b \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x84\x04\n\tModelInfo\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x18\n\x10\x64raft_model_name\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x05 \x01(\x05\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x16\n\x0eshared_experts\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x13\n\x0bmax_context\x18\t \x01(\x05\x12\x18\n\x10max_draft_length\x18\n \x01(\x05\x12\x31\n\x08\x64rafters\x18\x0b \x03(\x0e\x32\x1f.moespec.v1.DraftPolicy.Drafter\x12\x0f\n\x07tunable\x18\x0c \x03(\t\x12\x14\n\x0c\x65xpert_bytes\x18\r \x01(\x03\x12\x1b\n\x13\x64\x65\x63ode_step_seconds\x18\x0e \x01(\x01\x12\x1d\n\x15max_draft_temperature\x18\x0f \x01(\x01\x12\x1d\n\x15policy_switch_seconds\x18\x10 \x01(\x01\x12\x17\n\x0fpolicy_switches\x18\x11 \x01(\x05\x12\x1b\n\x13\x63oncurrent_policies\x18\x12 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x13 \x01(\t\x12\x15\n\rshared_passes\x18\x14 \x01(\x08\x12\x13\n\x0binstance_id\x18\x15 \x01(\t\"\xbf\x01\n\x0b\x44raftPolicy\x12\x30\n\x07\x64rafter\x18\x01 \x01(\x0e\x32\x1f.moespec.v1.DraftPolicy.Drafter\x12\x14\n\x0c\x64raft_length\x18\x02 \x01(\x05\x12\x1e\n\x11\x64raft_temperature\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\tpolicy_id\x18\x04 \x01(\t\"\x1f\n\x07\x44rafter\x12\t\n\x05MODEL\x10\x00\x12\t\n\x05NGRAM\x10\x01\x42\x14\n\x12_draft_temperature\"\x12\n\x10GetPolicyRequest\";\n\x10SetPolicyRequest\x12\'\n\x06policy\x18\x01 \x01(\x0b\x32\x17.moespec.v1.DraftPolicy\"E\n\nTrafficArm\x12\'\n\x06policy\x18\x01 \x01(\x0b\x32\x17.moespec.v1.DraftPolicy\x12\x0e\n\x06weight\x18\x02 \x01(\x01\"P\n\x0cTrafficSplit\x12$\n\x04\x61rms\x18\x01 \x03(\x0b\x32\x16.moespec.v1.TrafficArm\x12\x11\n\x04seed\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"A\n\x16SetTrafficSplitRequest\x12\'\n\x05split\x18\x01 \x01(\x0b\x32\x18.moespec.v1.TrafficSplit\"\x18\n\x16GetTrafficSplitRequest2\xe6\x01\n\tInference\x12\x45\n\x08Generate\x12\x1b.moespec.v1.GenerateRequest\x1a\x1c.moespec.v1.GenerateResponse\x12J\n\x0eGenerateStream\x12\x1b.moespec.v1.GenerateRequest\x1a\x19.moespec.v1.GenerateChunk0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.moespec.v1.GetModelInfoRequest\x1a\x15.moespec.v1.ModelInfo2\xb7\x02\n\x0bPolicyAdmin\x12\x42\n\tGetPolicy\x12\x1c.moespec.v1.GetPolicyRequest\x1a\x17.moespec.v1.DraftPolicy\x12\x42\n\tSetPolicy\x12\x1c.moespec.v1.SetPolicyRequest\x1a\x17.moespec.v1.DraftPolicy\x12O\n\x0fSetTrafficSplit\x12\".moespec.v1.SetTrafficSplitRequest\x1a\x18.moespec.v1.TrafficSplit\x12O\n\x0fGetTrafficSplit\x12\".moespec.v1.GetTrafficSplitRequest\x1a\x18.moespec.v1.TrafficSplitb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18moespec/v1/moespec.proto\x12\nmoespec.v1\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xa7\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.moespec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\tB\x11\n\x0f_max_new_tokens\"\xdc\x03\n\tSpecStats\x12\x14\n\x0cverify_steps\x18\x01 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x18\n\x10\x63ommitted_tokens\x18\x04 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x05 \x03(\x05\x12\x1b\n\x13unique_experts_mean\x18\x06 \x03(\x01\x12\x1a\n\x12unique_experts_max\x18\x07 \x03(\x05\x12\x15\n\rdraft_seconds\x18\x08 \x01(\x01\x12\x16\n\x0everify_seconds\x18\t \x01(\x01\x12#\n\x1bseconds_per_committed_token\x18\n \x01(\x01\x12\x11\n\tpolicy_id\x18\x0b \x01(\t\x12\x14\n\x0c\x65mpty_drafts\x18\x0c \x01(\x05\x12\x30\n\x07\x64rafter\x18\r \x01(\x0e\x32\x1f.moespec.v1.DraftPolicy.Drafter\x12\x14\n\x0c\x64raft_length\x18\x0e \x01(\x05\x12\x19\n\x11\x64raft_temperature\x18\x0f \x01(\x01\x12\x36\n\ncontroller\x18\x10 \x01(\x0e\x32\".moespec.v1.DraftPolicy.Controller\"\x95\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x10\n\x08trace_id\x18\x06 \x01(\t\x12#\n\x04spec\x18\x07 \x01(\x0b\x32\x15.moespec.v1.SpecStats\x12\x0f\n\x07seconds\x18\x08 \x01(\x01\x12\x1b\n\x13time_to_first_token\x18\t \x01(\x01\x12\x16\n\x0emax_new_tokens\x18\n \x01(\x05\x12\x1a\n\x12max_new_tokens_cut\x18\x0b \x01(\x08\"\x92\x02\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x10\n\x08trace_id\x18\x06 \x01(\t\x12#\n\x04spec\x18\x07 \x01(\x0b\x32\x15.moespec.v1.SpecStats\x12\x0f\n\x07seconds\x18\x08 \x01(\x01\x12\x1b\n\x13time_to_first_token\x18\t \x01(\x01\x12\x16\n\x0emax_new_tokens\x18\n \x01(\x05\x12\x1a\n\x12max_new_tokens_cut\x18\x0b \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xd7\x04\n\tModelInfo\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x18\n\x10\x64raft_model_name\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x13\n\x0bnum_experts\x18\x05 \x01(\x05\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x16\n\x0eshared_experts\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x13\n\x0bmax_context\x18\t \x01(\x05\x12\x18\n\x10max_draft_length\x18\n \x01(\x05\x12\x31\n\x08\x64rafters\x18\x0b \x03(\x0e\x32\x1f.moespec.v1.DraftPolicy.Drafter\x12\x0f\n\x07tunable\x18\x0c \x03(\t\x12\x14\n\x0c\x65xpert_bytes\x18\r \x01(\x03\x12\x1b\n\x13\x64\x65\x63ode_step_seconds\x18\x0e \x01(\x01\x12\x1d\n\x15max_draft_temperature\x18\x0f \x01(\x01\x12\x1d\n\x15policy_switch_seconds\x18\x10 \x01(\x01\x12\x17\n\x0fpolicy_switches\x18\x11 \x01(\x05\x12\x1b\n\x13\x63oncurrent_policies\x18\x12 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x13 \x01(\t\x12\x15\n\rshared_passes\x18\x14 \x01(\x08\x12\x13\n\x0binstance_id\x18\x15 \x01(\t\x12\x37\n\x0b\x63ontrollers\x18\x16 \x03(\x0e\x32\".moespec.v1.DraftPolicy.Controller\x12\x18\n\x10\x63ontrollers_note\x18\x17 \x01(\t\"\x81\x03\n\x0b\x44raftPolicy\x12\x30\n\x07\x64rafter\x18\x01 \x01(\x0e\x32\x1f.moespec.v1.DraftPolicy.Drafter\x12\x14\n\x0c\x64raft_length\x18\x02 \x01(\x05\x12\x1e\n\x11\x64raft_temperature\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\tpolicy_id\x18\x04 \x01(\t\x12\x36\n\ncontroller\x18\x05 \x01(\x0e\x32\".moespec.v1.DraftPolicy.Controller\x12\x18\n\x0b\x63ost_weight\x18\x06 \x01(\x01H\x01\x88\x01\x01\"\x1f\n\x07\x44rafter\x12\t\n\x05MODEL\x10\x00\x12\t\n\x05NGRAM\x10\x01\"^\n\nController\x12\n\n\x06STATIC\x10\x00\x12\x0b\n\x07MOESPEC\x10\x01\x12\x0e\n\nSGLANG_EMA\x10\x02\x12\x1a\n\x16TRANSFORMERS_HEURISTIC\x10\x03\x12\x0b\n\x07\x43\x41SCADE\x10\x04\x42\x14\n\x12_draft_temperatureB\x0e\n\x0c_cost_weight\"\x12\n\x10GetPolicyRequest\";\n\x10SetPolicyRequest\x12\'\n\x06policy\x18\x01 \x01(\x0b\x32\x17.moespec.v1.DraftPolicy\"E\n\nTrafficArm\x12\'\n\x06policy\x18\x01 \x01(\x0b\x32\x17.moespec.v1.DraftPolicy\x12\x0e\n\x06weight\x18\x02 \x01(\x01\"P\n\x0cTrafficSplit\x12$\n\x04\x61rms\x18\x01 \x03(\x0b\x32\x16.moespec.v1.TrafficArm\x12\x11\n\x04seed\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"A\n\x16SetTrafficSplitRequest\x12\'\n\x05split\x18\x01 \x01(\x0b\x32\x18.moespec.v1.TrafficSplit\"\x18\n\x16GetTrafficSplitRequest2\xe6\x01\n\tInference\x12\x45\n\x08Generate\x12\x1b.moespec.v1.GenerateRequest\x1a\x1c.moespec.v1.GenerateResponse\x12J\n\x0eGenerateStream\x12\x1b.moespec.v1.GenerateRequest\x1a\x19.moespec.v1.GenerateChunk0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.moespec.v1.GetModelInfoRequest\x1a\x15.moespec.v1.ModelInfo2\xb7\x02\n\x0bPolicyAdmin\x12\x42\n\tGetPolicy\x12\x1c.moespec.v1.GetPolicyRequest\x1a\x17.moespec.v1.DraftPolicy\x12\x42\n\tSetPolicy\x12\x1c.moespec.v1.SetPolicyRequest\x1a\x17.moespec.v1.DraftPolicy\x12O\n\x0fSetTrafficSplit\x12\".moespec.v1.SetTrafficSplitRequest\x1a\x18.moespec.v1.TrafficSplit\x12O\n\x0fGetTrafficSplit\x12\".moespec.v1.GetTrafficSplitRequest\x1a\x18.moespec.v1.TrafficSplitb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,33 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=190
   _globals['_GENERATEREQUEST']._serialized_end=357
   _globals['_SPECSTATS']._serialized_start=360
-  _globals['_SPECSTATS']._serialized_end=780
-  _globals['_GENERATERESPONSE']._serialized_start=783
-  _globals['_GENERATERESPONSE']._serialized_end=1060
-  _globals['_GENERATECHUNK']._serialized_start=1063
-  _globals['_GENERATECHUNK']._serialized_end=1337
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1339
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1360
-  _globals['_MODELINFO']._serialized_start=1363
-  _globals['_MODELINFO']._serialized_end=1879
-  _globals['_DRAFTPOLICY']._serialized_start=1882
-  _globals['_DRAFTPOLICY']._serialized_end=2073
-  _globals['_DRAFTPOLICY_DRAFTER']._serialized_start=2020
-  _globals['_DRAFTPOLICY_DRAFTER']._serialized_end=2051
-  _globals['_GETPOLICYREQUEST']._serialized_start=2075
-  _globals['_GETPOLICYREQUEST']._serialized_end=2093
-  _globals['_SETPOLICYREQUEST']._serialized_start=2095
-  _globals['_SETPOLICYREQUEST']._serialized_end=2154
-  _globals['_TRAFFICARM']._serialized_start=2156
-  _globals['_TRAFFICARM']._serialized_end=2225
-  _globals['_TRAFFICSPLIT']._serialized_start=2227
-  _globals['_TRAFFICSPLIT']._serialized_end=2307
-  _globals['_SETTRAFFICSPLITREQUEST']._serialized_start=2309
-  _globals['_SETTRAFFICSPLITREQUEST']._serialized_end=2374
-  _globals['_GETTRAFFICSPLITREQUEST']._serialized_start=2376
-  _globals['_GETTRAFFICSPLITREQUEST']._serialized_end=2400
-  _globals['_INFERENCE']._serialized_start=2403
-  _globals['_INFERENCE']._serialized_end=2633
-  _globals['_POLICYADMIN']._serialized_start=2636
-  _globals['_POLICYADMIN']._serialized_end=2947
+  _globals['_SPECSTATS']._serialized_end=836
+  _globals['_GENERATERESPONSE']._serialized_start=839
+  _globals['_GENERATERESPONSE']._serialized_end=1116
+  _globals['_GENERATECHUNK']._serialized_start=1119
+  _globals['_GENERATECHUNK']._serialized_end=1393
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1395
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1416
+  _globals['_MODELINFO']._serialized_start=1419
+  _globals['_MODELINFO']._serialized_end=2018
+  _globals['_DRAFTPOLICY']._serialized_start=2021
+  _globals['_DRAFTPOLICY']._serialized_end=2406
+  _globals['_DRAFTPOLICY_DRAFTER']._serialized_start=2241
+  _globals['_DRAFTPOLICY_DRAFTER']._serialized_end=2272
+  _globals['_DRAFTPOLICY_CONTROLLER']._serialized_start=2274
+  _globals['_DRAFTPOLICY_CONTROLLER']._serialized_end=2368
+  _globals['_GETPOLICYREQUEST']._serialized_start=2408
+  _globals['_GETPOLICYREQUEST']._serialized_end=2426
+  _globals['_SETPOLICYREQUEST']._serialized_start=2428
+  _globals['_SETPOLICYREQUEST']._serialized_end=2487
+  _globals['_TRAFFICARM']._serialized_start=2489
+  _globals['_TRAFFICARM']._serialized_end=2558
+  _globals['_TRAFFICSPLIT']._serialized_start=2560
+  _globals['_TRAFFICSPLIT']._serialized_end=2640
+  _globals['_SETTRAFFICSPLITREQUEST']._serialized_start=2642
+  _globals['_SETTRAFFICSPLITREQUEST']._serialized_end=2707
+  _globals['_GETTRAFFICSPLITREQUEST']._serialized_start=2709
+  _globals['_GETTRAFFICSPLITREQUEST']._serialized_end=2733
+  _globals['_INFERENCE']._serialized_start=2736
+  _globals['_INFERENCE']._serialized_end=2966
+  _globals['_POLICYADMIN']._serialized_start=2969
+  _globals['_POLICYADMIN']._serialized_end=3280
 # @@protoc_insertion_point(module_scope)

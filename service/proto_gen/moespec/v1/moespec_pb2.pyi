@@ -34,7 +34,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("verify_steps", "drafted_tokens", "accepted_tokens", "committed_tokens", "accepted_per_position", "unique_experts_mean", "unique_experts_max", "draft_seconds", "verify_seconds", "seconds_per_committed_token", "policy_id", "empty_drafts", "drafter", "draft_length", "draft_temperature")
+    __slots__ = ("verify_steps", "drafted_tokens", "accepted_tokens", "committed_tokens", "accepted_per_position", "unique_experts_mean", "unique_experts_max", "draft_seconds", "verify_seconds", "seconds_per_committed_token", "policy_id", "empty_drafts", "drafter", "draft_length", "draft_temperature", "controller")
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class SpecStats(_message.Message):
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_FIELD_NUMBER: _ClassVar[int]
     verify_steps: int
     drafted_tokens: int
     accepted_tokens: int
@@ -65,7 +66,8 @@ class SpecStats(_message.Message):
     drafter: DraftPolicy.Drafter
     draft_length: int
     draft_temperature: float
-    def __init__(self, verify_steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., unique_experts_mean: _Optional[_Iterable[float]] = ..., unique_experts_max: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., seconds_per_committed_token: _Optional[float] = ..., policy_id: _Optional[str] = ..., empty_drafts: _Optional[int] = ..., drafter: _Optional[_Union[DraftPolicy.Drafter, str]] = ..., draft_length: _Optional[int] = ..., draft_temperature: _Optional[float] = ...) -> None: ...
+    controller: DraftPolicy.Controller
+    def __init__(self, verify_steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., unique_experts_mean: _Optional[_Iterable[float]] = ..., unique_experts_max: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., seconds_per_committed_token: _Optional[float] = ..., policy_id: _Optional[str] = ..., empty_drafts: _Optional[int] = ..., drafter: _Optional[_Union[DraftPolicy.Drafter, str]] = ..., draft_length: _Optional[int] = ..., draft_temperature: _Optional[float] = ..., controller: _Optional[_Union[DraftPolicy.Controller, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "trace_id", "spec", "seconds", "time_to_first_token", "max_new_tokens", "max_new_tokens_cut")
@@ -124,7 +126,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("backend", "model_name", "draft_model_name", "num_layers", "num_experts", "top_k", "shared_experts", "vocab_size", "max_context", "max_draft_length", "drafters", "tunable", "expert_bytes", "decode_step_seconds", "max_draft_temperature", "policy_switch_seconds", "policy_switches", "concurrent_policies", "device", "shared_passes", "instance_id")
+    __slots__ = ("backend", "model_name", "draft_model_name", "num_layers", "num_experts", "top_k", "shared_experts", "vocab_size", "max_context", "max_draft_length", "drafters", "tunable", "expert_bytes", "decode_step_seconds", "max_draft_temperature", "policy_switch_seconds", "policy_switches", "concurrent_policies", "device", "shared_passes", "instance_id", "controllers", "controllers_note")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,8 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SHARED_PASSES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLERS_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLERS_NOTE_FIELD_NUMBER: _ClassVar[int]
     backend: str
     model_name: str
     draft_model_name: str
@@ -167,25 +171,43 @@ class ModelInfo(_message.Message):
     device: str
     shared_passes: bool
     instance_id: str
-    def __init__(self, backend: _Optional[str] = ..., model_name: _Optional[str] = ..., draft_model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., shared_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DraftPolicy.Drafter, str]]] = ..., tunable: _Optional[_Iterable[str]] = ..., expert_bytes: _Optional[int] = ..., decode_step_seconds: _Optional[float] = ..., max_draft_temperature: _Optional[float] = ..., policy_switch_seconds: _Optional[float] = ..., policy_switches: _Optional[int] = ..., concurrent_policies: _Optional[bool] = ..., device: _Optional[str] = ..., shared_passes: _Optional[bool] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    controllers: _containers.RepeatedScalarFieldContainer[DraftPolicy.Controller]
+    controllers_note: str
+    def __init__(self, backend: _Optional[str] = ..., model_name: _Optional[str] = ..., draft_model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., shared_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DraftPolicy.Drafter, str]]] = ..., tunable: _Optional[_Iterable[str]] = ..., expert_bytes: _Optional[int] = ..., decode_step_seconds: _Optional[float] = ..., max_draft_temperature: _Optional[float] = ..., policy_switch_seconds: _Optional[float] = ..., policy_switches: _Optional[int] = ..., concurrent_policies: _Optional[bool] = ..., device: _Optional[str] = ..., shared_passes: _Optional[bool] = ..., instance_id: _Optional[str] = ..., controllers: _Optional[_Iterable[_Union[DraftPolicy.Controller, str]]] = ..., controllers_note: _Optional[str] = ...) -> None: ...
 
 class DraftPolicy(_message.Message):
-    __slots__ = ("drafter", "draft_length", "draft_temperature", "policy_id")
+    __slots__ = ("drafter", "draft_length", "draft_temperature", "policy_id", "controller", "cost_weight")
     class Drafter(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODEL: _ClassVar[DraftPolicy.Drafter]
         NGRAM: _ClassVar[DraftPolicy.Drafter]
     MODEL: DraftPolicy.Drafter
     NGRAM: DraftPolicy.Drafter
+    class Controller(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATIC: _ClassVar[DraftPolicy.Controller]
+        MOESPEC: _ClassVar[DraftPolicy.Controller]
+        SGLANG_EMA: _ClassVar[DraftPolicy.Controller]
+        TRANSFORMERS_HEURISTIC: _ClassVar[DraftPolicy.Controller]
+        CASCADE: _ClassVar[DraftPolicy.Controller]
+    STATIC: DraftPolicy.Controller
+    MOESPEC: DraftPolicy.Controller
+    SGLANG_EMA: DraftPolicy.Controller
+    TRANSFORMERS_HEURISTIC: DraftPolicy.Controller
+    CASCADE: DraftPolicy.Controller
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     POLICY_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_FIELD_NUMBER: _ClassVar[int]
+    COST_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     drafter: DraftPolicy.Drafter
     draft_length: int
     draft_temperature: float
     policy_id: str
-    def __init__(self, drafter: _Optional[_Union[DraftPolicy.Drafter, str]] = ..., draft_length: _Optional[int] = ..., draft_temperature: _Optional[float] = ..., policy_id: _Optional[str] = ...) -> None: ...
+    controller: DraftPolicy.Controller
+    cost_weight: float
+    def __init__(self, drafter: _Optional[_Union[DraftPolicy.Drafter, str]] = ..., draft_length: _Optional[int] = ..., draft_temperature: _Optional[float] = ..., policy_id: _Optional[str] = ..., controller: _Optional[_Union[DraftPolicy.Controller, str]] = ..., cost_weight: _Optional[float] = ...) -> None: ...
 
 class GetPolicyRequest(_message.Message):
     __slots__ = ()

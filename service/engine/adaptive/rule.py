@@ -1,0 +1,111 @@
+"""moespec's rule: draft one more position only while its expected gain is worth its marginal cost.
+
+Per request and step. Position i (0 = the first draft) adds a token iff it and every draft before
+it are accepted: probability P_i = a_0 * ... * a_i, where a_j is the conditional acceptance of
+position j. The pass this request joins costs S seconds for T expected committed tokens (the
+other windows as in the last pass, plus this request's window so far); one more position costs m_i,
+its marginal verify seconds at the size the pass will have, which on an MoE target follows how
+many new experts one more position brings (estimates.PassCost), plus one more draft round for the
+model drafter. Adding it lowers the pass's seconds per token S / T iff
+
+    P_i * S / T > m_i        (drafted with cost_weight * m_i on the right)
+
+so the rule drafts positions while that holds, adding m_i to S and P_i to T, and stops at the
+first that fails. Alone, S / T starts at a plain step and each position must pay for itself
+against it; in a full pass, S / T is the batch's cost per token and the marginal position must beat
+that. 0 drafts (plain) is always reachable; `cost_weight` is the tuner's knob (> 1: more cautious).
+
+Where a_j comes from:
+- before drafting: the request's own decayed acceptance at position j, shrunk towards every
+  request's (the drafter's engine-wide rate), so a new request starts from what the engine knows;
+- after drafting, where the drafter reports confidences (the dense draft model; the draft head
+  when it samples): the calibrated acceptance of a draft whose distribution's largest probability
+  was that high (estimates.ConfidenceCalibration), and the drafts are cut where the condition
+  fails. Both are calibrated online: every verify outcome updates them, and the state tracks the
+  mean predicted-minus-observed acceptance (the calibration error).
+After 16 plain steps in a row the rule verifies one draft, so estimates that went stale while it
+was not drafting can recover (a probe costs one marginal position once per 16 steps).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from service.engine.adaptive.controller import DraftConfidence, StepContext, StepController, StepOutcome
+from service.engine.adaptive.estimates import AcceptanceByPosition
+from service.types import MAX_DRAFT_LENGTH, Drafter
+
+if TYPE_CHECKING:
+    from service.engine.adaptive.state import AdaptiveState
+
+PROBE_EVERY = 16  # plain steps in a row before one probing draft
+OWN_DECAY = 0.9  # a request's own acceptance: ~10 steps of memory (its text changes)
+
+
+class MoespecRule(StepController):
+    wants_confidence = True
+
+    def __init__(self, state: AdaptiveState, drafter: Drafter, cost_weight: float):
+        self.state, self.drafter, self.weight = state, drafter, cost_weight
+        self.own = AcceptanceByPosition(MAX_DRAFT_LENGTH, decay=OWN_DECAY)
+        self._costs: list[float] = []  # this step's weighted marginal cost of each position, seconds
+        self._pass = (0.0, 1.0)  # this step's pass before any of its drafts: (seconds S, expected tokens T)
+        self._rates: list[float] = []  # the conditional acceptance the verified drafts were sent with
+        self._plain_run = 0
+        self._probing = False  # this step verifies one draft to measure, whatever the estimates say
+
+    def rate(self, i: int) -> float:
+        """This request's conditional acceptance of position i, before its draft is seen."""
+        return self.own.rate(i, self.state.acceptance[self.drafter].rate(i, 0.5))
+
+    def plan(self, ctx: StepContext, limit: int) -> int:
+        s = self.state
+        n = ctx.other_positions + 1  # the pass holds this request's last committed token at least
+        self._pass = (s.pass_seconds(n), ctx.other_tokens + 1.0)
+        draft = s.draft_seconds(self.drafter)
+        self._costs = [self.weight * (s.cost.marginal(n + i) + draft) for i in range(limit)]
+        self._rates = [self.rate(i) for i in range(limit)]
+        k = self._prefix(self._rates)
+        self._probing = False
+        if k == 0 and limit > 0:
+            self._plain_run += 1
+            if self._plain_run >= PROBE_EVERY:
+                self._plain_run, k, self._probing = 0, 1, True
+        else:
+            self._plain_run = 0
+        self._rates = self._rates[:k]
+        return k
+
+    def _prefix(self, rates: list[float]) -> int:
+        """Positions to keep: while P_i * S / T exceeds position i's cost (S and T growing with each)."""
+        (seconds, tokens), p, k = self._pass, 1.0, 0
+        for rate, cost in zip(rates, self._costs, strict=False):
+            p *= rate
+            if p * seconds <= cost * tokens:
+                break
+            seconds, tokens, k = seconds + cost, tokens + p, k + 1
+        return k
+
+    def cut(self, confidence: DraftConfidence) -> int:
+        calibration = self.state.calibration[self.drafter]
+        rates = [calibration.rate(top) for top in confidence.top]
+        k = len(rates) if self._probing else self._prefix(rates)
+        self._rates = rates[:k]
+        return k
+
+    def expected_accepted(self, drafted: int) -> float:
+        p, total = 1.0, 0.0
+        for rate in self._rates[:drafted]:
+            p *= rate
+            total += p
+        return total
+
+    def observe(self, outcome: StepOutcome) -> None:
+        d, a = outcome.drafted, outcome.accepted
+        self.own.observe(d, a)
+        self.state.acceptance[self.drafter].observe(d, a)
+        for i in range(min(d, a + 1)):  # the positions verification reached
+            if outcome.confidence is not None:
+                self.state.calibration[self.drafter].observe(outcome.confidence.top[i], i < a)
+            if i < len(self._rates):
+                self.state.observe_prediction(self._rates[i], i < a)

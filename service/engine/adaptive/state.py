@@ -1,0 +1,88 @@
+"""The engine-wide estimates every adaptive controller reads, fed by the scheduler after each pass.
+
+One `AdaptiveState` per engine, on the scheduler thread. It learns the pass cost (estimates.PassCost),
+the model drafter's seconds per draft round, and per
+drafter the acceptance by position and by confidence over every request (a new request's prior);
+it tracks the moespec rule's calibration error (mean predicted minus observed acceptance of the
+drafts it sent to verification) and hands out each request's controller.
+"""
+
+from __future__ import annotations
+
+from service.engine.adaptive.baselines import CascadeUtility, SglangEmaTiers, TransformersHeuristic
+from service.engine.adaptive.controller import StepContext, StepController
+from service.engine.adaptive.estimates import AcceptanceByPosition, ConfidenceCalibration, Ema, PassCost
+from service.engine.adaptive.rule import MoespecRule
+from service.types import MAX_DRAFT_LENGTH, Controller, Drafter, DraftPolicy
+
+
+class AdaptiveState:
+    def __init__(self, num_experts: int, top_k: int, plain_step_seconds: float):
+        self.cost = PassCost(num_experts, top_k)
+        self.plain_step_seconds = plain_step_seconds  # until passes are seen: the calibrated plain step
+        self.draft_round_seconds = Ema(0.1)  # the model drafter's seconds per draft round
+        self.acceptance = {d: AcceptanceByPosition(MAX_DRAFT_LENGTH, decay=0.999) for d in Drafter}
+        self.calibration = {d: ConfidenceCalibration() for d in Drafter}
+        self.calibration_bias = Ema(0.002)  # predicted - observed acceptance, per verified draft (~500 of them)
+        self.last_positions = 0  # the last verify pass's positions
+        self.last_committed = 0  # and the tokens it committed
+        self._shared: dict[str, StepController] = {}  # policy id -> the controller its requests share
+        self._passed: set[int] = set()  # ids of shared controllers in the current pass
+
+    # -- read by the controllers ---------------------------------------------------------------
+    def context(self, batch_size: int, own_last_window: int, own_last_committed: int) -> StepContext:
+        """A request's view of the coming pass: the last pass without its own window (batch 1: empty)."""
+        if batch_size == 1:
+            return StepContext(1, 0, 0.0)
+        return StepContext(batch_size, max(0, self.last_positions - own_last_window),
+                           float(max(0, self.last_committed - own_last_committed)))
+
+    def pass_seconds(self, positions: int) -> float:
+        """A verify pass of that many positions: the fit, or the calibrated plain step before any."""
+        return self.cost.seconds(positions) if self.cost.passes else self.plain_step_seconds * positions
+
+    def draft_seconds(self, drafter: Drafter) -> float:
+        """Seconds one more draft position costs (n-gram lookups are free next to a pass)."""
+        return self.draft_round_seconds.get(0.0) if drafter is Drafter.MODEL else 0.0
+
+    @property
+    def calibration_error(self) -> float:
+        """|mean predicted - mean observed| acceptance of the moespec rule's verified drafts (0 until seen)."""
+        return abs(self.calibration_bias.get(0.0))
+
+    # -- fed by the scheduler ------------------------------------------------------------------
+    def observe_pass(self, positions: int, union_per_layer: float, verify_seconds: float, committed: int) -> None:
+        self.cost.observe(positions, union_per_layer, verify_seconds)
+        self.last_positions, self.last_committed = positions, committed
+
+    def observe_draft_rounds(self, rounds: int, seconds: float) -> None:
+        if rounds > 0:
+            self.draft_round_seconds.update(seconds / rounds)
+
+    def observe_prediction(self, predicted: float, accepted: bool) -> None:
+        self.calibration_bias.update(predicted - (1.0 if accepted else 0.0))
+
+    # -- controllers ---------------------------------------------------------------------------
+    def controller_for(self, policy: DraftPolicy) -> StepController:
+        """A request's controller (per request, or the one its policy's requests share)."""
+        kind = policy.controller if policy.draft_length > 0 else Controller.STATIC
+        if kind is Controller.MOESPEC:
+            return MoespecRule(self, policy.drafter, policy.cost_weight)
+        if kind is Controller.TRANSFORMERS:
+            return TransformersHeuristic(policy.draft_length)
+        if kind is Controller.CASCADE:
+            return CascadeUtility(policy.draft_length)
+        if kind is Controller.SGLANG:
+            key = f"{policy.policy_id}\0{policy.drafter}\0{policy.draft_length}"
+            if key not in self._shared:
+                self._shared[key] = SglangEmaTiers(policy.draft_length)
+            return self._shared[key]
+        return StepController()
+
+    def end_pass(self, controllers: list[StepController], batch_size: int) -> None:
+        """Tell each shared controller of the pass, once, that the pass is over."""
+        self._passed.clear()
+        for c in controllers:
+            if c.shared and id(c) not in self._passed:
+                self._passed.add(id(c))
+                c.end_pass(batch_size)

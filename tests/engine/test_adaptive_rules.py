@@ -1,0 +1,269 @@
+"""The adaptive controllers on scripted inputs: moespec's rule stops at the optimum of known
+acceptance and cost curves, its estimates converge on synthetic passes and drafters, and each
+baseline reproduces its published rule step by step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from service.engine.adaptive.baselines import CascadeUtility, SglangEmaTiers, SglangTier, TransformersHeuristic
+from service.engine.adaptive.controller import DraftConfidence, StepContext, StepOutcome
+from service.engine.adaptive.estimates import AcceptanceByPosition, ConfidenceCalibration, PassCost
+from service.engine.adaptive.rule import PROBE_EVERY, MoespecRule
+from service.engine.adaptive.state import AdaptiveState
+from service.types import Drafter
+
+E, M = 64, 4  # routed experts and experts per token of the synthetic target
+
+
+def true_union(n: int) -> float:
+    """A correlated routing: fewer distinct experts than independent picks would give."""
+    return E * (1 - (1 - M / E) ** (0.6 * n + 0.4))
+
+
+def true_seconds(n: int) -> float:
+    """A synthetic verify pass: fixed cost, per position, per distinct expert."""
+    return 4e-4 + 2e-6 * n + 1.5e-5 * true_union(n)
+
+
+def fitted_state(max_positions: int = 40, passes: int = 400, noise: float = 0.02, seed: int = 0) -> AdaptiveState:
+    state = AdaptiveState(E, M, plain_step_seconds=true_seconds(1))
+    rng = random.Random(seed)
+    for _ in range(passes):
+        n = rng.randint(1, max_positions)
+        state.observe_pass(n, true_union(n), true_seconds(n) * (1 + rng.uniform(-noise, noise)), n)
+    return state
+
+
+def brute_force_length(rates: list[float], costs: list[float], base_seconds: float, base_tokens: float) -> int:
+    """The k in [0, len(rates)] with the lowest expected seconds per committed token of the pass."""
+    best, best_cost, p, seconds, tokens = 0, base_seconds / base_tokens, 1.0, base_seconds, base_tokens
+    for k, (rate, cost) in enumerate(zip(rates, costs, strict=True), start=1):
+        p *= rate
+        seconds, tokens = seconds + cost, tokens + p
+        if seconds / tokens < best_cost - 1e-15:
+            best, best_cost = k, seconds / tokens
+    return best
+
+
+# ------------------------------------------------------------------------------- the pass cost
+def test_the_pass_cost_fit_recovers_the_marginal_cost_of_one_more_position():
+    state = fitted_state()
+    for n in (1, 4, 12, 30):
+        want = true_seconds(n + 1) - true_seconds(n)
+        assert state.cost.marginal(n) == pytest.approx(want, rel=0.1), n
+    # Union-aware: a position joining a small pass brings more new experts than one joining a big pass.
+    assert state.cost.marginal(1) > 2 * state.cost.marginal(30)
+
+
+def test_the_union_estimate_scales_the_independent_one_to_the_unions_seen():
+    cost = PassCost(E, M)
+    for n in (2, 8):
+        cost.observe(n, true_union(n), true_seconds(n))
+    assert cost.union(1) == M and cost.union(8) == pytest.approx(true_union(8))
+    assert cost.union(9) == pytest.approx(true_union(9), rel=0.05)  # unseen: scaled from n = 8
+    assert cost.union(9) < cost.independent_union(9)
+
+
+# ------------------------------------------------------------------------------- moespec's rule
+def rule_with_rates(state: AdaptiveState, rates: list[float], weight: float = 1.0) -> MoespecRule:
+    rule = MoespecRule(state, Drafter.NGRAM, weight)
+    rule.rate = lambda i: rates[i]  # a drafter of known conditional acceptance
+    return rule
+
+
+CURVES = {
+    "flat high": [0.95] * 8,
+    "flat low": [0.1] * 8,
+    "falling": [0.9, 0.8, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05],
+    "one good draft": [0.9, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2],
+}
+
+
+@pytest.mark.parametrize("curve", CURVES)
+@pytest.mark.parametrize("others", [(0, 0.0), (24, 20.0)], ids=["alone", "in a batch"])
+def test_the_rule_stops_at_the_optimum_of_known_acceptance_and_cost_curves(curve, others):
+    state = fitted_state()
+    rates = CURVES[curve]
+    rule = rule_with_rates(state, rates)
+    ctx = StepContext(batch_size=1 if others[0] == 0 else 8, other_positions=others[0], other_tokens=others[1])
+    k = rule.plan(ctx, 8)
+    n = ctx.other_positions + 1
+    costs = [state.cost.marginal(n + i) for i in range(8)]
+    assert k == brute_force_length(rates, costs, state.pass_seconds(n), ctx.other_tokens + 1)
+
+
+def test_the_rule_drafts_all_with_certain_drafts_and_nothing_with_hopeless_ones():
+    state = fitted_state()
+    alone = StepContext(1, 0, 0.0)
+    assert rule_with_rates(state, [1.0] * 8).plan(alone, 8) == 8
+    assert rule_with_rates(state, [0.01] * 8).plan(alone, 8) == 0
+    assert rule_with_rates(state, [1.0] * 8).plan(alone, 3) == 3  # never past the limit
+
+
+def test_a_higher_cost_weight_drafts_less():
+    state = fitted_state()
+    rates = CURVES["falling"]
+    ks = [rule_with_rates(state, rates, w).plan(StepContext(1, 0, 0.0), 8) for w in (0.25, 1.0, 4.0)]
+    assert ks[0] > ks[1] > ks[2], ks
+
+
+def test_after_sixteen_plain_steps_the_rule_probes_one_draft():
+    state = fitted_state()
+    rule = rule_with_rates(state, [0.01] * 8)
+    ks = [rule.plan(StepContext(1, 0, 0.0), 8) for _ in range(2 * PROBE_EVERY)]
+    assert ks.count(1) == 2 and ks[PROBE_EVERY - 1] == 1 and set(ks) == {0, 1}
+    # A probe keeps its draft whatever its confidence says.
+    rule.plan(StepContext(1, 0, 0.0), 8)
+    assert rule.cut(DraftConfidence((0.01,), (0.01,))) == 0
+
+
+def test_the_cut_keeps_the_prefix_the_calibrated_confidences_pay_for():
+    state = fitted_state()
+    calibration = state.calibration[Drafter.NGRAM]
+    for b in range(calibration.bins):  # a known calibration: acceptance = the bin's upper edge
+        calibration.rates[b].value = (b + 1) / calibration.bins
+    rule = rule_with_rates(state, [0.99] * 8)
+    assert rule.plan(StepContext(1, 0, 0.0), 8) == 8
+    confidence = DraftConfidence(token=(0.5,) * 8, top=(0.99, 0.99, 0.99, 0.05, 0.99, 0.99, 0.99, 0.99))
+    k = rule.cut(confidence)
+    assert k == 3  # the fourth draft's distribution was unsure: it and everything after go
+
+
+# ------------------------------------------------------------------------------- calibration
+def test_acceptance_by_position_converges_on_a_drafter_of_known_acceptance():
+    rng, truth = random.Random(1), [0.9, 0.7, 0.5, 0.3]
+    acc = AcceptanceByPosition(4, decay=0.999)
+    for _ in range(5000):
+        accepted = 0
+        while accepted < 4 and rng.random() < truth[accepted]:
+            accepted += 1
+        acc.observe(4, accepted)
+    assert [acc.rate(i, 0.5) for i in range(4)] == pytest.approx(truth, abs=0.04)
+
+
+def test_confidence_calibration_converges_on_a_drafter_of_known_calibration():
+    rng, cal = random.Random(2), ConfidenceCalibration(alpha=0.01)
+    for _ in range(40000):
+        c = rng.random()
+        cal.observe(c, rng.random() < c * c)  # accepted with probability confidence squared
+    for b in range(cal.bins):
+        lo, hi = b / cal.bins, (b + 1) / cal.bins
+        assert cal.rate((lo + hi) / 2) == pytest.approx((hi ** 3 - lo ** 3) / 3 / (hi - lo), abs=0.06), b
+
+
+def calibration_error_after(rule: MoespecRule, state: AdaptiveState, acceptance: float, steps: int = 3000) -> float:
+    rng = random.Random(3)
+    for _ in range(steps):
+        k = rule.plan(StepContext(1, 0, 0.0), 8)
+        accepted = 0
+        while accepted < k and rng.random() < acceptance:
+            accepted += 1
+        rule.observe(StepOutcome(k, accepted, 1e-3, accepted + 1, 1, None))
+    return state.calibration_error
+
+
+def test_the_rules_calibration_error_goes_to_zero_on_a_stationary_drafter():
+    state = fitted_state()
+    rule = MoespecRule(state, Drafter.NGRAM, 0.05)  # cheap costs: it drafts and so keeps learning
+    assert calibration_error_after(rule, state, 0.6) < 0.05
+    assert rule.rate(0) == pytest.approx(0.6, abs=0.15)
+
+
+def test_the_calibration_error_shows_a_rule_that_does_not_learn():
+    """Negative control: estimates frozen at 0.9 against a drafter accepted 60% of the time."""
+    state = fitted_state()
+    frozen = rule_with_rates(state, [0.9] * 8, 0.05)
+    assert calibration_error_after(frozen, state, 0.6) > 0.2
+
+
+# ------------------------------------------------------------------------------- SGLang
+def test_sglang_tiers_are_cut_to_the_policy_and_routed_by_batch_size():
+    c = SglangEmaTiers(max_length=4)
+    assert c.tier(1).candidates == [1, 3] and c.tier(7).candidates == [1, 3]
+    assert c.tier(8).candidates == [0, 1, 3] and c.tier(40).candidates == [0, 1] and c.tier(64).candidates == [0]
+    assert c.tier(1).steps == 3  # 4 is no candidate: SGLang starts at the middle one (index len // 2)
+
+
+def test_sglang_switches_tier_after_warm_up_every_fifth_batch_and_follows_the_ema():
+    tier = SglangTier((1, 3, 5, 7), initial=7, down_hysteresis=-0.25)
+    assert tier.ema == 6.0
+    steps = []
+    for _ in range(20):
+        tier.update([1, 1])
+        steps.append(tier.steps)
+    # EMA = 1 + 5 * 0.8^n; nothing moves before batch 15 (10 warm-up, then every 5th).
+    assert steps[:14] == [7] * 14
+    assert tier.ema == pytest.approx(1 + 5 * 0.8 ** 20)
+    assert steps[14] == 3  # EMA 1.18: below 4.25 and 2.25 (down), above 0.25: stops at 3
+    assert steps[19] == 3
+
+
+def test_sglang_hysteresis_holds_a_tier_the_ema_has_just_crossed():
+    tier = SglangTier((1, 3, 5, 7), initial=3, down_hysteresis=-0.25)
+    for ema, want in [(0.4, 3), (0.2, 1)]:  # without the -0.25 hysteresis 0.4 <= 0.5 would drop to 1
+        tier.steps, tier.ema = 3, ema
+        tier._decide()
+        assert tier.steps == want, ema
+    tier.steps, tier.ema = 3, 2.6  # above 3 - 0.5: up one candidate at a time while the EMA allows
+    tier._decide()
+    assert tier.steps == 5
+    zero = SglangTier((0, 1, 3), initial=0, down_hysteresis=0.0)
+    zero.ema = -1.0
+    zero._decide()
+    assert zero.steps == 1 and zero.ema == 0.0  # a probe from 0, its EMA restarted
+
+
+def test_sglang_controller_hears_the_pass_once_through_end_pass():
+    c = SglangEmaTiers(max_length=7)
+    for _ in range(15):
+        for accepted in (0, 0):
+            c.observe(StepOutcome(7, accepted, 1e-3, accepted + 1, 2, None))
+        c.end_pass(2)
+    assert c.tier(2).batches == 15 and c.tier(2).steps < 7
+
+
+# ------------------------------------------------------------------------------- transformers
+def test_transformers_heuristic_adds_two_after_a_full_window_and_takes_one_otherwise():
+    c = TransformersHeuristic(max_length=8)
+    ctx, lengths = StepContext(1, 0, 0.0), []
+    for accepted_all in (False, False, True, False, False, False, False, False, False, False, True):
+        k = c.plan(ctx, 8)
+        lengths.append(k)
+        c.observe(StepOutcome(k, k if accepted_all else 0, 1e-3, 1, 1, None))
+    assert lengths == [8, 7, 6, 8, 7, 6, 5, 4, 3, 2, 1]
+    assert c.plan(ctx, 8) == 3 and c.plan(ctx, 2) == 2
+
+
+def test_transformers_confidence_stop_keeps_the_draft_that_tripped_it():
+    c = TransformersHeuristic(max_length=8)
+    assert c.cut(DraftConfidence(token=(0.9, 0.35, 0.8, 0.9), top=(0.9,) * 4)) == 2
+    assert c.cut(DraftConfidence(token=(0.9, 0.5, 0.8), top=(0.9,) * 3)) == 3
+
+
+# ------------------------------------------------------------------------------- Cascade
+def run_cascade(c: CascadeUtility, rate: dict[int, float], steps: int) -> list[int]:
+    """Scripted outcomes: a step at length k commits 1 + k/2 tokens and takes (1 + k/2) / rate[k] s."""
+    ks = []
+    for _ in range(steps):
+        k = c.plan(StepContext(1, 0, 0.0), 8)
+        ks.append(k)
+        tokens = 1 + k // 2
+        c.observe(StepOutcome(k, k // 2, tokens / rate[k], tokens, 1, None))
+    return ks
+
+
+def test_cascade_tests_each_length_then_sets_the_best_and_tests_again():
+    c = CascadeUtility(max_length=8)
+    ks = run_cascade(c, {0: 100.0, 1: 105.0, 4: 130.0, 8: 120.0}, 12 + 32 + 12)
+    assert ks[:12] == [0, 0, 0, 1, 1, 1, 4, 4, 4, 8, 8, 8]
+    assert c.utility(4) == pytest.approx(1.3)
+    assert ks[12:44] == [4] * 32 and ks[44:] == ks[:12]
+
+
+def test_cascade_turns_speculation_off_when_no_length_reaches_utility_one():
+    c = CascadeUtility(max_length=8)
+    ks = run_cascade(c, {0: 100.0, 1: 90.0, 4: 80.0, 8: 70.0}, 12 + 32)
+    assert ks[12:] == [0] * 32
