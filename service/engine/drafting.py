@@ -54,7 +54,9 @@ def draft(e: Engine, seqs: list[Sequence]) -> list[Proposal]:
         t0 = time.perf_counter()
         if k > 0 and seq.policy.drafter is Drafter.NGRAM:
             drafts = ngram.propose(seq.tokens, k, cfg.ngram_min, cfg.ngram_max)
-            out.append(Proposal(drafts.tolist(), point_mass(drafts, vocab), time.perf_counter() - t0, planned=k))
+            seconds = time.perf_counter() - t0
+            e.adaptive.observe_lookup(seconds)
+            out.append(Proposal(drafts.tolist(), point_mass(drafts, vocab), seconds, planned=k))
         else:
             out.append(Proposal([], None, 0.0, planned=k))
             if k > 0:

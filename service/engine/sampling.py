@@ -29,12 +29,28 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # Keep the smallest set of likeliest tokens whose mass reaches top_p (the top token always
         # stays) and every token tied with its least likely member: equal probabilities are treated
         # alike, as top-k treats ties, so the result never depends on the order of the vocabulary.
-        sorted_p = probs.sort(-1, descending=True).values  # [n, V]
-        kept_sorted = (sorted_p.cumsum(-1) - sorted_p) < params.top_p  # mass strictly before < top_p
-        cutoff = sorted_p.masked_fill(~kept_sorted, float("inf")).amin(-1, keepdim=True)  # [n, 1]
+        cutoff = _top_p_cutoff(probs, params.top_p)  # [n, 1]
         probs = probs.masked_fill(probs < cutoff, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+TOP_P_PREFIX = 1024  # likeliest tokens sorted first; the whole vocabulary only when their mass falls short
+
+
+def _top_p_cutoff(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [n, V] -> [n, 1] the least probability top-p keeps. The kept set is usually a few
+    tokens: the sorted prefix of the likeliest TOP_P_PREFIX (topk's values are the full sort's first
+    values, summed in the same order, so the cutoff is the one a full sort gives) decides it when
+    the set ends inside the prefix; otherwise the whole vocabulary is sorted."""
+    prefix = min(TOP_P_PREFIX, probs.shape[-1])
+    for sorted_p in (probs.topk(prefix, -1).values, None):
+        if sorted_p is None:
+            sorted_p = probs.sort(-1, descending=True).values  # [n, V]
+        kept = (sorted_p.cumsum(-1) - sorted_p) < top_p  # mass strictly before < top_p
+        if sorted_p.shape[-1] == probs.shape[-1] or not bool(kept[:, -1].any()):
+            return sorted_p.masked_fill(~kept, float("inf")).amin(-1, keepdim=True)
+    raise AssertionError("unreachable")
 
 
 def draft_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -50,8 +66,18 @@ def point_mass(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """probs [n, V] -> tokens [n]."""
-    return torch.multinomial(probs, 1, generator=generator).view(-1)
+    """probs [n, V] (each row a distribution, not necessarily normalized) -> tokens [n]: the
+    inverse-CDF draw of one uniform per row (torch.multinomial costs ~10x more on one row of a
+    4096-token vocabulary). A token of probability 0 is never drawn: the first index whose
+    cumulative mass exceeds u * total has mass of its own."""
+    cdf = probs.float().cumsum(-1)  # [n, V]
+    u = torch.rand(probs.shape[0], 1, generator=generator) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, u, right=True).view(-1)
+    over = tokens >= probs.shape[-1]  # rounding left u * total at the total: the last token with mass
+    if bool(over.any()):
+        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).float().argmax(-1)
+        tokens = torch.where(over, last, tokens)
+    return tokens
 
 
 def accept_greedy(draft: torch.Tensor, target: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:

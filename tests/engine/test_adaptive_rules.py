@@ -63,8 +63,9 @@ def test_the_union_estimate_scales_the_independent_one_to_the_unions_seen():
     for n in (2, 8):
         cost.observe(n, true_union(n), true_seconds(n))
     assert cost.union(1) == M and cost.union(8) == pytest.approx(true_union(8))
-    assert cost.union(9) == pytest.approx(true_union(9), rel=0.05)  # unseen: scaled from n = 8
-    assert cost.union(9) < cost.independent_union(9)
+    # unseen: the independent estimate scaled as the unions seen compare with theirs
+    assert cost.union(9) == pytest.approx(true_union(9), rel=0.15)
+    assert abs(cost.union(9) - true_union(9)) < abs(cost.independent_union(9) - true_union(9)) / 2
 
 
 # ------------------------------------------------------------------------------- moespec's rule

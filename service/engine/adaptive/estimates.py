@@ -46,7 +46,10 @@ class PassCost:
         self.theta = [0.0, 0.0, 0.0]
         self.P = [[self.PRIOR if i == j else 0.0 for j in range(3)] for i in range(3)]
         self.unions: dict[int, Ema] = {}  # n -> mean union per layer seen at n positions
+        # seen / independent union, over the passes seen: scales the independent estimate where n is unseen
+        self.correlation = Ema(0.05)
         self.passes = 0
+        self._marginals: dict[int, float] = {}  # n -> marginal(n) until the next observed pass
 
     # -- the union at n positions -----------------------------------------------------------------
     def independent_union(self, n: int) -> float:
@@ -55,44 +58,62 @@ class PassCost:
 
     def union(self, n: int) -> float:
         """Mean distinct experts per layer at n positions: the ones seen, else the independent
-        estimate scaled to the nearest n seen (routing is correlated: real unions are smaller)."""
+        estimate scaled as the unions seen compare with theirs (routing is correlated: real unions
+        are smaller)."""
         if n <= 1:
             return float(min(self.m, self.E)) if n == 1 else 0.0
         seen = self.unions.get(n)
         if seen is not None:
             return seen.value
-        if not self.unions:
-            return self.independent_union(n)
-        nearest = min(self.unions, key=lambda s: (abs(s - n), s))
-        ratio = self.unions[nearest].value / self.independent_union(nearest)
-        return min(float(self.E), ratio * self.independent_union(n))
+        return min(float(self.E), self.correlation.get(1.0) * self.independent_union(n))
 
     # -- the fit ------------------------------------------------------------------------------------
-    def _features(self, n: int, union: float) -> list[float]:
-        return [1.0, n / 16, union / self.E]  # scaled to like magnitudes: the fit stays well conditioned
-
     def observe(self, positions: int, union_per_layer: float, seconds: float) -> None:
         """One verify pass: its positions, mean distinct experts per layer (0 when not counted), seconds."""
         if positions < 1 or not math.isfinite(seconds) or seconds <= 0:
             return
         if union_per_layer > 0:
             self.unions.setdefault(positions, Ema(0.1)).update(union_per_layer)
-        x = self._features(positions, union_per_layer if union_per_layer > 0 else self.union(positions))
-        P, lam = self.P, self.FORGET
-        Px = [sum(P[i][j] * x[j] for j in range(3)) for i in range(3)]
-        gain_den = lam + sum(x[i] * Px[i] for i in range(3))
-        K = [v / gain_den for v in Px]
-        error = seconds - sum(t * v for t, v in zip(self.theta, x, strict=True))
-        self.theta = [t + k * error for t, k in zip(self.theta, K, strict=True)]
-        self.P = [[(P[i][j] - K[i] * Px[j]) / lam for j in range(3)] for i in range(3)]
+            if positions > 1:
+                self.correlation.update(union_per_layer / self.independent_union(positions))
+        u = union_per_layer if union_per_layer > 0 else self.union(positions)
+        # Features scaled to like magnitudes, so the fit stays well conditioned; unrolled 3 x 3
+        # recursive least squares (a pass pays this, so it is kept to plain float arithmetic).
+        x0, x1, x2 = 1.0, positions / 16, u / self.E
+        (p00, p01, p02), (p10, p11, p12), (p20, p21, p22) = self.P
+        a0, a1, a2 = p00 * x0 + p01 * x1 + p02 * x2, p10 * x0 + p11 * x1 + p12 * x2, p20 * x0 + p21 * x1 + p22 * x2
+        lam = self.FORGET
+        den = lam + x0 * a0 + x1 * a1 + x2 * a2
+        k0, k1, k2 = a0 / den, a1 / den, a2 / den
+        t0, t1, t2 = self.theta
+        error = seconds - (t0 * x0 + t1 * x1 + t2 * x2)
+        self.theta = [t0 + k0 * error, t1 + k1 * error, t2 + k2 * error]
+        # P' = (P - K a^T) / lam, with a = P x (P symmetric)
+        P = [[(p00 - k0 * a0) / lam, (p01 - k0 * a1) / lam, (p02 - k0 * a2) / lam],
+             [(p10 - k1 * a0) / lam, (p11 - k1 * a1) / lam, (p12 - k1 * a2) / lam],
+             [(p20 - k2 * a0) / lam, (p21 - k2 * a1) / lam, (p22 - k2 * a2) / lam]]
+        # Forgetting inflates P along directions the passes do not vary (a plain-only load repeats
+        # one x): bounded at the prior's trace, it can never wind up to overflow.
+        trace = P[0][0] + P[1][1] + P[2][2]
+        if not math.isfinite(trace) or trace <= 0:
+            P = [[self.PRIOR if i == j else 0.0 for j in range(3)] for i in range(3)]
+        elif trace > 3 * self.PRIOR:
+            P = [[v * 3 * self.PRIOR / trace for v in row] for row in P]
+        self.P = P
         self.passes += 1
+        self._marginals.clear()
 
     def seconds(self, n: int) -> float:
-        return sum(t * v for t, v in zip(self.theta, self._features(n, self.union(n)), strict=True))
+        t0, t1, t2 = self.theta
+        return t0 + t1 * n / 16 + t2 * self.union(n) / self.E
 
     def marginal(self, n: int) -> float:
-        """Extra verify seconds of position n + 1 in a pass that has n (never below 0: a fit may tilt)."""
-        return max(0.0, self.seconds(n + 1) - self.seconds(n))
+        """Extra verify seconds of position n + 1 in a pass that has n (never below 0: a fit may tilt).
+        Cached until the next pass: every request of a pass asks for the same few n."""
+        cached = self._marginals.get(n)
+        if cached is None:
+            cached = self._marginals[n] = max(0.0, self.seconds(n + 1) - self.seconds(n))
+        return cached
 
 
 class AcceptanceByPosition:

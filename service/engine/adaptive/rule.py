@@ -6,7 +6,8 @@ position j. The pass this request joins costs S seconds for T expected committed
 other windows as in the last pass, plus this request's window so far); one more position costs m_i,
 its marginal verify seconds at the size the pass will have, which on an MoE target follows how
 many new experts one more position brings (estimates.PassCost), plus one more draft round for the
-model drafter. Adding it lowers the pass's seconds per token S / T iff
+model drafter (for the n-gram drafter, the first position also pays its lookup). Adding it
+lowers the pass's seconds per token S / T iff
 
     P_i * S / T > m_i        (drafted with cost_weight * m_i on the right)
 
@@ -61,19 +62,31 @@ class MoespecRule(StepController):
     def plan(self, ctx: StepContext, limit: int) -> int:
         s = self.state
         n = ctx.other_positions + 1  # the pass holds this request's last committed token at least
-        self._pass = (s.pass_seconds(n), ctx.other_tokens + 1.0)
-        draft = s.draft_seconds(self.drafter)
-        self._costs = [self.weight * (s.cost.marginal(n + i) + draft) for i in range(limit)]
-        self._rates = [self.rate(i) for i in range(limit)]
-        k = self._prefix(self._rates)
+        seconds, tokens = s.pass_seconds(n), ctx.other_tokens + 1.0
+        self._pass = (seconds, tokens)
+        draft, weight, costs, rates = s.draft_seconds(self.drafter), self.weight, [], []
+        # Positions are priced one at a time and the loop stops at the first that does not pay (the
+        # plan is on every request's step: no position past the stop is ever priced).
+        p, first = 1.0, s.first_draft_seconds(self.drafter)
+        for i in range(limit):
+            cost = weight * (s.cost.marginal(n + i) + draft + (first if i == 0 else 0.0))
+            rate = self.rate(i)
+            costs.append(cost)
+            p *= rate
+            if p * seconds <= cost * tokens:
+                break
+            rates.append(rate)
+            seconds, tokens = seconds + cost, tokens + p
+        self._costs, k = costs, len(rates)
         self._probing = False
         if k == 0 and limit > 0:
             self._plain_run += 1
             if self._plain_run >= PROBE_EVERY:
                 self._plain_run, k, self._probing = 0, 1, True
+                rates = [self.rate(0)]
         else:
             self._plain_run = 0
-        self._rates = self._rates[:k]
+        self._rates = rates
         return k
 
     def _prefix(self, rates: list[float]) -> int:

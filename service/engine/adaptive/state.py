@@ -21,6 +21,7 @@ class AdaptiveState:
         self.cost = PassCost(num_experts, top_k)
         self.plain_step_seconds = plain_step_seconds  # until passes are seen: the calibrated plain step
         self.draft_round_seconds = Ema(0.1)  # the model drafter's seconds per draft round
+        self.lookup_seconds = Ema(0.1)  # the n-gram drafter's seconds per proposal (any length)
         self.acceptance = {d: AcceptanceByPosition(MAX_DRAFT_LENGTH, decay=0.999) for d in Drafter}
         self.calibration = {d: ConfidenceCalibration() for d in Drafter}
         self.calibration_bias = Ema(0.002)  # predicted - observed acceptance, per verified draft (~500 of them)
@@ -42,8 +43,13 @@ class AdaptiveState:
         return self.cost.seconds(positions) if self.cost.passes else self.plain_step_seconds * positions
 
     def draft_seconds(self, drafter: Drafter) -> float:
-        """Seconds one more draft position costs (n-gram lookups are free next to a pass)."""
+        """Seconds one more draft position costs: a draft round of the model drafter; an n-gram
+        proposal costs the same at any length (`first_draft_seconds`)."""
         return self.draft_round_seconds.get(0.0) if drafter is Drafter.MODEL else 0.0
+
+    def first_draft_seconds(self, drafter: Drafter) -> float:
+        """What drafting at all costs beyond the per-position cost: the n-gram lookup."""
+        return self.lookup_seconds.get(0.0) if drafter is Drafter.NGRAM else 0.0
 
     @property
     def calibration_error(self) -> float:
@@ -54,6 +60,9 @@ class AdaptiveState:
     def observe_pass(self, positions: int, union_per_layer: float, verify_seconds: float, committed: int) -> None:
         self.cost.observe(positions, union_per_layer, verify_seconds)
         self.last_positions, self.last_committed = positions, committed
+
+    def observe_lookup(self, seconds: float) -> None:
+        self.lookup_seconds.update(seconds)
 
     def observe_draft_rounds(self, rounds: int, seconds: float) -> None:
         if rounds > 0:

@@ -1,0 +1,277 @@
+"""`moespec bench adaptive`: draft-length controllers on a mixed workload, through `moespec serve`.
+
+The workload a real service sees: phases that switch between 1 and 16 clients (--phase-seconds
+each), requests drawn in turn from the held-out code prompts and the repeat prompts, half greedy,
+half sampled (T=0.8, top-p 0.95). One server at its default flags; each contender is set with
+SetPolicy and runs the whole phase schedule. First an exhaustive static grid runs the schedule
+once each, and its best (highest tokens/s over the schedule) joins the contenders; then
+--rounds rounds run every contender, the order rotated each round (interleaved, so drift hits all
+alike). Reported per contender: tokens/s over the schedule and per phase (median and spread over
+rounds), and per-round paired ratios against plain, the best static policy and each baseline.
+
+The rule's own overhead is timed in-process: plan + observe of the moespec controller and the
+pass bookkeeping on a fitted state, per step, against the server's plain decode step.
+
+Writes adaptive.json, adaptive.md and adaptive.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from service.server.client import MoespecClient
+from service.types import Controller, Drafter, DraftPolicy, GenerationRequest, SamplingParams
+from tuner.drivers.loadgen import DEFAULT_PROMPTS, REPEAT_PROMPTS, load_prompts
+from tuner.drivers.server_proc import start_server
+
+ADMIN_TOKEN = "bench-adaptive-admin-token"
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95)
+
+
+def grid(max_length: int) -> dict[str, DraftPolicy]:
+    """The static policies the best static one is chosen from."""
+    policies = {"plain": DraftPolicy(draft_length=0)}
+    for k in (2, 4, max_length):
+        policies[f"ngram k={k}"] = DraftPolicy(Drafter.NGRAM, k)
+    for k in (2, 4):
+        policies[f"model k={k} T=0"] = DraftPolicy(Drafter.MODEL, k, 0.0)
+    return policies
+
+
+def controllers(drafter: Drafter, max_length: int) -> dict[str, DraftPolicy]:
+    temperature = 0.0  # greedy drafts for the model drafter (what the grid's model policies use)
+    return {c.value: DraftPolicy(drafter, max_length, temperature, controller=c)
+            for c in (Controller.SGLANG, Controller.TRANSFORMERS, Controller.CASCADE, Controller.MOESPEC)}
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    clients: int
+    seconds: float
+    tokens: int
+    requests: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class Workload:
+    """Requests in a fixed order: code and repeat prompts alternating, greedy and sampled alternating."""
+
+    def __init__(self, max_new_tokens: int):
+        code, repeat = load_prompts(DEFAULT_PROMPTS), load_prompts(REPEAT_PROMPTS)
+        mixed = [p for pair in zip(code, repeat, strict=False) for p in pair]
+        self.requests = [GenerationRequest(prompt=p, max_new_tokens=max_new_tokens,
+                                           sampling=GREEDY if i % 2 == 0 else SAMPLED)
+                         for i, p in enumerate(mixed)]
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> GenerationRequest:
+        with self._lock:
+            request = self.requests[self._next % len(self.requests)]
+            self._next += 1
+            return request
+
+    def rewind(self) -> None:
+        with self._lock:
+            self._next = 0
+
+
+def run_phase(client: MoespecClient, workload: Workload, clients: int, seconds: float) -> PhaseResult:
+    """`clients` callers back to back until the deadline; the requests in flight then finish and count."""
+    deadline = time.perf_counter() + seconds
+    tokens, requests, lock = [0], [0], threading.Lock()
+
+    def caller() -> None:
+        while time.perf_counter() < deadline:
+            reply = client.generate(workload.take(), timeout=120)
+            with lock:
+                tokens[0] += reply.completion_tokens
+                requests[0] += 1
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=caller) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return PhaseResult(clients, time.perf_counter() - t0, tokens[0], requests[0])
+
+
+def run_schedule(client: MoespecClient, admin: MoespecClient, policy: DraftPolicy, workload: Workload,
+                 phases: list[int], seconds: float) -> list[PhaseResult]:
+    admin.set_policy(policy)
+    workload.rewind()  # every contender serves the same requests in the same order
+    return [run_phase(client, workload, clients, seconds) for clients in phases]
+
+
+def overall(results: list[PhaseResult]) -> float:
+    """Tokens/s over the schedule: each phase weighs by its time, as a service's clock does."""
+    return sum(r.tokens for r in results) / sum(r.seconds for r in results)
+
+
+def rule_overhead(plain_step_seconds: float, steps: int = 20000) -> dict[str, float]:
+    """Seconds the moespec controller's per-step work costs (plan, observe, the pass bookkeeping)."""
+    from service.engine.adaptive.controller import StepOutcome
+    from service.engine.adaptive.state import AdaptiveState
+
+    state = AdaptiveState(64, 8, plain_step_seconds)
+    policy = DraftPolicy(Drafter.NGRAM, 8, controller=Controller.MOESPEC)
+    rule = state.controller_for(policy)
+    context = state.context(1, 0, 0)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        k = rule.plan(context, 8)
+        accepted = i % (k + 1)
+        rule.observe(StepOutcome(k, accepted, plain_step_seconds, accepted + 1, 1, None))
+        state.end_pass([rule], 1)
+        state.observe_pass(k + 1, 8.0 + 4 * k, plain_step_seconds * (1 + 0.1 * k), accepted + 1)
+    per_step = (time.perf_counter() - t0) / steps
+    return {"seconds_per_step": per_step, "plain_step_seconds": plain_step_seconds,
+            "share_of_plain_step": per_step / plain_step_seconds}
+
+
+def paired(rounds: list[dict[str, float]], a: str, b: str) -> dict[str, float]:
+    ratios = [r[a] / r[b] for r in rounds if r.get(b)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every contender (default 5)")
+    parser.add_argument("--phase-seconds", type=float, default=20.0, help="seconds per phase (default 20)")
+    parser.add_argument("--phases", type=int, nargs="+", default=[1, 16, 1, 16],
+                        help="clients per phase, in order (default 1 16 1 16)")
+    parser.add_argument("--drafter", choices=[d.value for d in Drafter], default=Drafter.NGRAM.value,
+                        help="the adaptive controllers' drafter (default ngram)")
+    parser.add_argument("--max-draft-length", type=int, default=8, help="the controllers' most (default 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--serve-args", default="", help="extra `moespec serve` flags (default: none)")
+    parser.add_argument("--out", type=Path, default=Path("reports/bench-adaptive"))
+
+
+def run(args: argparse.Namespace) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
+    workload = Workload(args.max_new_tokens)
+    server = start_server({}, ADMIN_TOKEN, tuple(args.serve_args.split()))
+    try:
+        with MoespecClient(server.address) as client, MoespecClient(server.address, admin_token=ADMIN_TOKEN) as admin:
+            result = measure(args, client, admin, workload)
+    finally:
+        server.stop()
+    (args.out / "adaptive.json").write_text(json.dumps(result, indent=2) + "\n")
+    md = markdown(result)
+    (args.out / "adaptive.md").write_text(md)
+    plot(result, args.out / "adaptive.png")
+    print(md)
+    return 0
+
+
+def measure(args, client: MoespecClient, admin: MoespecClient, workload: Workload) -> dict:
+    info = client.model_info()
+    schedule = (args.phases, args.phase_seconds)
+    print(f"grid: {len(grid(args.max_draft_length))} static policies, {len(args.phases)} phases of "
+          f"{args.phase_seconds:g} s each", flush=True)
+    grid_runs = {}
+    for name, policy in grid(args.max_draft_length).items():
+        grid_runs[name] = [asdict(r) | {"tokens_per_second": r.tokens_per_second}
+                           for r in run_schedule(client, admin, policy, workload, *schedule)]
+        print(f"  {name}: {overall([PhaseResult(**_fields(r)) for r in grid_runs[name]]):.1f} tok/s", flush=True)
+    best = max(grid_runs, key=lambda n: overall([PhaseResult(**_fields(r)) for r in grid_runs[n]]))
+    best_name = f"best static ({best})"
+    plain_name = "plain" if best != "plain" else best_name
+    contenders = {"plain": DraftPolicy(draft_length=0)} if best != "plain" else {}
+    contenders[best_name] = grid(args.max_draft_length)[best]
+    contenders.update(controllers(Drafter(args.drafter), args.max_draft_length))
+    names = list(contenders)
+    rounds, phases = [], {n: [] for n in names}
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        this = {}
+        for name in order:
+            results = run_schedule(client, admin, contenders[name], workload, *schedule)
+            this[name] = overall(results)
+            phases[name].append([x.tokens_per_second for x in results])
+        rounds.append(this)
+        print(f"round {r + 1}: " + ", ".join(f"{n} {this[n]:.1f}" for n in names), flush=True)
+    admin.set_policy(DraftPolicy(policy_id="default"))
+    summary = {}
+    for name in names:
+        values = [r[name] for r in rounds]
+        per_phase = list(zip(*phases[name], strict=True))
+        summary[name] = {
+            "tokens_per_second": {"median": statistics.median(values), "min": min(values), "max": max(values)},
+            "per_phase_median": [statistics.median(p) for p in per_phase],
+            "vs_plain": paired(rounds, name, plain_name),
+            "vs_best_static": paired(rounds, name, best_name),
+            "policy": {k: str(v) for k, v in asdict(contenders[name]).items()},
+        }
+    baselines = [c.value for c in (Controller.SGLANG, Controller.TRANSFORMERS, Controller.CASCADE)]
+    summary[Controller.MOESPEC.value]["vs_baselines"] = {b: paired(rounds, Controller.MOESPEC.value, b)
+                                                        for b in baselines}
+    phase_vs_plain = [min(x / p for x, p in zip(m, pl, strict=True))
+                      for m, pl in zip(phases[Controller.MOESPEC.value], phases[plain_name], strict=True)]
+    return {
+        "settings": {k: str(v) for k, v in vars(args).items() if not k.startswith("_")},
+        "server": {"backend": info.backend, "decode_step_seconds": info.decode_step_seconds},
+        "phases": args.phases, "phase_seconds": args.phase_seconds,
+        "grid": grid_runs, "best_static": best, "rounds": rounds, "per_phase": phases, "summary": summary,
+        "moespec_worst_phase_vs_plain_per_round": phase_vs_plain,
+        "rule_overhead": rule_overhead(info.decode_step_seconds),
+    }
+
+
+def _fields(row: dict) -> dict:
+    return {k: row[k] for k in ("clients", "seconds", "tokens", "requests")}
+
+
+def markdown(result: dict) -> str:
+    s = result["summary"]
+    phases = " / ".join(f"{c}" for c in result["phases"])
+    lines = [f"Workload: phases of {phases} clients, {result['phase_seconds']:g} s each; "
+             f"best static of the grid: {result['best_static']}.", "",
+             "| contender | tokens/s (median, spread) | per phase (median) | vs plain | vs best static |",
+             "|---|---:|---|---:|---:|"]
+
+    def ratio(d: dict) -> str:
+        return f"{d['median']:.3f}x [{d['min']:.3f}, {d['max']:.3f}]"
+
+    for name, row in s.items():
+        t = row["tokens_per_second"]
+        per_phase = " / ".join(f"{x:.0f}" for x in row["per_phase_median"])
+        lines.append(f"| {name} | {t['median']:.1f} [{t['min']:.1f}, {t['max']:.1f}] | {per_phase} | "
+                     f"{ratio(row['vs_plain'])} | {ratio(row['vs_best_static'])} |")
+    lines += ["", "moespec's rule against each baseline (per-round ratio):", ""]
+    for b, d in s[Controller.MOESPEC.value]["vs_baselines"].items():
+        lines.append(f"- {b}: {ratio(d)}")
+    worst = result["moespec_worst_phase_vs_plain_per_round"]
+    o = result["rule_overhead"]
+    lines += ["", f"moespec's worst phase against plain, per round: {', '.join(f'{x:.3f}' for x in worst)}",
+              f"Rule overhead: {o['seconds_per_step'] * 1e6:.1f} us per step, "
+              f"{o['share_of_plain_step'] * 100:.2f}% of a plain step ({o['plain_step_seconds'] * 1e3:.3f} ms).", ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    for name in result["summary"]:
+        values = [r[name] for r in result["rounds"]]
+        ax.plot(range(1, len(values) + 1), values, marker="o", label=name)
+    ax.set(xlabel="round (interleaved)", ylabel="tokens/s over the schedule", ylim=(0, None),
+           title="Draft-length controllers on a 1 / 16 client workload")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
