@@ -41,7 +41,16 @@ def test_client_policy_set_then_get_with_the_token(server, capsys, default_polic
     assert code == 0 and json.loads(out)["policy_id"] == "cli"
     code, out, _ = run_cli(capsys, "client", "policy", "get", "--server", server.address, "--admin-token", ADMIN_TOKEN)
     assert code == 0 and json.loads(out) == {"drafter": "ngram", "draft_length": 2, "draft_temperature": 1.0,
-                                             "policy_id": "cli"}
+                                             "policy_id": "cli", "controller": "static", "cost_weight": 1.0}
+
+
+def test_client_policy_set_takes_a_controller(server, capsys, default_policy):
+    code, out, _ = run_cli(capsys, "client", "policy", "set", "--server", server.address, "--admin-token",
+                           ADMIN_TOKEN, "--drafter", "ngram", "--draft-length", "8", "--controller", "moespec",
+                           "--cost-weight", "2")
+    assert code == 0
+    assert json.loads(out) == {"drafter": "ngram", "draft_length": 8, "draft_temperature": 1.0,
+                                "policy_id": "moespec-ngram-k8-w2", "controller": "moespec", "cost_weight": 2.0}
 
 
 def test_client_policy_without_the_token_exits_1_with_the_status(server, capsys, monkeypatch):
