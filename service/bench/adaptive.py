@@ -132,7 +132,7 @@ def rule_overhead(plain_step_seconds: float, steps: int = 20000) -> dict[str, fl
     for i in range(steps):
         k = rule.plan(context, 8)
         accepted = i % (k + 1)
-        rule.observe(StepOutcome(k, accepted, plain_step_seconds, accepted + 1, 1, None))
+        rule.observe(StepOutcome(k, accepted, plain_step_seconds, accepted + 1, None))
         state.end_pass([rule], 1)
         state.observe_pass(k + 1, 8.0 + 4 * k, plain_step_seconds * (1 + 0.1 * k), accepted + 1)
     per_step = (time.perf_counter() - t0) / steps

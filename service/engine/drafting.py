@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from service.engine import model_drafting, ngram
-from service.engine.adaptive.controller import DraftConfidence
+from service.engine.adaptive.controller import DraftConfidence, adapts
 from service.engine.sampling import point_mass
 from service.engine.sequence import Sequence
 from service.types import Drafter
@@ -48,9 +48,9 @@ def draft(e: Engine, seqs: list[Sequence]) -> list[Proposal]:
     out: list[Proposal] = []
     model_rows: list[tuple[int, int]] = []  # (index in seqs, k)
     for i, seq in enumerate(seqs):
-        limit = seq.draft_budget()
-        context = e.adaptive.context(len(seqs), seq.last_window, seq.last_committed)
-        k = seq.controller.plan(context, limit) if limit > 0 else 0
+        k = limit = seq.draft_budget()
+        if limit > 0 and adapts(seq.controller):
+            k = seq.controller.plan(e.adaptive.context(len(seqs), seq.last_window, seq.last_committed), limit)
         t0 = time.perf_counter()
         if k > 0 and seq.policy.drafter is Drafter.NGRAM:
             drafts = ngram.propose(seq.tokens, k, cfg.ngram_min, cfg.ngram_max)

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from service.engine import step_records
-from service.engine.adaptive.controller import StepController, StepOutcome
+from service.engine.adaptive.controller import StepOutcome, adapts
 from service.engine.drafting import Proposal, draft, uses_head
 from service.engine.ragged import RaggedBatch
 from service.engine.sampling import accept, accept_greedy_ids, target_probs
@@ -299,17 +299,16 @@ class Scheduler:
                              batch_unique: tuple[int, ...], t0: float, t1: float, t2: float) -> None:
         """Each controller hears its request's outcome; the engine's estimates learn from the pass
         (only where some request adapts: a pass of static policies pays nothing for them)."""
-        if all(type(s.controller) is StepController for s in seqs):
-            for seq, w, v in zip(seqs, lengths, verdicts, strict=True):
-                seq.last_window, seq.last_committed = w, v[0] + 1
-            return
-        e = self.e
+        adaptive = any(adapts(s.controller) for s in seqs)
         for seq, proposal, (n_ok, _, _), w in zip(seqs, proposals, verdicts, lengths, strict=True):
-            seq.controller.observe(StepOutcome(w - 1, n_ok, t2 - t0, n_ok + 1, len(seqs), proposal.confidence))
+            if adaptive:
+                seq.controller.observe(StepOutcome(w - 1, n_ok, t2 - t0, n_ok + 1, proposal.confidence))
             seq.last_window, seq.last_committed = w, n_ok + 1
-        e.adaptive.end_pass([s.controller for s in seqs], len(seqs))
-        union = sum(batch_unique) / len(batch_unique) if batch_unique else 0.0
-        e.adaptive.observe_pass(sum(lengths), union, t2 - t1, sum(v[0] + 1 for v in verdicts))
+        if adaptive:
+            e = self.e
+            e.adaptive.end_pass([s.controller for s in seqs], len(seqs))
+            union = sum(batch_unique) / len(batch_unique) if batch_unique else 0.0
+            e.adaptive.observe_pass(sum(lengths), union, t2 - t1, sum(v[0] + 1 for v in verdicts))
 
     def _accept(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
                 lengths: list[int]) -> list[tuple[int, tuple[bool, ...], int]]:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from service import expert_parallel
-from service.engine.adaptive.controller import StepController
+from service.engine.adaptive.controller import StepController, adapts
 from service.engine.sequence import Sequence
 from service.types import BatchPassRecord, StepRecord, accepted_positions
 
@@ -124,6 +124,6 @@ def step_record(e: Engine, seq: Sequence, drafted: int, accepted: int, window: l
 
 def adaptive_fields(controller: StepController, planned: int, drafted: int) -> dict:
     """What an adaptive controller adds to a step record (nothing for the static policy)."""
-    if type(controller) is StepController:
+    if not adapts(controller):
         return {}
     return {"planned": planned, "predicted_accepted": controller.expected_accepted(drafted)}

@@ -24,3 +24,16 @@ def test_bad_argument_exits_2_with_a_one_line_reason():
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "sampling.top_p" in lines[0]
+
+
+def test_generate_takes_a_controller_and_refuses_a_bad_cost_weight():
+    """The greedy completion under an adaptive controller is the plain one (lossless)."""
+    base = [*COMMAND, "--prompt", "def add(a, b):\n", "--max-new-tokens", "16", "--temperature", "0", "--no-table"]
+    plain = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    adaptive = subprocess.run([*base, "--drafter", "ngram", "--draft-length", "8", "--controller", "moespec"],
+                              capture_output=True, text=True, timeout=120)
+    assert plain.returncode == adaptive.returncode == 0, adaptive.stderr
+    assert adaptive.stdout == plain.stdout and plain.stdout.strip()
+    bad = subprocess.run([*base, "--draft-length", "2", "--controller", "moespec", "--cost-weight", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "policy.cost_weight" in bad.stderr.strip().splitlines()[-1]

@@ -162,7 +162,7 @@ def calibration_error_after(rule: MoespecRule, state: AdaptiveState, acceptance:
         accepted = 0
         while accepted < k and rng.random() < acceptance:
             accepted += 1
-        rule.observe(StepOutcome(k, accepted, 1e-3, accepted + 1, 1, None))
+        rule.observe(StepOutcome(k, accepted, 1e-3, accepted + 1, None))
     return state.calibration_error
 
 
@@ -221,7 +221,7 @@ def test_sglang_controller_hears_the_pass_once_through_end_pass():
     c = SglangEmaTiers(max_length=7)
     for _ in range(15):
         for accepted in (0, 0):
-            c.observe(StepOutcome(7, accepted, 1e-3, accepted + 1, 2, None))
+            c.observe(StepOutcome(7, accepted, 1e-3, accepted + 1, None))
         c.end_pass(2)
     assert c.tier(2).batches == 15 and c.tier(2).steps < 7
 
@@ -233,7 +233,7 @@ def test_transformers_heuristic_adds_two_after_a_full_window_and_takes_one_other
     for accepted_all in (False, False, True, False, False, False, False, False, False, False, True):
         k = c.plan(ctx, 8)
         lengths.append(k)
-        c.observe(StepOutcome(k, k if accepted_all else 0, 1e-3, 1, 1, None))
+        c.observe(StepOutcome(k, k if accepted_all else 0, 1e-3, 1, None))
     assert lengths == [8, 7, 6, 8, 7, 6, 5, 4, 3, 2, 1]
     assert c.plan(ctx, 8) == 3 and c.plan(ctx, 2) == 2
 
@@ -252,7 +252,7 @@ def run_cascade(c: CascadeUtility, rate: dict[int, float], steps: int) -> list[i
         k = c.plan(StepContext(1, 0, 0.0), 8)
         ks.append(k)
         tokens = 1 + k // 2
-        c.observe(StepOutcome(k, k // 2, tokens / rate[k], tokens, 1, None))
+        c.observe(StepOutcome(k, k // 2, tokens / rate[k], tokens, None))
     return ks
 
 

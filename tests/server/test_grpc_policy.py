@@ -115,3 +115,4 @@ def test_an_adaptive_policy_round_trips_and_its_requests_run_under_it(client, de
     reply = client.generate(GenerationRequest(prompt="a b c a b c a b c a b c", max_new_tokens=24,
                                               sampling=SamplingParams(temperature=0)))
     assert reply.spec.policy_id == "moespec-ngram-k8-w0.5" and reply.spec.draft_length == 8
+    assert reply.spec.controller is Controller.MOESPEC

@@ -40,7 +40,6 @@ class StepOutcome:
     accepted: int  # the verifier's accepted prefix
     seconds: float  # the step's draft + verify seconds (the whole pass's, when batched)
     committed: int  # accepted + the target's token
-    batch_size: int
     confidence: DraftConfidence | None  # of the verified drafts, where the drafter gives them
 
 
@@ -68,3 +67,8 @@ class StepController:
 
     def end_pass(self, batch_size: int) -> None:
         pass
+
+
+def adapts(controller: StepController) -> bool:
+    """Anything but the static policy's base: its requests feed the engine's estimates."""
+    return type(controller) is not StepController

@@ -24,11 +24,9 @@ class Ema:
     def __init__(self, alpha: float, initial: float | None = None):
         self.alpha = alpha
         self.value = initial
-        self.seen = 0
 
     def update(self, x: float) -> float:
         self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
-        self.seen += 1
         return self.value
 
     def get(self, default: float) -> float:

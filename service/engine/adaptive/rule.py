@@ -62,37 +62,34 @@ class MoespecRule(StepController):
     def plan(self, ctx: StepContext, limit: int) -> int:
         s = self.state
         n = ctx.other_positions + 1  # the pass holds this request's last committed token at least
-        seconds, tokens = s.pass_seconds(n), ctx.other_tokens + 1.0
-        self._pass = (seconds, tokens)
-        draft, weight, costs, rates = s.draft_seconds(self.drafter), self.weight, [], []
-        # Positions are priced one at a time and the loop stops at the first that does not pay (the
-        # plan is on every request's step: no position past the stop is ever priced).
-        p, first = 1.0, s.first_draft_seconds(self.drafter)
-        for i in range(limit):
-            cost = weight * (s.cost.marginal(n + i) + draft + (first if i == 0 else 0.0))
-            rate = self.rate(i)
-            costs.append(cost)
-            p *= rate
-            if p * seconds <= cost * tokens:
-                break
-            rates.append(rate)
-            seconds, tokens = seconds + cost, tokens + p
-        self._costs, k = costs, len(rates)
-        self._probing = False
+        self._pass = (s.pass_seconds(n), ctx.other_tokens + 1.0)
+        draft, first = s.draft_seconds(self.drafter), s.first_draft_seconds(self.drafter)
+        costs, rates = [], []
+
+        def priced():
+            # Positions are priced one at a time, as the walk asks: the plan runs on every request's
+            # step, and no position past the first that does not pay is ever priced.
+            for i in range(limit):
+                costs.append(self.weight * (s.cost.marginal(n + i) + draft + (first if i == 0 else 0.0)))
+                rates.append(self.rate(i))
+                yield rates[-1], costs[-1]
+
+        k = self._keep(priced())
+        self._costs, self._probing = costs, False
         if k == 0 and limit > 0:
             self._plain_run += 1
             if self._plain_run >= PROBE_EVERY:
                 self._plain_run, k, self._probing = 0, 1, True
-                rates = [self.rate(0)]
         else:
             self._plain_run = 0
-        self._rates = rates
+        self._rates = rates[:k]
         return k
 
-    def _prefix(self, rates: list[float]) -> int:
-        """Positions to keep: while P_i * S / T exceeds position i's cost (S and T growing with each)."""
+    def _keep(self, priced) -> int:
+        """Positions that pay, from (rate, cost) pairs in order: while P_i * S / T exceeds position
+        i's cost, S and T growing with each position kept."""
         (seconds, tokens), p, k = self._pass, 1.0, 0
-        for rate, cost in zip(rates, self._costs, strict=False):
+        for rate, cost in priced:
             p *= rate
             if p * seconds <= cost * tokens:
                 break
@@ -102,7 +99,7 @@ class MoespecRule(StepController):
     def cut(self, confidence: DraftConfidence) -> int:
         calibration = self.state.calibration[self.drafter]
         rates = [calibration.rate(top) for top in confidence.top]
-        k = len(rates) if self._probing else self._prefix(rates)
+        k = len(rates) if self._probing else self._keep(zip(rates, self._costs, strict=False))
         self._rates = rates[:k]
         return k
 

@@ -1,8 +1,8 @@
 """The engine-wide estimates every adaptive controller reads, fed by the scheduler after each pass.
 
 One `AdaptiveState` per engine, on the scheduler thread. It learns the pass cost (estimates.PassCost),
-the model drafter's seconds per draft round, and per
-drafter the acceptance by position and by confidence over every request (a new request's prior);
+the model drafter's seconds per draft round, the n-gram lookup's seconds, and per drafter the
+acceptance by position and by confidence over every request (a new request's prior);
 it tracks the moespec rule's calibration error (mean predicted minus observed acceptance of the
 drafts it sent to verification) and hands out each request's controller.
 """
