@@ -45,6 +45,9 @@ SPEC_DRAFT_LENGTH = "moespec.spec.draft_length"
 SPEC_DRAFT_TEMPERATURE = "moespec.spec.draft_temperature"
 # Who picked each step's draft length ("static", "moespec", "sglang-ema", ...): request and verify spans.
 SPEC_CONTROLLER = "moespec.spec.controller"
+# The label of the table cell whose policy a step ran ("b1-1.greedy"): verify spans and the drafted
+# tokens histogram, only for steps that ran a cell of a table policy.
+SPEC_CELL = "moespec.spec.cell"
 SPEC_VERIFY_STEPS = "moespec.spec.verify_steps"
 SPEC_DRAFTED_TOKENS = "moespec.spec.drafted_tokens"
 SPEC_ACCEPTED_TOKENS = "moespec.spec.accepted_tokens"
@@ -75,6 +78,7 @@ MOE_EP_DISPATCH_BYTES = "moespec.moe.ep_dispatch_bytes"  # int (verify span: the
 MOE_EP_RANKS_TOUCHED_MEAN = "moespec.moe.ep_ranks_touched_mean"  # double[L] (request span)
 MOE_EP_MAX_RANK_EXPERTS_MAX = "moespec.moe.ep_max_rank_experts_max"  # int[L] (request span)
 EP_VERIFY_SPAN_KEYS = (MOE_EP_RANKS_TOUCHED, MOE_EP_MAX_RANK_EXPERTS, MOE_EP_DISPATCH_BYTES)
+TABLE_VERIFY_SPAN_KEYS = (SPEC_CELL,)  # only on steps that ran a table policy's cell
 EP_REQUEST_SPAN_KEYS = (MOE_EP_RANKS_TOUCHED_MEAN, MOE_EP_MAX_RANK_EXPERTS_MAX, MOE_EP_DISPATCH_BYTES)
 
 # ---------------------------------------------------------- verify_batch span (one per sampled pass)
@@ -93,7 +97,7 @@ EP_VERIFY_BATCH_SPAN_KEYS = (MOE_BATCH_EP_RANKS_TOUCHED, MOE_BATCH_EP_MAX_RANK_E
 # (it also carries COST_DRAFT_SECONDS and COST_VERIFY_SECONDS of the pass, and links to the request spans)
 # (the verify span also carries SPEC_DRAFTER, SPEC_DRAFT_LENGTH, SPEC_CONTROLLER, SPEC_DRAFTED_TOKENS,
 #  SPEC_ACCEPTED_TOKENS, SPEC_COMMITTED_TOKENS and COST_VERIFY_SECONDS, with per-step values: drafted
-#  is the length the step used, draft_length the policy's most)
+#  is the length the step used, draft_length the policy's most; and SPEC_CELL where a table's cell ran)
 
 REQUEST_SPAN_KEYS = (
     GEN_AI_OPERATION_NAME, GEN_AI_PROVIDER_NAME, GEN_AI_REQUEST_MODEL, GEN_AI_REQUEST_TEMPERATURE,
@@ -185,7 +189,7 @@ STEP_SECONDS = MetricSpec(
 STEP_DRAFTED_TOKENS = MetricSpec(
     "moespec.spec.step.drafted_tokens", Kind.HISTOGRAM, "{token}",
     "Drafts one verify step verified (the length an adaptive controller chose; at most the policy's).",
-    None, STEP_METRIC_KEYS)
+    None, (*STEP_METRIC_KEYS, SPEC_CELL))
 RULE_CALIBRATION_ERROR = MetricSpec(
     "moespec.spec.rule.calibration_error", Kind.HISTOGRAM, "1",
     "Per request under the moespec controller: |expected - observed accepted drafts| / drafts verified.",

@@ -110,12 +110,15 @@ class Instruments:
                  a.SPEC_DRAFT_LENGTH: policy.draft_length}
         # One attribute dict per layer, built once per request rather than once per step.
         per_layer: list[dict] = []
+        cell_attrs: dict[str, dict] = {"": attrs}  # a table's steps name their cell on the drafted histogram
         drafted = committed = dispatched = 0
         predicted, predicted_accepted, predicted_drafted = 0.0, 0, 0  # over the steps the rule predicted
         ep = False
         for step in steps:
             self.step_accepted.record(step.accepted, attrs)
-            self.step_drafted.record(step.drafted, attrs)
+            if step.cell not in cell_attrs:
+                cell_attrs[step.cell] = {**attrs, a.SPEC_CELL: step.cell}
+            self.step_drafted.record(step.drafted, cell_attrs[step.cell])
             if step.predicted_accepted is not None and step.drafted:
                 predicted += step.predicted_accepted
                 predicted_accepted += step.accepted

@@ -85,6 +85,7 @@ def verify_attributes(step: StepRecord) -> dict:
         a.MOE_WIDEST_LAYER: step.widest_layer,
         a.COST_VERIFY_SECONDS: float(step.verify_seconds),
         a.COST_DECODE_STEP_EQUIVALENTS: float(step.decode_step_equivalents),
+        **({a.SPEC_CELL: step.cell} if step.cell else {}),
         **({} if step.ep_ranks_touched is None else {
             a.MOE_EP_RANKS_TOUCHED: tuple(int(x) for x in step.ep_ranks_touched),
             a.MOE_EP_MAX_RANK_EXPERTS: tuple(int(x) for x in step.ep_max_rank_experts),

@@ -16,6 +16,7 @@ MAX_STOP_STRINGS = 8
 MAX_STOP_LENGTH = 64
 MAX_POLICY_ID_LENGTH = 128
 MAX_COST_WEIGHT = 100.0
+MAX_POLICY_CELLS = 16
 
 
 class InvalidRequest(ValueError):
@@ -39,6 +40,14 @@ class Controller(enum.StrEnum):
     SGLANG = "sglang-ema"  # SGLang's --speculative-adaptive: EMA of accepted length, tiers by batch size
     TRANSFORMERS = "transformers-heuristic"  # +2 after a fully accepted window, -1 otherwise; confidence stop
     CASCADE = "cascade"  # per request: test phases measure utility, speculation off when it is below 1
+
+
+class RequestKind(enum.StrEnum):
+    """Which requests a policy cell applies to (PolicyCell.kind)."""
+
+    ANY = "any"
+    GREEDY = "greedy"  # temperature 0
+    SAMPLED = "sampled"  # temperature > 0
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,10 @@ class DraftPolicy:
 
     With an adaptive controller, draft_length is the most a step may draft: the controller chooses
     each step's length in [0, draft_length] (service/engine/adaptive/).
+
+    With cells, the policy is a table keyed by the step's context: a step runs the policy of the
+    cell that matches its pass's occupancy and its request's kind, and the fields above where no
+    cell matches. Cells never overlap, so at most one matches (`for_step`).
     """
 
     drafter: Drafter = Drafter.MODEL
@@ -77,22 +90,99 @@ class DraftPolicy:
     policy_id: str = "default"
     controller: Controller = Controller.STATIC
     cost_weight: float = 1.0  # the moespec controller only: > 1 drafts less, < 1 more
+    cells: tuple[PolicyCell, ...] = ()
 
-    def validate(self, max_draft_length: int = MAX_DRAFT_LENGTH) -> None:
+    def for_step(self, batch_size: int, greedy: bool) -> tuple[int, DraftPolicy]:
+        """(index of the matching cell or -1, the policy a step in that context runs)."""
+        for i, cell in enumerate(self.cells):
+            if cell.matches(batch_size, greedy):
+                return i, cell.policy
+        return -1, self
+
+    @property
+    def longest_draft(self) -> int:
+        """The most drafts any step under this policy may propose (over the table's cells too)."""
+        return max([self.draft_length, *(c.policy.draft_length for c in self.cells)])
+
+    def parts(self, field_name: str = "policy") -> list[tuple[str, DraftPolicy]]:
+        """(field name, policy) of the base and of each cell: what a backend checks it can run."""
+        return [(field_name, self), *((f"{field_name}.cells[{i}].policy", c.policy) for i, c in enumerate(self.cells))]
+
+    @property
+    def drafters(self) -> frozenset[Drafter]:
+        """The drafters some step under this policy drafts with (none for plain decoding)."""
+        return frozenset(p.drafter for _, p in self.parts() if p.draft_length > 0)
+
+    def validate(self, max_draft_length: int = MAX_DRAFT_LENGTH, field_name: str = "policy") -> None:
         if not isinstance(self.drafter, Drafter):
-            raise InvalidRequest("policy.drafter", f"unknown drafter {self.drafter!r}")
+            raise InvalidRequest(f"{field_name}.drafter", f"unknown drafter {self.drafter!r}")
         if not 0 <= self.draft_length <= max_draft_length:
-            raise InvalidRequest("policy.draft_length", f"must be in [0, {max_draft_length}], got {self.draft_length}")
+            raise InvalidRequest(f"{field_name}.draft_length",
+                                 f"must be in [0, {max_draft_length}], got {self.draft_length}")
         t = self.draft_temperature
         if not math.isfinite(t) or not 0 <= t <= MAX_DRAFT_TEMPERATURE:
-            raise InvalidRequest("policy.draft_temperature", f"must be in [0, {MAX_DRAFT_TEMPERATURE}], got {t}")
+            raise InvalidRequest(f"{field_name}.draft_temperature",
+                                 f"must be in [0, {MAX_DRAFT_TEMPERATURE}], got {t}")
         if len(self.policy_id) > MAX_POLICY_ID_LENGTH:
-            raise InvalidRequest("policy.policy_id", f"longer than {MAX_POLICY_ID_LENGTH} characters")
+            raise InvalidRequest(f"{field_name}.policy_id", f"longer than {MAX_POLICY_ID_LENGTH} characters")
         if not isinstance(self.controller, Controller):
-            raise InvalidRequest("policy.controller", f"unknown controller {self.controller!r}")
+            raise InvalidRequest(f"{field_name}.controller", f"unknown controller {self.controller!r}")
         w = self.cost_weight
         if not math.isfinite(w) or not 0 < w <= MAX_COST_WEIGHT:
-            raise InvalidRequest("policy.cost_weight", f"must be in (0, {MAX_COST_WEIGHT:g}], got {w}")
+            raise InvalidRequest(f"{field_name}.cost_weight", f"must be in (0, {MAX_COST_WEIGHT:g}], got {w}")
+        self._validate_cells(max_draft_length, field_name)
+
+    def _validate_cells(self, max_draft_length: int, field_name: str) -> None:
+        if len(self.cells) > MAX_POLICY_CELLS:
+            raise InvalidRequest(f"{field_name}.cells", f"at most {MAX_POLICY_CELLS} cells, got {len(self.cells)}")
+        for i, cell in enumerate(self.cells):
+            where = f"{field_name}.cells[{i}]"
+            cell.validate(max_draft_length, where)
+            for j, earlier in enumerate(self.cells[:i]):
+                if cell.overlaps(earlier):
+                    raise InvalidRequest(where, f"{cell.label} overlaps cells[{j}] ({earlier.label}): "
+                                                "a step's context must match one cell at most")
+
+
+@dataclass(frozen=True)
+class PolicyCell:
+    """One cell of a context-keyed policy: the steps whose pass holds min_batch..max_batch requests
+    (max_batch 0: no upper bound) and whose request is of `kind` run `policy` (whose own policy_id
+    and cells are unused: responses and spans name the table's id and the cell's `label`)."""
+
+    policy: DraftPolicy
+    min_batch: int = 1
+    max_batch: int = 0
+    kind: RequestKind = RequestKind.ANY
+
+    def matches(self, batch_size: int, greedy: bool) -> bool:
+        if batch_size < self.min_batch or (self.max_batch and batch_size > self.max_batch):
+            return False
+        return self.kind is RequestKind.ANY or (self.kind is RequestKind.GREEDY) == greedy
+
+    def overlaps(self, other: PolicyCell) -> bool:
+        kinds = RequestKind.ANY in (self.kind, other.kind) or self.kind is other.kind
+        below = self.max_batch and self.max_batch < other.min_batch
+        above = other.max_batch and other.max_batch < self.min_batch
+        return kinds and not (below or above)
+
+    @property
+    def label(self) -> str:
+        """The cell's name in spans and metrics: "b1-4.greedy", "b9+.any"."""
+        batch = f"{self.min_batch}+" if not self.max_batch else f"{self.min_batch}-{self.max_batch}"
+        return f"b{batch}.{self.kind.value}"
+
+    def validate(self, max_draft_length: int, field_name: str) -> None:
+        if self.min_batch < 1:
+            raise InvalidRequest(f"{field_name}.min_batch", f"must be >= 1, got {self.min_batch}")
+        if self.max_batch and self.max_batch < self.min_batch:
+            raise InvalidRequest(f"{field_name}.max_batch",
+                                 f"must be 0 (no bound) or >= min_batch {self.min_batch}, got {self.max_batch}")
+        if not isinstance(self.kind, RequestKind):
+            raise InvalidRequest(f"{field_name}.kind", f"unknown request kind {self.kind!r}")
+        if self.policy.cells:
+            raise InvalidRequest(f"{field_name}.policy.cells", "a cell's policy cannot be a table itself")
+        self.policy.validate(max_draft_length, f"{field_name}.policy")
 
 
 @dataclass(frozen=True)
@@ -196,6 +286,7 @@ class StepRecord:
     controller: Controller = Controller.STATIC
     planned: int | None = None  # drafts the controller asked of the drafter (None: the policy's draft_length)
     predicted_accepted: float | None = None  # the moespec rule's expected accepted drafts of this step
+    cell: str = ""  # the label of the table cell whose policy this step ran ("": the base policy)
 
     @classmethod
     def of_policy(cls, policy: DraftPolicy, *, drafted: int, accepted: int, committed: int,
@@ -254,7 +345,7 @@ class SpecStats:
 
     @classmethod
     def from_steps(cls, steps: list[StepRecord], policy: DraftPolicy, num_layers: int) -> SpecStats:
-        per_position = [0] * policy.draft_length
+        per_position = [0] * policy.longest_draft
         for s in steps:
             for i, ok in enumerate(s.accepted_per_position):
                 per_position[i] += int(ok)
@@ -344,3 +435,5 @@ class ModelInfo:
     # offered, why.
     controllers: tuple[Controller, ...] = (Controller.STATIC,)
     controllers_note: str = ""
+    # Whether a policy may be a table of cells keyed by the step's context (DraftPolicy.cells).
+    policy_tables: bool = False

@@ -15,7 +15,7 @@ from dataclasses import asdict
 import grpc
 
 from service import admin_token
-from service.cli.generate import add_controller_arguments
+from service.cli.generate import add_controller_arguments, cells_from_args
 from service.errors import UsageError
 from service.server.client import MoespecClient, Reply
 from service.traffic import TrafficArm, TrafficSplit
@@ -144,7 +144,7 @@ def _policy(client: MoespecClient, args: argparse.Namespace) -> int:
     else:
         policy = client.set_policy(
             DraftPolicy(Drafter(args.drafter), args.draft_length, args.draft_temperature, args.policy_id,
-                        Controller(args.controller), args.cost_weight),
+                        Controller(args.controller), args.cost_weight, cells_from_args(args)),
             timeout=args.timeout,
         )
     print(_dump(asdict(policy)))

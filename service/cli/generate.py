@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from service.errors import UsageError
+from service.policy_ids import cell_from_text
 from service.types import (
     Controller,
     Drafter,
@@ -12,6 +14,7 @@ from service.types import (
     GenerationRequest,
     GenerationResult,
     InvalidRequest,
+    PolicyCell,
     SamplingParams,
 )
 
@@ -38,6 +41,17 @@ def add_controller_arguments(parser: argparse.ArgumentParser, prefix: str = "") 
                              "the most a step drafts (docs/server.md, 'Adaptive speculation')")
     parser.add_argument("--cost-weight", type=float, default=1.0,
                         help=f"{prefix}the moespec controller's weight on marginal cost (> 1 drafts less)")
+    parser.add_argument("--cell", action="append", default=[], metavar="LABEL=POLICY_ID",
+                        help=f"{prefix}a table cell (repeatable): steps in that context run that policy, e.g. "
+                             "b1-1.greedy=ngram-k4 or b9+.any=plain (docs/server.md, 'Table policies')")
+
+
+def cells_from_args(args: argparse.Namespace) -> tuple[PolicyCell, ...]:
+    """--cell values -> cells (UsageError naming the malformed one)."""
+    try:
+        return tuple(cell_from_text(text) for text in args.cell)
+    except ValueError as e:
+        raise UsageError(f"--cell {e}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +69,8 @@ def request_from_args(args: argparse.Namespace) -> tuple[GenerationRequest, Draf
     )
     policy = DraftPolicy(drafter=Drafter(args.drafter), draft_length=args.draft_length,
                          draft_temperature=args.draft_temperature, policy_id="cli",
-                         controller=Controller(args.controller), cost_weight=args.cost_weight)
+                         controller=Controller(args.controller), cost_weight=args.cost_weight,
+                         cells=cells_from_args(args))
     return request, policy
 
 
@@ -77,7 +92,6 @@ def step_table(result: GenerationResult) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from service.engine import Engine, EngineConfig
-    from service.errors import UsageError
 
     request, policy = request_from_args(args)
     try:

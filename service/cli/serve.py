@@ -25,7 +25,7 @@ from pathlib import Path
 from otel import cli as otel_cli
 from service import admin_token
 from service.backend import Backend
-from service.cli.generate import add_controller_arguments
+from service.cli.generate import add_controller_arguments, cells_from_args
 from service.engine_defaults import MAX_BATCH, PREFILL_CHUNK
 from service.errors import UsageError
 from service.server.server import MoespecServer, ServerConfig, serve
@@ -153,7 +153,8 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
     if args.max_request_bytes is not None and args.max_request_bytes < 1024:
         raise UsageError("--max-request-bytes must be at least 1024")
     policy = DraftPolicy(Drafter(args.drafter), args.draft_length, args.draft_temperature, policy_id="default",
-                         controller=Controller(args.controller), cost_weight=args.cost_weight)
+                         controller=Controller(args.controller), cost_weight=args.cost_weight,
+                         cells=cells_from_args(args))
     try:
         policy.validate()
     except InvalidRequest as e:

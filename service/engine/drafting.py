@@ -38,8 +38,9 @@ class Proposal:
 
 
 def uses_head(seq: Sequence) -> bool:
-    """The sequence drafts with the model drafter (a draft head, where the engine has one)."""
-    return seq.policy.drafter is Drafter.MODEL and seq.policy.draft_length > 0
+    """The sequence may draft with the model drafter (a draft head, where the engine has one) in
+    some step: its draft cache (or the target features a head reads) must follow its tokens."""
+    return seq.may_draft_with_model
 
 
 def draft(e: Engine, seqs: list[Sequence]) -> list[Proposal]:
@@ -52,7 +53,7 @@ def draft(e: Engine, seqs: list[Sequence]) -> list[Proposal]:
         if limit > 0 and adapts(seq.controller):
             k = seq.controller.plan(e.adaptive.context(len(seqs), seq.last_window, seq.last_committed), limit)
         t0 = time.perf_counter()
-        if k > 0 and seq.policy.drafter is Drafter.NGRAM:
+        if k > 0 and seq.step_policy.drafter is Drafter.NGRAM:
             drafts = ngram.propose(seq.tokens, k, cfg.ngram_min, cfg.ngram_max)
             seconds = time.perf_counter() - t0
             e.adaptive.observe_lookup(seconds)

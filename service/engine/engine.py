@@ -171,8 +171,9 @@ class Engine:
     ) -> GenerationResult:
         request.validate(self.info.vocab_size, self.max_context)
         policy.validate(MAX_DRAFT_LENGTH)
-        if policy.draft_length and policy.drafter is Drafter.MODEL and self.draft is None:
-            raise InvalidRequest("policy.drafter", "this engine has no draft model; use the n-gram drafter")
+        for where, part in policy.parts():
+            if part.draft_length and part.drafter is Drafter.MODEL and self.draft is None:
+                raise InvalidRequest(f"{where}.drafter", "this engine has no draft model; use the n-gram drafter")
         prompt = list(request.prompt_token_ids) or self.tokenizer.encode(request.prompt).ids
         if not prompt:
             raise InvalidRequest("prompt", "tokenizes to no tokens")
@@ -243,6 +244,7 @@ class Engine:
             device="cpu",  # the fused kernels and the torch fallbacks run on the CPU only
             shared_passes=self.config.max_batch > 1,  # continuous batching: one target pass serves them all
             controllers=tuple(Controller),  # every controller runs per request in the scheduler
+            policy_tables=True,  # the scheduler picks each step's cell
         )
 
 

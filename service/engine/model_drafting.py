@@ -58,7 +58,7 @@ def draft_dense(e: Engine, seqs: list[Sequence], ks: list[int], confident: list[
                                       logit_rows=last_rows).logits  # [B', V]
         for j, b in enumerate(active):
             row = last[j:j + 1]  # [1, V]
-            temperature = seqs[b].policy.draft_temperature
+            temperature = seqs[b].step_policy.draft_temperature
             q = draft_probs(row, temperature)
             # A greedy draft's q is a point mass: its argmax is the sample, no random draw needed.
             token = row.argmax(-1) if temperature == 0 else sample(q, seqs[b].gen)
@@ -88,11 +88,11 @@ def draft_with_head(e: Engine, seqs: list[Sequence], ks: list[int], confident: l
         pending.append(torch.tensor(s.ids[start:], dtype=torch.long))
         known = e.target_features[s.slot, max(start - 1, 0):len(s.ids) - 1]  # entry p reads feature p - 1
         features.append(known if start > 0 else torch.cat([known.new_zeros(1, known.shape[-1]), known]))
-    uniforms = [torch.rand(k, generator=s.gen) if s.policy.draft_temperature > 0 else None
+    uniforms = [torch.rand(k, generator=s.gen) if s.step_policy.draft_temperature > 0 else None
                 for s, k in zip(seqs, ks, strict=True)]
     if e.head_chain is not None:
         chains = [head.kernels.head_draft(e.head_chain, tokens, f, s.slot, s.draft_valid, k,
-                                          s.policy.draft_temperature, u)
+                                          s.step_policy.draft_temperature, u)
                   for s, k, tokens, f, u in zip(seqs, ks, pending, features, uniforms, strict=True)]
     else:
         lengths = [p.shape[0] for p in pending]
@@ -100,7 +100,7 @@ def draft_with_head(e: Engine, seqs: list[Sequence], ks: list[int], confident: l
         logits, fhat = head.forward_ragged(e.target.embed_tokens(torch.cat(pending)), torch.cat(features), batch,
                                            e.draft_cache, torch.tensor(lengths).cumsum(0) - 1)  # [B, Vd], [B, H]
         chains = [chain_reference(head, e.target.embed_tokens, e.draft_cache, s.slot, len(s.ids), k, logits[j], fhat[j],
-                                  s.policy.draft_temperature, u)
+                                  s.step_policy.draft_temperature, u)
                   for j, (s, k, u) in enumerate(zip(seqs, ks, uniforms, strict=True))]
     out = []
     for (picks, q), want in zip(chains, confident, strict=True):

@@ -166,7 +166,6 @@ class Scheduler:
                 if not seq.done.is_set():
                     self._finish(seq, FinishReason.CANCELLED)
             else:
-                seq.controller = self.e.adaptive.controller_for(seq.policy)
                 (self._prefilling if seq.prefill_left > 0 else self._running).append(seq)
 
     def _plan_prefill(self) -> list[PrefillChunk]:
@@ -254,6 +253,8 @@ class Scheduler:
         """One target pass over the verify windows of `seqs`; `prefilled` prompt tokens ran just before."""
         e = self.e
         start_ns, t0 = time.time_ns(), time.perf_counter()
+        for seq in seqs:  # each runs its policy's (its table's cell's) controller at this occupancy
+            seq.enter_step(len(seqs), seq.request.sampling.greedy, e.adaptive.controller_for)
         proposals = draft(e, seqs)  # per sequence: its drafts, q [k', V] or None, draft seconds, confidences
         t1 = time.perf_counter()
         windows = [[s.ids[-1], *p.drafts] for s, p in zip(seqs, proposals, strict=True)]  # [w_b]
@@ -280,7 +281,7 @@ class Scheduler:
                 seqs, proposals, windows, window_ids, own_unique, verdicts, strict=True):
             drafts, draft_s = proposal.drafts, proposal.seconds
             k = len(drafts)
-            if seq.policy.drafter is Drafter.MODEL and k > 0:
+            if seq.step_policy.drafter is Drafter.MODEL and k > 0:
                 # The draft cache holds the old tokens plus drafts 1..k-1. A dense draft's entries of
                 # accepted drafts stay valid; a head's read its own feature estimates, so they are redone.
                 seq.draft_valid = len(seq.ids) + (0 if e.draft_is_head else min(n_ok, k - 1))

@@ -19,6 +19,7 @@ import torch
 
 from service.engine.adaptive.controller import StepController
 from service.types import (
+    Drafter,
     DraftPolicy,
     FinishReason,
     GenerationRequest,
@@ -33,6 +34,10 @@ class Sequence:
     def __init__(self, request: GenerationRequest, policy: DraftPolicy, prompt: list[int], budget: int,
                  should_stop: Callable[[], bool] | None, on_delta: Callable[[StreamDelta], None] | None):
         self.request, self.policy = request, policy
+        # A table's cells run under the table's id (the request's); -1 is the base policy.
+        self._cell_policies = {i: dataclasses.replace(c.policy, policy_id=policy.policy_id)
+                               for i, c in enumerate(policy.cells)} | {-1: policy}
+        self.may_draft_with_model = Drafter.MODEL in policy.drafters  # in some cell: its draft cache is kept
         self.prompt_len = len(prompt)
         self.ids: list[int] = list(prompt)  # prompt + committed tokens
         self.prefilled = 0  # prompt tokens whose keys/values the target cache holds (up to prompt_len - 1)
@@ -48,7 +53,10 @@ class Sequence:
             self.gen.manual_seed(seed)
         self.slot = -1  # cache slot, assigned when the scheduler admits it
         self.draft_valid = 0  # tokens of self.ids whose keys/values the draft cache holds
-        self.controller = StepController()  # the scheduler gives it its policy's at admission
+        self.step_policy = policy  # the policy (the table's cell) its current step runs
+        self.cell = ""  # that cell's label ("" for the base policy)
+        self.controller = StepController()  # that policy's controller (`enter_step`)
+        self._controllers: dict[int, StepController] = {}  # cell index -> its controller, made on first use
         self.last_window = 0  # positions of its window in the last step
         self.last_committed = 0  # and the tokens that step committed
         self.steps: list[StepRecord] = []
@@ -79,10 +87,22 @@ class Sequence:
         step whose window starts at the last committed token, the first step included."""
         return self.prompt_len - 1 - self.prefilled
 
+    def enter_step(self, batch_size: int, greedy: bool,
+                   make_controller: Callable[[DraftPolicy, str], StepController]) -> None:
+        """Pick the policy this step runs (a table's cell, by the pass's occupancy and the request's
+        kind) and its controller; each cell keeps its own controller for the whole request."""
+        index, _ = self.policy.for_step(batch_size, greedy)
+        self.step_policy = self._cell_policies[index]
+        self.cell = self.policy.cells[index].label if index >= 0 else ""
+        controller = self._controllers.get(index)
+        if controller is None:
+            controller = self._controllers[index] = make_controller(self.step_policy, self.cell)
+        self.controller = controller
+
     def draft_budget(self) -> int:
         """Drafts this step may propose (its controller chooses how many of them): never past the
         budget (the target adds one token itself)."""
-        return min(self.policy.draft_length, self.remaining - 1)
+        return min(self.step_policy.draft_length, self.remaining - 1)
 
     def commit(self, new_ids: list[int], record: StepRecord, eos_id: int | None,
                decode: Callable[[list[int]], str]) -> FinishReason | None:

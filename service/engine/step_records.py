@@ -94,7 +94,7 @@ def step_record(e: Engine, seq: Sequence, drafted: int, accepted: int, window: l
                 step_unit: float, batch: BatchPassRecord, planned: int) -> StepRecord:
     """routed: the window's ids [L, w, m] (None unless `records_ids`); planned: the drafts the
     sequence's controller asked for (recorded where a controller adapts the length)."""
-    policy = seq.policy
+    policy = seq.step_policy
     cfg, capture = e.target.cfg, captures_topk(e)
     E, m = cfg.num_experts, cfg.num_experts_per_tok
     ep = {}  # the optional expert-parallel fields, estimated only with an EP size
@@ -117,6 +117,7 @@ def step_record(e: Engine, seq: Sequence, drafted: int, accepted: int, window: l
         topk_ids=tuple(tuple(tuple(pos) for pos in layer) for layer in routed.tolist()) if capture else None,
         window_ids=tuple(window) if capture else None,
         batch=batch,
+        cell=seq.cell,
         **adaptive_fields(seq.controller, planned, drafted),
         **ep,
     )

@@ -22,6 +22,8 @@ from service.types import (
     GenerationResult,
     InvalidRequest,
     ModelInfo,
+    PolicyCell,
+    RequestKind,
     SamplingParams,
     SpecStats,
     new_token_budget,
@@ -117,9 +119,22 @@ def request_to_pb(request: GenerationRequest) -> pb.GenerateRequest:
 # -- policy -----------------------------------------------------------------------------------
 
 
+_KIND_TO_PB = {RequestKind.ANY: pb.PolicyCell.ANY, RequestKind.GREEDY: pb.PolicyCell.GREEDY,
+               RequestKind.SAMPLED: pb.PolicyCell.SAMPLED}
+_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
+
+
+def cell_from_pb(msg: pb.PolicyCell, field_prefix: str) -> PolicyCell:
+    if msg.kind not in _KIND_FROM_PB:
+        raise InvalidRequest(f"{field_prefix}.kind", f"unknown request kind {msg.kind}")
+    return PolicyCell(policy=policy_from_pb(msg.policy, f"{field_prefix}.policy"), min_batch=msg.min_batch or 1,
+                      max_batch=msg.max_batch, kind=_KIND_FROM_PB[msg.kind])
+
+
 def policy_from_pb(msg: pb.DraftPolicy, field_prefix: str = "policy") -> DraftPolicy:
     d = DraftPolicy()
     return DraftPolicy(
+        cells=tuple(cell_from_pb(c, f"{field_prefix}.cells[{i}]") for i, c in enumerate(msg.cells)),
         drafter=drafter_from_pb(msg.drafter, f"{field_prefix}.drafter"),
         draft_length=msg.draft_length,
         draft_temperature=msg.draft_temperature if msg.HasField("draft_temperature") else d.draft_temperature,
@@ -137,6 +152,8 @@ def policy_to_pb(policy: DraftPolicy) -> pb.DraftPolicy:
         policy_id=policy.policy_id,
         controller=_CONTROLLER_TO_PB[policy.controller],
         cost_weight=policy.cost_weight,
+        cells=[pb.PolicyCell(min_batch=c.min_batch, max_batch=c.max_batch, kind=_KIND_TO_PB[c.kind],
+                             policy=policy_to_pb(c.policy)) for c in policy.cells],
     )
 
 
@@ -268,6 +285,7 @@ def info_to_pb(info: ModelInfo) -> pb.ModelInfo:
         instance_id=info.instance_id,
         controllers=[_CONTROLLER_TO_PB[c] for c in info.controllers],
         controllers_note=info.controllers_note,
+        policy_tables=info.policy_tables,
     )
 
 
@@ -296,4 +314,5 @@ def info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
         # A server that predates controllers offers the static one only.
         controllers=tuple(controller_from_pb(c, "controllers") for c in msg.controllers) or (Controller.STATIC,),
         controllers_note=msg.controllers_note,
+        policy_tables=msg.policy_tables,
     )

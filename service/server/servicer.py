@@ -97,12 +97,16 @@ class PolicyStore:
         """Validate against this backend's bounds; an empty policy_id is derived from the policy's
         canonical form (service.policy_ids), so policies that run alike share one id."""
         policy.validate(self._info.max_draft_length)
-        if policy.draft_length and policy.drafter not in self._info.drafters:
-            raise InvalidRequest("policy.drafter", f"{policy.drafter.value!r} is not offered by this backend")
-        if policy.controller not in self._info.controllers:
-            note = f" ({self._info.controllers_note})" if self._info.controllers_note else ""
-            raise InvalidRequest("policy.controller",
-                                 f"{policy.controller.value!r} is not offered by this backend{note}")
+        if policy.cells and not self._info.policy_tables:
+            raise InvalidRequest("policy.cells", "this backend runs one policy for every step "
+                                 "(ModelInfo.policy_tables is false): give a policy without cells")
+        for where, part in policy.parts():
+            if part.draft_length and part.drafter not in self._info.drafters:
+                raise InvalidRequest(f"{where}.drafter", f"{part.drafter.value!r} is not offered by this backend")
+            if part.controller not in self._info.controllers:
+                note = f" ({self._info.controllers_note})" if self._info.controllers_note else ""
+                raise InvalidRequest(f"{where}.controller",
+                                     f"{part.controller.value!r} is not offered by this backend{note}")
         if not policy.policy_id:
             policy = replace(policy, policy_id=derived_id(policy))
         return policy

@@ -107,6 +107,9 @@ class SGLangBackend:
     ) -> GenerationResult:
         request.validate(self.info.vocab_size, self.info.max_context)
         policy.validate(self.info.max_draft_length)
+        if policy.cells:
+            raise InvalidRequest("policy.cells", "SGLang fixes speculation at engine start-up: one policy for every "
+                                 "step, not a table keyed by the step's context")
         speculative_kwargs(policy, self.config.spec)  # refuses a drafter this server does not offer
         prompt = self._prompt_ids(request)
         with self._lock:

@@ -37,3 +37,16 @@ def test_generate_takes_a_controller_and_refuses_a_bad_cost_weight():
     bad = subprocess.run([*base, "--draft-length", "2", "--controller", "moespec", "--cost-weight", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "policy.cost_weight" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_generate_takes_table_cells_and_names_a_bad_one():
+    base = [*COMMAND, "--prompt", "def add(a, b):\n", "--max-new-tokens", "16", "--temperature", "0", "--no-table"]
+    plain = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    table = subprocess.run([*base, "--cell", "b1-1.greedy=ngram-k4", "--cell", "b2+.any=model-k2-t0"],
+                           capture_output=True, text=True, timeout=120)
+    assert plain.returncode == table.returncode == 0, table.stderr
+    assert table.stdout == plain.stdout and plain.stdout.strip()
+    for cell, named in (("b1.greedy=ngram-k4", "LABEL=POLICY_ID"),
+                        ("b1-1.any=ngram-k9", "policy.cells[0].policy.draft_length")):
+        bad = subprocess.run([*base, "--cell", cell], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and named in bad.stderr.strip().splitlines()[-1], bad.stderr

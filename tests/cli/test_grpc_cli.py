@@ -41,16 +41,21 @@ def test_client_policy_set_then_get_with_the_token(server, capsys, default_polic
     assert code == 0 and json.loads(out)["policy_id"] == "cli"
     code, out, _ = run_cli(capsys, "client", "policy", "get", "--server", server.address, "--admin-token", ADMIN_TOKEN)
     assert code == 0 and json.loads(out) == {"drafter": "ngram", "draft_length": 2, "draft_temperature": 1.0,
-                                             "policy_id": "cli", "controller": "static", "cost_weight": 1.0}
+                                             "policy_id": "cli", "controller": "static", "cost_weight": 1.0,
+                                             "cells": []}
 
 
 def test_client_policy_set_takes_a_controller(server, capsys, default_policy):
     code, out, _ = run_cli(capsys, "client", "policy", "set", "--server", server.address, "--admin-token",
                            ADMIN_TOKEN, "--drafter", "ngram", "--draft-length", "8", "--controller", "moespec",
-                           "--cost-weight", "2")
+                           "--cost-weight", "2", "--cell", "b1-1.sampled=plain")
     assert code == 0
+    plain_cell = {"policy": {"drafter": "model", "draft_length": 0, "draft_temperature": 1.0, "policy_id": "",
+                             "controller": "static", "cost_weight": 1.0, "cells": []},
+                  "min_batch": 1, "max_batch": 1, "kind": "sampled"}
     assert json.loads(out) == {"drafter": "ngram", "draft_length": 8, "draft_temperature": 1.0,
-                                "policy_id": "moespec-ngram-k8-w2", "controller": "moespec", "cost_weight": 2.0}
+                               "policy_id": "moespec-ngram-k8-w2+b1-1.sampled=plain", "controller": "moespec",
+                               "cost_weight": 2.0, "cells": [plain_cell]}
 
 
 def test_client_policy_without_the_token_exits_1_with_the_status(server, capsys, monkeypatch):

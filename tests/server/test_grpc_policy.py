@@ -9,7 +9,15 @@ import pytest
 
 from service.server.client import MoespecClient
 from service.server.server import ServerConfig
-from service.types import Controller, Drafter, DraftPolicy, GenerationRequest, SamplingParams
+from service.types import (
+    Controller,
+    Drafter,
+    DraftPolicy,
+    GenerationRequest,
+    PolicyCell,
+    RequestKind,
+    SamplingParams,
+)
 from tests.conftest import ADMIN_TOKEN, ServerThread
 from tests.support.engine_helpers import HoldingBackend
 
@@ -116,3 +124,20 @@ def test_an_adaptive_policy_round_trips_and_its_requests_run_under_it(client, de
                                               sampling=SamplingParams(temperature=0)))
     assert reply.spec.policy_id == "moespec-ngram-k8-w0.5" and reply.spec.draft_length == 8
     assert reply.spec.controller is Controller.MOESPEC
+
+
+def test_a_table_policy_round_trips_and_its_steps_run_their_cell(client, default_policy):
+    """Cells travel through SetPolicy / GetPolicy with the derived id naming each; a lone greedy
+    request runs the one-request greedy cell, not the base."""
+    assert client.model_info().policy_tables
+    policy = DraftPolicy(policy_id="", cells=(
+        PolicyCell(DraftPolicy(Drafter.NGRAM, 4), max_batch=1, kind=RequestKind.GREEDY),
+        PolicyCell(DraftPolicy(Drafter.NGRAM, 8, controller=Controller.MOESPEC, cost_weight=2.0), min_batch=2)))
+    stored = client.set_policy(policy)
+    assert stored.policy_id == "plain+b1-1.greedy=ngram-k4+b2+.any=moespec-ngram-k8-w2"
+    assert client.get_policy() == stored and stored.cells == policy.cells
+    reply = client.generate(GenerationRequest(prompt="a b c a b c a b c a b c", max_new_tokens=24,
+                                              sampling=SamplingParams(temperature=0)))
+    assert reply.spec.policy_id == stored.policy_id
+    assert reply.spec.drafted_tokens > 0  # the base is plain: only the cell drafts
+    assert len(reply.spec.accepted_per_position) == 8  # the table's longest draft

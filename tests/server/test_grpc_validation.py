@@ -60,6 +60,21 @@ BAD_POLICY = [
      "policy.cost_weight"),
     ("cost_weight too high", pb.DraftPolicy(draft_length=2, controller=pb.DraftPolicy.MOESPEC, cost_weight=101.0),
      "policy.cost_weight"),
+    # tables: the field named is the cell's
+    ("cell min_batch negative", pb.DraftPolicy(cells=[pb.PolicyCell(min_batch=-2)]), "policy.cells[0].min_batch"),
+    ("cell max_batch below min_batch", pb.DraftPolicy(cells=[pb.PolicyCell(min_batch=4, max_batch=2)]),
+     "policy.cells[0].max_batch"),
+    ("cell kind unknown", pb.DraftPolicy(cells=[pb.PolicyCell(kind=5)]), "policy.cells[0].kind"),
+    ("cell draft_length over the max", pb.DraftPolicy(cells=[pb.PolicyCell(policy=pb.DraftPolicy(draft_length=9))]),
+     "policy.cells[0].policy.draft_length"),
+    ("cell cost_weight 0", pb.DraftPolicy(cells=[pb.PolicyCell(policy=pb.DraftPolicy(
+        draft_length=2, controller=pb.DraftPolicy.MOESPEC, cost_weight=0.0))]), "policy.cells[0].policy.cost_weight"),
+    ("cells overlap", pb.DraftPolicy(cells=[pb.PolicyCell(max_batch=4, kind=pb.PolicyCell.GREEDY),
+                                            pb.PolicyCell(min_batch=3)]), "policy.cells[1]"),
+    ("cell inside a cell", pb.DraftPolicy(cells=[pb.PolicyCell(policy=pb.DraftPolicy(cells=[pb.PolicyCell()]))]),
+     "policy.cells[0].policy.cells"),
+    ("too many cells", pb.DraftPolicy(cells=[pb.PolicyCell(min_batch=i, max_batch=i) for i in range(1, 18)]),
+     "policy.cells"),
 ]
 
 

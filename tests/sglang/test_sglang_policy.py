@@ -97,6 +97,7 @@ def test_model_info_of_the_shipped_target(tmp_path):
     assert info.expert_bytes == 3 * 256 * 64 * 2  # gate, up, down of one expert in bf16
     assert info.policy_switch_seconds == 0.0 and info.policy_switches == 0
     assert info.controllers == (Controller.STATIC,) and "EAGLE" in info.controllers_note  # says why
+    assert not info.policy_tables  # speculation is fixed at engine start-up: one policy for every step
 
 
 def test_moe_layers_follow_each_family_config(tmp_path):

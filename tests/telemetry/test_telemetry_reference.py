@@ -13,6 +13,7 @@ from otel import attributes as a
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "telemetry.md"
 ALWAYS, EP, TUNER, RULE = "always", "`--ep-size`", "`moespec tune --continuous`", "controller `moespec`"
+TABLE = "a table policy's cell ran the step"
 REQUEST, VERIFY, BATCH = a.request_span_name("{model}"), a.VERIFY_SPAN_NAME, a.VERIFY_BATCH_SPAN_NAME
 
 
@@ -39,6 +40,7 @@ def documented_spans(text: str) -> set[tuple[str, str, str]]:
 def expected_spans() -> set[tuple[str, str, str]]:
     groups = ((REQUEST, a.REQUEST_SPAN_KEYS, ALWAYS), (REQUEST, a.EP_REQUEST_SPAN_KEYS, EP),
               (VERIFY, a.VERIFY_SPAN_KEYS, ALWAYS), (VERIFY, a.EP_VERIFY_SPAN_KEYS, EP),
+              (VERIFY, a.TABLE_VERIFY_SPAN_KEYS, TABLE),
               (BATCH, a.VERIFY_BATCH_SPAN_KEYS, ALWAYS), (BATCH, a.EP_VERIFY_BATCH_SPAN_KEYS, EP))
     return {(span, key, when) for span, keys, when in groups for key in keys}
 

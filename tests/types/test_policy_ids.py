@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.policy_ids import canonical, derived_id
+from service.policy_ids import canonical, cell_from_text, derived_id, policy_from_id
 from service.types import Controller, Drafter, DraftPolicy
 from tuner.loop.space import policy_key
 
@@ -59,3 +59,21 @@ def test_canonical_keeps_what_matters():
                                                   c[0].drafter is Drafter.NGRAM][:4])
 def test_the_server_derives_canonical_ids_over_grpc(client, default_policy, policy, expected):
     assert client.set_policy(policy).policy_id == expected
+
+
+def test_every_derived_id_parses_back_to_a_policy_with_that_id():
+    """policy_from_id inverts derived_id (the CLI's --cell reads ids), table cells by their labels."""
+    ids = set()
+    for controller in Controller:
+        for drafter in Drafter:
+            for k, t, w in ((1, 0.0, 0.5), (8, 0.5, 1.0), (3, 1.0, 2.0)):
+                pid = derived_id(DraftPolicy(drafter, k, t, policy_id="", controller=controller, cost_weight=w))
+                assert derived_id(policy_from_id(pid)) == pid
+                ids.add(pid)
+    assert len(ids) == 6 * len(Controller)  # no two of these policies share an id
+    for text in ("b1-1.greedy=ngram-k4", "b9+.any=plain", "b2-8.sampled=moespec-model-k8-t0-w1.5"):
+        cell = cell_from_text(text)
+        assert f"{cell.label}={derived_id(cell.policy)}" == text
+    for bad in ("b1.greedy=ngram-k4", "b1-1.fast=plain", "b1-1.any", "b1-1.any=ngram-k4-w2", "b1-1.any=k4"):
+        with pytest.raises(ValueError):
+            cell_from_text(bad)

@@ -72,8 +72,9 @@ class AdaptiveState:
         self.calibration_bias.update(predicted - (1.0 if accepted else 0.0))
 
     # -- controllers ---------------------------------------------------------------------------
-    def controller_for(self, policy: DraftPolicy) -> StepController:
-        """A request's controller (per request, or the one its policy's requests share)."""
+    def controller_for(self, policy: DraftPolicy, cell: str = "") -> StepController:
+        """A request's controller for a policy (a table's cell: `cell` its label): per request, or
+        the one that policy's requests share."""
         kind = policy.controller if policy.draft_length > 0 else Controller.STATIC
         if kind is Controller.MOESPEC:
             return MoespecRule(self, policy.drafter, policy.cost_weight)
@@ -82,7 +83,7 @@ class AdaptiveState:
         if kind is Controller.CASCADE:
             return CascadeUtility(policy.draft_length)
         if kind is Controller.SGLANG:
-            key = f"{policy.policy_id}\0{policy.drafter}\0{policy.draft_length}"
+            key = f"{policy.policy_id}\0{cell}\0{policy.drafter}\0{policy.draft_length}"
             if key not in self._shared:
                 self._shared[key] = SglangEmaTiers(policy.draft_length)
             return self._shared[key]

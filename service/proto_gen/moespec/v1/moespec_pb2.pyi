@@ -126,7 +126,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("backend", "model_name", "draft_model_name", "num_layers", "num_experts", "top_k", "shared_experts", "vocab_size", "max_context", "max_draft_length", "drafters", "tunable", "expert_bytes", "decode_step_seconds", "max_draft_temperature", "policy_switch_seconds", "policy_switches", "concurrent_policies", "device", "shared_passes", "instance_id", "controllers", "controllers_note")
+    __slots__ = ("backend", "model_name", "draft_model_name", "num_layers", "num_experts", "top_k", "shared_experts", "vocab_size", "max_context", "max_draft_length", "drafters", "tunable", "expert_bytes", "decode_step_seconds", "max_draft_temperature", "policy_switch_seconds", "policy_switches", "concurrent_policies", "device", "shared_passes", "instance_id", "controllers", "controllers_note", "policy_tables")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class ModelInfo(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     CONTROLLERS_FIELD_NUMBER: _ClassVar[int]
     CONTROLLERS_NOTE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_TABLES_FIELD_NUMBER: _ClassVar[int]
     backend: str
     model_name: str
     draft_model_name: str
@@ -173,10 +174,11 @@ class ModelInfo(_message.Message):
     instance_id: str
     controllers: _containers.RepeatedScalarFieldContainer[DraftPolicy.Controller]
     controllers_note: str
-    def __init__(self, backend: _Optional[str] = ..., model_name: _Optional[str] = ..., draft_model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., shared_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DraftPolicy.Drafter, str]]] = ..., tunable: _Optional[_Iterable[str]] = ..., expert_bytes: _Optional[int] = ..., decode_step_seconds: _Optional[float] = ..., max_draft_temperature: _Optional[float] = ..., policy_switch_seconds: _Optional[float] = ..., policy_switches: _Optional[int] = ..., concurrent_policies: _Optional[bool] = ..., device: _Optional[str] = ..., shared_passes: _Optional[bool] = ..., instance_id: _Optional[str] = ..., controllers: _Optional[_Iterable[_Union[DraftPolicy.Controller, str]]] = ..., controllers_note: _Optional[str] = ...) -> None: ...
+    policy_tables: bool
+    def __init__(self, backend: _Optional[str] = ..., model_name: _Optional[str] = ..., draft_model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., shared_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DraftPolicy.Drafter, str]]] = ..., tunable: _Optional[_Iterable[str]] = ..., expert_bytes: _Optional[int] = ..., decode_step_seconds: _Optional[float] = ..., max_draft_temperature: _Optional[float] = ..., policy_switch_seconds: _Optional[float] = ..., policy_switches: _Optional[int] = ..., concurrent_policies: _Optional[bool] = ..., device: _Optional[str] = ..., shared_passes: _Optional[bool] = ..., instance_id: _Optional[str] = ..., controllers: _Optional[_Iterable[_Union[DraftPolicy.Controller, str]]] = ..., controllers_note: _Optional[str] = ..., policy_tables: _Optional[bool] = ...) -> None: ...
 
 class DraftPolicy(_message.Message):
-    __slots__ = ("drafter", "draft_length", "draft_temperature", "policy_id", "controller", "cost_weight")
+    __slots__ = ("drafter", "draft_length", "draft_temperature", "policy_id", "controller", "cost_weight", "cells")
     class Drafter(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODEL: _ClassVar[DraftPolicy.Drafter]
@@ -201,13 +203,35 @@ class DraftPolicy(_message.Message):
     POLICY_ID_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_FIELD_NUMBER: _ClassVar[int]
     COST_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CELLS_FIELD_NUMBER: _ClassVar[int]
     drafter: DraftPolicy.Drafter
     draft_length: int
     draft_temperature: float
     policy_id: str
     controller: DraftPolicy.Controller
     cost_weight: float
-    def __init__(self, drafter: _Optional[_Union[DraftPolicy.Drafter, str]] = ..., draft_length: _Optional[int] = ..., draft_temperature: _Optional[float] = ..., policy_id: _Optional[str] = ..., controller: _Optional[_Union[DraftPolicy.Controller, str]] = ..., cost_weight: _Optional[float] = ...) -> None: ...
+    cells: _containers.RepeatedCompositeFieldContainer[PolicyCell]
+    def __init__(self, drafter: _Optional[_Union[DraftPolicy.Drafter, str]] = ..., draft_length: _Optional[int] = ..., draft_temperature: _Optional[float] = ..., policy_id: _Optional[str] = ..., controller: _Optional[_Union[DraftPolicy.Controller, str]] = ..., cost_weight: _Optional[float] = ..., cells: _Optional[_Iterable[_Union[PolicyCell, _Mapping]]] = ...) -> None: ...
+
+class PolicyCell(_message.Message):
+    __slots__ = ("min_batch", "max_batch", "kind", "policy")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ANY: _ClassVar[PolicyCell.Kind]
+        GREEDY: _ClassVar[PolicyCell.Kind]
+        SAMPLED: _ClassVar[PolicyCell.Kind]
+    ANY: PolicyCell.Kind
+    GREEDY: PolicyCell.Kind
+    SAMPLED: PolicyCell.Kind
+    MIN_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    min_batch: int
+    max_batch: int
+    kind: PolicyCell.Kind
+    policy: DraftPolicy
+    def __init__(self, min_batch: _Optional[int] = ..., max_batch: _Optional[int] = ..., kind: _Optional[_Union[PolicyCell.Kind, str]] = ..., policy: _Optional[_Union[DraftPolicy, _Mapping]] = ...) -> None: ...
 
 class GetPolicyRequest(_message.Message):
     __slots__ = ()
