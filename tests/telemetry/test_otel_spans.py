@@ -13,7 +13,16 @@ from otel import attributes as a
 from otel.config import TelemetryConfig
 from otel.receiver import OtlpTraceReceiver
 from otel.setup import build_telemetry_from_config
-from service.types import Controller, Drafter, DraftPolicy, GenerationRequest, InvalidRequest, SamplingParams
+from service.types import (
+    Controller,
+    Drafter,
+    DraftPolicy,
+    GenerationRequest,
+    InvalidRequest,
+    PolicyCell,
+    RequestKind,
+    SamplingParams,
+)
 
 POLICIES = [
     DraftPolicy(Drafter.MODEL, 0, policy_id="plain"),
@@ -268,3 +277,22 @@ def test_a_telemetry_bug_never_fails_the_request(engine, receiver, caplog):
     finally:
         telemetry.shutdown()
     assert any("recording a finished request failed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_table_policy_steps_verify_spans_name_their_cell(engine, receiver):
+    """A lone greedy request under a table runs the one-request greedy cell: its verify spans carry
+    that cell's label and drafter; a policy without cells leaves the attribute out (above)."""
+    table = DraftPolicy(Drafter.MODEL, 0, policy_id="table", cells=(
+        PolicyCell(DraftPolicy(Drafter.NGRAM, 4), max_batch=1, kind=RequestKind.GREEDY),
+        PolicyCell(DraftPolicy(Drafter.MODEL, 2), max_batch=1, kind=RequestKind.SAMPLED)))
+    telemetry = telemetry_for(receiver, engine.info)
+    try:
+        _, result, trace_id = run(engine, telemetry, table, prompt="a b c a b c a b c a b c")
+        spans = trace_spans(receiver, trace_id, 1 + len(result.steps))
+    finally:
+        telemetry.shutdown()
+    verify = [s["attributes"] for s in spans if s["name"] == "verify"]
+    assert len(verify) == len(result.steps) and all(set(v) == {*a.VERIFY_SPAN_KEYS, a.SPEC_CELL} for v in verify)
+    cells = {(v[a.SPEC_CELL], v[a.SPEC_DRAFTER], v[a.SPEC_DRAFT_LENGTH]) for v in verify}
+    assert cells == {("b1-1.greedy", "ngram", 4)}
+    assert sum(v[a.SPEC_DRAFTED_TOKENS] for v in verify) == result.spec.drafted_tokens > 0
