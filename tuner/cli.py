@@ -90,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what a fresh TPE study measures first: corners = plain, each drafter at the longest "
                              "and a short length, the model drafter at T=0 (default); baselines = plain, the "
                              "default policy, n-gram k=3")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="search the moespec draft-length rule (its cost weight) beside static policies")
+    parser.add_argument("--by-kind", action="store_true",
+                        help="search tables: one policy for greedy requests, one for sampled requests")
     parser.add_argument("--min-tokens", type=int, default=256, help="committed tokens a trial window needs")
     parser.add_argument("--min-steps", type=int, default=32, help="verify steps a trial window needs")
     parser.add_argument("--max-window-seconds", type=float, default=60.0,
@@ -195,6 +199,8 @@ def settings_from_args(args: argparse.Namespace) -> TuneSettings:
         ep_size=args.ep_size,
         whatif_recording=args.whatif_recording,
         initial_design=InitialDesign(args.initial_design),
+        adaptive=args.adaptive,
+        by_kind=args.by_kind,
     )
 
 
@@ -266,7 +272,10 @@ def run(args: argparse.Namespace) -> int:
         if settings.whatif_recording is not None:
             there = "" if settings.whatif_recording.is_file() else " (not there yet: no hint until it is)"
             print(f"tuner: what-if hints from {settings.whatif_recording}{there}", file=err, flush=True)
-        built = assemble(settings, storage, admin, collector, printer, fleet)
+        try:
+            built = assemble(settings, storage, admin, collector, printer, fleet)
+        except ValueError as e:  # the space asked for (--adaptive, --by-kind) is not what the server offers
+            raise UsageError(f"the search space: {e}") from None
         admission.expect(built.info.instance_id)
         bound = settings.policy_check_seconds + admin.call_timeout
         print(f"tuner: worker {settings.tuner_id}; a restarted server gets its policy back within {bound:.0f} s "

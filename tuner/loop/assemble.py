@@ -52,6 +52,8 @@ class TuneSettings:
     max_consecutive_duplicates: int = 20
     whatif_recording: Path | None = None  # the server's --record-steps file (same machine): the what-if hint
     restrict: LengthOnly | None = None  # search only one drafter's draft length (the what-if bench)
+    adaptive: bool = False  # the space holds the moespec rule and its cost weight beside static policies
+    by_kind: bool = False  # the space holds tables: one part for greedy requests, one for sampled
 
 
 def trial_mode(settings: TuneSettings, info: ModelInfo) -> TrialMode:
@@ -99,7 +101,8 @@ def assemble(
     fleet: Fleet | None = None,
 ) -> Assembled:
     info = admin.model_info()
-    space = SearchSpace.from_model_info(info, temperature_step=temperature_step(settings.sampler))
+    space = SearchSpace.from_model_info(info, temperature_step=temperature_step(settings.sampler),
+                                        adaptive=settings.adaptive, by_kind=settings.by_kind)
     if settings.restrict is not None:
         space = settings.restrict.restrict(space)
     sampler = make_sampler(settings.sampler, settings.seed, settings.trials)

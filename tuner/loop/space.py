@@ -6,6 +6,13 @@ Contract: the space is conditional, asked in this order so that equivalent polic
   draft_greedy in {true, false}                  (only for the model drafter, when the temperature is
                                                   tunable and continuous: true = argmax drafts, T = 0)
   draft_temperature in [0, max_temperature]      (only for the model drafter, when tunable and not greedy)
+  controller in {static, moespec}                (only with `tune_controller`, when the server offers
+                                                  moespec: draft_length is then the rule's most)
+  cost_weight in [0.25, 4], log scale            (only for moespec; GRID_COST_WEIGHTS on the grid)
+With `table_by_kind` the policy is a table of two parts, each asked in the order above under its
+own prefix ("greedy." and "sampled."): greedy requests run the first (a cell), sampled ones the
+second (the table's base), so the tuner can pick argmax drafts for greedy requests and plain for
+sampled ones in one policy. Static policies stay in the space as the special case.
 Knobs missing from ModelInfo.tunable keep the server's defaults. `temperature_step` makes the space
 discrete (for the exhaustive grid, where T = 0 is a grid point and draft_greedy is not asked);
 without it the temperature is continuous, and greedy drafting is a point of its own: a continuous
@@ -24,11 +31,14 @@ from dataclasses import dataclass, replace
 import optuna
 
 from service.policy_ids import canonical, is_plain, temperature_matters
-from service.types import MAX_DRAFT_TEMPERATURE, Controller, Drafter, DraftPolicy, ModelInfo
+from service.types import MAX_DRAFT_TEMPERATURE, Controller, Drafter, DraftPolicy, ModelInfo, PolicyCell, RequestKind
 
 DEFAULT_TEMPERATURE = DraftPolicy().draft_temperature
 # The issue's range; the service accepts more, but beyond ~1.5 a small draft is close to uniform.
 SEARCH_MAX_TEMPERATURE = 1.5
+COST_WEIGHT_RANGE = (0.25, 4.0)  # the moespec rule's weight: 4x cheaper to 4x dearer than measured
+GRID_COST_WEIGHTS = (0.5, 1.0, 2.0)
+KIND_PREFIXES = ("greedy.", "sampled.")  # the two parts of a table by request kind
 
 
 @dataclass(frozen=True)
@@ -40,8 +50,15 @@ class PolicyKey:
     draft_temperature: float | None  # None where it has no effect
     controller: str = "static"  # who picks each step's length (draft_length its most)
     cost_weight: float | None = None  # the moespec controller's only
+    cells: tuple[tuple[str, PolicyKey], ...] = ()  # a table's cells: (label, key)
 
     def label(self) -> str:
+        if self.cells:
+            parts = [f"{label}: {key.label()}" for label, key in self.cells]
+            return f"{self._single_label()} | " + " | ".join(parts)
+        return self._single_label()
+
+    def _single_label(self) -> str:
         if self.drafter == "plain":
             return "plain"
         label = f"{self.drafter} k={self.draft_length}"
@@ -55,6 +72,9 @@ class PolicyKey:
 def policy_key(policy: DraftPolicy) -> PolicyKey:
     """Grouped by the rules the server derives policy ids with (service.policy_ids): the fields a
     policy's drafter ignores do not tell policies apart."""
+    if policy.cells:
+        cells = tuple((c.label, policy_key(c.policy)) for c in policy.cells)
+        return replace(policy_key(replace(policy, cells=())), cells=cells)
     if is_plain(policy):
         return PolicyKey("plain", 0, None)
     # Rounded so that a re-measured continuous temperature groups with its original trial.
@@ -74,12 +94,24 @@ class SearchSpace:
     max_temperature: float = SEARCH_MAX_TEMPERATURE
     temperature_step: float | None = None
     fixed_temperature: float = DEFAULT_TEMPERATURE  # the model drafter's temperature when it is not tuned
+    tune_controller: bool = False  # static or the moespec rule (with its cost weight)
+    table_by_kind: bool = False  # one part for greedy requests, one for sampled ones
 
     @classmethod
     def from_model_info(
-        cls, info: ModelInfo, max_temperature: float = SEARCH_MAX_TEMPERATURE, temperature_step: float | None = None
+        cls, info: ModelInfo, max_temperature: float = SEARCH_MAX_TEMPERATURE, temperature_step: float | None = None,
+        adaptive: bool = False, by_kind: bool = False,
     ) -> SearchSpace:
+        """adaptive / by_kind: search the moespec rule, and tables by request kind; ValueError where
+        the server offers neither."""
+        if adaptive and Controller.MOESPEC not in info.controllers:
+            raise ValueError("the server does not offer the moespec controller"
+                             + (f" ({info.controllers_note})" if info.controllers_note else ""))
+        if by_kind and not info.policy_tables:
+            raise ValueError("the server takes no table policies (ModelInfo.policy_tables is false)")
         return cls(
+            tune_controller=adaptive,
+            table_by_kind=by_kind,
             max_draft_length=info.max_draft_length,
             drafters=tuple(info.drafters) or (Drafter.MODEL,),
             tune_drafter="drafter" in info.tunable and len(info.drafters) > 1,
@@ -91,50 +123,92 @@ class SearchSpace:
 
     def suggest(self, trial: optuna.Trial, policy_id: str) -> DraftPolicy:
         """Ask the trial for a policy, following the conditional order above."""
-        length = trial.suggest_int("draft_length", 0, self.max_draft_length) if self.tune_length else 0
+        if self.table_by_kind:
+            greedy, sampled = (self._suggest_part(trial, prefix) for prefix in KIND_PREFIXES)
+            return by_kind(greedy, sampled, policy_id)
+        return replace(self._suggest_part(trial, ""), policy_id=policy_id)
+
+    def _suggest_part(self, trial: optuna.Trial, prefix: str) -> DraftPolicy:
+        length = trial.suggest_int(f"{prefix}draft_length", 0, self.max_draft_length) if self.tune_length else 0
         if length == 0:
-            return DraftPolicy(draft_length=0, policy_id=policy_id)
+            return DraftPolicy(draft_length=0, policy_id="")
         drafter = self.drafters[0]
         if self.tune_drafter:
-            drafter = Drafter(trial.suggest_categorical("drafter", [d.value for d in self.drafters]))
+            drafter = Drafter(trial.suggest_categorical(f"{prefix}drafter", [d.value for d in self.drafters]))
         temperature = self.fixed_temperature if drafter is Drafter.MODEL else DEFAULT_TEMPERATURE
         if drafter is Drafter.MODEL and self.tune_temperature:
-            if self.temperature_step is None and trial.suggest_categorical("draft_greedy", [True, False]):
+            if self.temperature_step is None and trial.suggest_categorical(f"{prefix}draft_greedy", [True, False]):
                 temperature = 0.0
             else:
                 temperature = trial.suggest_float(
-                    "draft_temperature", 0.0, self.max_temperature, step=self.temperature_step
+                    f"{prefix}draft_temperature", 0.0, self.max_temperature, step=self.temperature_step
                 )
-        return DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=temperature, policy_id=policy_id)
+        controller, weight = Controller.STATIC, DraftPolicy().cost_weight
+        if self.tune_controller:
+            controller = Controller(trial.suggest_categorical(
+                f"{prefix}controller", [Controller.STATIC.value, Controller.MOESPEC.value]))
+            if controller is Controller.MOESPEC:
+                weight = trial.suggest_float(f"{prefix}cost_weight", *COST_WEIGHT_RANGE, log=True)
+        return DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=temperature, policy_id="",
+                           controller=controller, cost_weight=weight)
 
     def policy_from_params(self, params: dict[str, object], policy_id: str) -> DraftPolicy:
         """Rebuild a stored trial's policy (the inverse of `suggest`)."""
-        length = int(params.get("draft_length", 0))
+        if self.table_by_kind:
+            greedy, sampled = (self._part_from_params(params, prefix) for prefix in KIND_PREFIXES)
+            return by_kind(greedy, sampled, policy_id)
+        return replace(self._part_from_params(params, ""), policy_id=policy_id)
+
+    def _part_from_params(self, params: dict[str, object], prefix: str) -> DraftPolicy:
+        length = int(params.get(f"{prefix}draft_length", 0))
         if length == 0:
-            return DraftPolicy(draft_length=0, policy_id=policy_id)
-        drafter = Drafter(params.get("drafter", self.drafters[0].value))
+            return DraftPolicy(draft_length=0, policy_id="")
+        drafter = Drafter(params.get(f"{prefix}drafter", self.drafters[0].value))
         default = self.fixed_temperature if drafter is Drafter.MODEL else DEFAULT_TEMPERATURE
-        temperature = 0.0 if params.get("draft_greedy") else float(params.get("draft_temperature", default))
-        return DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=temperature, policy_id=policy_id)
+        greedy = params.get(f"{prefix}draft_greedy")
+        temperature = 0.0 if greedy else float(params.get(f"{prefix}draft_temperature", default))
+        controller = Controller(params.get(f"{prefix}controller", Controller.STATIC.value))
+        weight = float(params.get(f"{prefix}cost_weight", DraftPolicy().cost_weight))
+        return DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=temperature, policy_id="",
+                           controller=controller, cost_weight=weight)
 
     def params_of(self, policy: DraftPolicy) -> dict[str, object]:
-        """The Optuna params that make `suggest` return `policy` (for enqueue_trial)."""
-        params: dict[str, object] = {"draft_length": policy.draft_length}
+        """The Optuna params that make `suggest` return `policy` (for enqueue_trial); a policy
+        without cells in a space of tables is the table that runs it for both kinds."""
+        if self.table_by_kind:
+            greedy, sampled = kind_parts(policy)
+            return {**self._params_of_part(greedy, KIND_PREFIXES[0]), **self._params_of_part(sampled, KIND_PREFIXES[1])}
+        return self._params_of_part(policy, "")
+
+    def _params_of_part(self, policy: DraftPolicy, prefix: str) -> dict[str, object]:
+        params: dict[str, object] = {f"{prefix}draft_length": policy.draft_length}
         if policy.draft_length and self.tune_drafter:
-            params["drafter"] = policy.drafter.value
+            params[f"{prefix}drafter"] = policy.drafter.value
         if policy.draft_length and policy.drafter is Drafter.MODEL and self.tune_temperature:
             greedy = self.temperature_step is None and policy.draft_temperature == 0
             if self.temperature_step is None:
-                params["draft_greedy"] = greedy
+                params[f"{prefix}draft_greedy"] = greedy
             if not greedy:
-                params["draft_temperature"] = policy.draft_temperature
+                params[f"{prefix}draft_temperature"] = policy.draft_temperature
+        if policy.draft_length and self.tune_controller:
+            params[f"{prefix}controller"] = policy.controller.value
+            if policy.controller is Controller.MOESPEC:
+                params[f"{prefix}cost_weight"] = policy.cost_weight
         return params
 
     def contains(self, policy: DraftPolicy) -> bool:
+        return all(self._contains_part(part) for _, part in policy.parts()) and (
+            not policy.cells or self.table_by_kind)
+
+    def _contains_part(self, policy: DraftPolicy) -> bool:
+        lo, hi = COST_WEIGHT_RANGE
         return (
             0 <= policy.draft_length <= self.max_draft_length
             and (policy.draft_length == 0 or policy.drafter in self.drafters)
             and 0.0 <= policy.draft_temperature <= self.max_temperature
+            and (policy.draft_length == 0 or policy.controller is Controller.STATIC
+                 or (self.tune_controller and policy.controller is Controller.MOESPEC
+                     and lo <= policy.cost_weight <= hi))
         )
 
     def baselines(self) -> list[DraftPolicy]:
@@ -166,7 +240,21 @@ class SearchSpace:
         return out
 
     def grid(self, temperatures: tuple[float, ...]) -> Iterator[DraftPolicy]:
-        """Every point of the discrete space (plain once, n-gram per length, model per length x T)."""
+        """Every point of the discrete space (plain once, n-gram per length, model per length x T;
+        each drafting point also under the moespec rule at GRID_COST_WEIGHTS with `tune_controller`;
+        with `table_by_kind`, every pair of those for greedy and sampled requests)."""
+        singles = list(self._single_grid(temperatures))
+        if self.tune_controller:
+            singles += [replace(p, controller=Controller.MOESPEC, cost_weight=w)
+                        for p in list(singles) if p.draft_length for w in GRID_COST_WEIGHTS]
+        if not self.table_by_kind:
+            yield from singles
+            return
+        for greedy in singles:
+            for sampled in singles:
+                yield by_kind(greedy, sampled, "")
+
+    def _single_grid(self, temperatures: tuple[float, ...]) -> Iterator[DraftPolicy]:
         yield DraftPolicy(draft_length=0)
         if not self.tune_length:
             return
@@ -179,6 +267,18 @@ class SearchSpace:
                     yield DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=self.fixed_temperature)
                 else:
                     yield DraftPolicy(drafter=drafter, draft_length=length)
+
+
+def by_kind(greedy: DraftPolicy, sampled: DraftPolicy, policy_id: str) -> DraftPolicy:
+    """The table that runs `greedy` for greedy requests and `sampled` for the others."""
+    cell = PolicyCell(replace(greedy, policy_id=""), kind=RequestKind.GREEDY)
+    return replace(sampled, policy_id=policy_id, cells=(cell,))
+
+
+def kind_parts(policy: DraftPolicy) -> tuple[DraftPolicy, DraftPolicy]:
+    """(greedy part, sampled part) of a policy: a `by_kind` table's two, or the policy twice."""
+    base = replace(policy, cells=(), policy_id="")
+    return (policy.for_step(1, greedy=True)[1] if policy.cells else base), base
 
 
 @dataclass(frozen=True)
