@@ -90,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reopen-trials", type=int, default=8, help="--scenario shift (default 8)")
     parser.add_argument("--shift-prompts", type=Path, default=TABLE_PROMPTS,
                         help="--scenario shift: the second workload (default service/prompts/tables.jsonl)")
+    parser.add_argument("--shift-temperature", type=float, default=None, metavar="T",
+                        help="--scenario shift: the shift keeps the prompts and the load samples at T instead "
+                             "(a shift to sampled requests, where plain decoding is the cheapest)")
     parser.add_argument("--no-shift-only", action="store_true",
                         help="--scenario shift: only the no-shift control and the exploration cost")
     parser.add_argument("--shift-only", action="store_true",
@@ -152,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
         code = first_prompts(load_prompts(args.prompts), args.prompt_count)
         if args.min_tokens is None:
             args.min_tokens = len(code) * args.max_new_tokens
-        return run_shift(args, code, first_prompts(load_prompts(args.shift_prompts), args.prompt_count), out)
+        shifted = code if args.shift_temperature is not None else \
+            first_prompts(load_prompts(args.shift_prompts), args.prompt_count)
+        return run_shift(args, code, shifted, out)
     if args.scenario == "whatif":
         from service.bench.tuner_whatif import run_whatif
 

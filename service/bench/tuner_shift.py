@@ -124,13 +124,18 @@ def one_run(args, rig: Rig, label: str, new_prompts: list[str] | None, out: Path
     else:
         time.sleep(args.steady_seconds)
         seen = len(decisions)
-        rig.switch_prompts(new_prompts)
+        rig.switch_prompts(new_prompts, args.shift_temperature)
         switched = time.time()  # Decision.at is wall time
-        wait_for(lambda: any(d.kind == "reopen" for d in decisions[seen:]), args.shift_timeout)
+        # The tuner follows a shift by re-opening its search (the shift detector) or by promoting a
+        # challenger (plain decoding is one in every rotation): either is a new incumbent.
+        def moved_on(d: Decision) -> bool:
+            return d.kind == "promote" or (d.kind == "initial" and d.epoch > 0)
+
+        wait_for(lambda: any(d.kind == "reopen" or moved_on(d) for d in decisions[seen:]), args.shift_timeout)
         reopened = next((d for d in decisions[seen:] if d.kind == "reopen"), None)
         r["seconds_to_reopen"] = round(reopened.at - switched, 1) if reopened else None
-        wait_for(lambda: any(d.kind == "initial" and d.epoch > 0 for d in decisions), args.shift_timeout)
-        moved = next((d for d in decisions if d.kind == "initial" and d.epoch > 0), None)
+        wait_for(lambda: any(moved_on(d) for d in decisions[seen:]), args.shift_timeout)
+        moved = next((d for d in decisions[seen:] if moved_on(d)), None)
         r["seconds_to_new_incumbent"] = round(moved.at - switched, 1) if moved else None
         running.stop()
         after = running.tuner.incumbent

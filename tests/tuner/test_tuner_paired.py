@@ -11,6 +11,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from service.types import Drafter, DraftPolicy
 from tests.support.tuner_fixtures import FakeServer, SyntheticTraffic, model_info
 from tests.tuner.test_tuner_loop import build, cost
 from tuner.loop import study as st
@@ -279,3 +280,34 @@ def test_interleaved_interval_carries_the_drift_between_windows_and_a_requests_o
     assert covered(with_drift=True, drift_sd=0.15) >= 0.8
     assert covered(with_drift=False, drift_sd=0.15) < 0.65
     assert covered(with_drift=True, drift_sd=0.0) >= 0.93
+
+
+def test_a_continuous_challenge_after_a_shift_measures_a_fresh_control_so_plain_is_not_read_dearer(tmp_path):
+    """The search ends on n-gram k=3 (0.5x plain) with its trailing control window kept. Then the
+    workload shifts: n-gram now costs 1.3x plain. A challenge of plain must lead with a fresh control
+    window: plain reads ~0.77x the incumbent. Led by the kept pre-shift window instead (mutation:
+    `fresh_control` ignored), the merged controls average 0.5 and 1.3 and plain reads dearer than the
+    incumbent (> 1), the bias that kept a continuous tuner on a drafting policy after the shift."""
+    server = FakeServer(model_info(concurrent_policies=False))
+    shifted = {"yes": False}
+
+    def landscape(policy: DraftPolicy) -> float:
+        if policy.draft_length == 0:
+            return 1.0
+        if policy.drafter is Drafter.NGRAM:
+            return 1.3 if shifted["yes"] else 0.5
+        return 3.0
+
+    built, collector, _ = build(tmp_path, server, trials=3, remeasure_top=2, prune=PruneRule(factor=0),
+                                window=WindowSpec(min_tokens=160, min_steps=8, max_seconds=5))
+    assert built.mode is TrialMode.INTERLEAVED
+    with SyntheticTraffic(server, collector.on_spans, landscape):
+        built.tuner.run()
+        incumbent = st.incumbent(built.study, built.space)
+        assert incumbent.key.label() == "ngram k=3"
+        shifted["yes"] = True
+        before = len(server.history)
+        challenge = built.tuner.challenge({"draft_length": 0}, incumbent, 0.1)
+    ids = [p.policy_id for p in server.history[before:]]
+    assert ids[0].endswith("/control-before"), ids  # led by a window measured now, not the kept one
+    assert challenge.paired.ratio.ratio == pytest.approx(1.0 / 1.3, rel=0.08)

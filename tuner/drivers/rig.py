@@ -43,11 +43,13 @@ class Rig:
         self.collector = collector
         self._loads: list[tuple[LoadGenerator, threading.Thread, threading.Event]] = []
 
-    def switch_prompts(self, prompts: list[str]) -> None:
+    def switch_prompts(self, prompts: list[str], temperature: float | None = None) -> None:
+        """The load serves `prompts` from now on (sampled at `temperature` where given, else the spec's)."""
         self.stop_load()
         s = self.spec
+        t = s.temperature if temperature is None else temperature
         gen = LoadGenerator(self.client, prompts, LoadSpec(concurrency=s.concurrency, max_new_tokens=s.max_new_tokens,
-                                                          temperature=s.temperature, seed=s.seed))
+                                                          temperature=t, seed=s.seed))
         stop = threading.Event()
         thread = threading.Thread(target=gen.run, args=(stop,), daemon=True, name="rig-load")
         thread.start()

@@ -201,7 +201,8 @@ class TrialRunner:
                 return None
             self._emit(TunerEvent(EventKind.TRIAL_STARTED, trial.number, st.ROLE_CHALLENGE, policy, best=incumbent))
             measured = self._against_control.measure(policy, incumbent, lambda stats: None,
-                                                     lambda: st.beat(trial, self._wall_clock), prune, share)
+                                                     lambda: st.beat(trial, self._wall_clock), prune, share,
+                                                     fresh_control=True)
             paired = measured if isinstance(measured, PairedMeasurement) else None
             m = paired.candidate if paired else measured
             state = self._tell(trial, m, incumbent, paired)

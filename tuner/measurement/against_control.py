@@ -37,8 +37,17 @@ class AgainstControl:
         heartbeat: Callable[[], None],
         prune: bool,
         share: float,
+        fresh_control: bool = False,
     ) -> Measurement | PairedMeasurement:
-        """Measure `policy` the configured way against `control` (alone when there is none yet)."""
+        """Measure `policy` the configured way against `control` (alone when there is none yet).
+
+        fresh_control: never lead an interleaved trial with the control window kept from the last
+        trial. Continuous mode's rounds ask it: the incumbent served alone, unmeasured, for the idle
+        time between them, and a kept window from before a workload shift, merged with the window
+        after the candidate, charges the candidate the old workload's cheaper control (after a shift
+        to sampled requests, plain read ~1.3x a drafting incumbent that was in truth dearer)."""
+        if fresh_control:
+            self._interleaved.forget_control()
         mode, window = self._mode, self.window()
         if control is None or mode is TrialMode.SEQUENTIAL or control.key == policy_key(policy):
             self._interleaved.forget_control()
