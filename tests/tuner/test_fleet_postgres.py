@@ -286,9 +286,13 @@ def test_sigkill_of_a_worker_mid_trial_loses_nothing_and_the_other_carries_on(po
     assert b.client.get_policy().policy_id == study.user_attrs["winner"]["policy_id"]
 
 
-def test_the_fleet_incumbent_is_applied_on_every_replica(postgres, replicas, tmp_path):
+def test_the_fleet_incumbent_is_applied_on_every_replica_even_mid_challenge(postgres, replicas, tmp_path):
     """Two continuous workers share a search; both replicas then run the one incumbent. When the
-    study's incumbent changes (as when any worker promotes), every worker applies the new one."""
+    study's incumbent changes (as when any worker promotes) while each worker sits in a challenge,
+    both stop their challenges (told FAIL "superseded", not counted) and apply the new one.
+
+    Mid-challenge by construction: with both loads off, a challenge asked after that cannot finish
+    (no request can run its policy), and the windows' limit (--max-window-seconds 600) outlasts the test."""
     a, b = replicas
     storage = postgres.create_database("fleet_incumbent")
     study_name = "inc"
@@ -302,20 +306,36 @@ def test_the_fleet_incumbent_is_applied_on_every_replica(postgres, replicas, tmp
             w.wait_for("decision initial")
         root = optuna.load_study(study_name=study_name, storage=storage)
         incumbent = root.user_attrs["continuous"]["incumbent"]
-        wait_until(lambda: {r.client.get_split().arms[0].policy.policy_id for r in replicas}
-                   == {incumbent["policy_id"]}, 60, what="both replicas on the incumbent")
-        # Another worker promoted a policy: the study says so, every replica follows.
+        a.load_off()
+        b.load_off()
+        before = {t.number for t in root.get_trials(deepcopy=False)}
+
+        def stuck_challenge(worker: Worker) -> optuna.trial.FrozenTrial | None:
+            t = running_trial(storage, study_name, worker.id)
+            return t if t is not None and t.number not in before and st.role(t) == st.ROLE_CHALLENGE else None
+
+        stuck = [wait_until(lambda w=w: stuck_challenge(w), 180, what=f"{w.id} inside a challenge with no traffic")
+                 for w in workers]
+        # Another worker promoted a policy: the study says so, every replica follows, mid-challenge.
         space = space_of(a)
         promoted = space.policy_from_params({"draft_length": 0}, f"{study_name}/promoted")
         state = dict(root.user_attrs["continuous"])
         state["incumbent"] = {"params": space.params_of(promoted), "policy_id": promoted.policy_id,
                               "value": incumbent["value"] * 0.9, "trial": incumbent["trial"], "label": "plain"}
         root.set_user_attr("continuous", state)
-        wait_until(lambda: all(r.client.get_policy().policy_id == promoted.policy_id for r in replicas), 120,
-                   what="both replicas on the promoted policy")
-        for w in workers:
+        try:
+            wait_until(lambda: all(r.client.get_policy().policy_id == promoted.policy_id for r in replicas), 60,
+                       what="both replicas on the promoted policy")
+        except TimeoutError as e:
+            raise AssertionError("\n".join([str(e), *(f"--- {w.id}:\n{w.log()}" for w in workers)])) from e
+        for w, trial in zip(workers, stuck, strict=True):
             w.wait_for(f"fleet incumbent adopted: plain ({promoted.policy_id})")
+            assert "challenge stopped: the fleet's incumbent is now plain" in w.log()
             assert w.proc.poll() is None
+            told = root.trials[trial.number]
+            assert told.state is TrialState.FAIL
+            assert told.user_attrs["fail_reason"].startswith(st.FAIL_SUPERSEDED)
+            assert not st.counts_towards_budget(told)
     finally:
         for w in workers:
             w.stop()

@@ -20,7 +20,10 @@ Contract:
 - Idle time between rounds is spent in slices of `policy_check_seconds`: the incumbent is re-applied
   where the server lost it (restarted with its start-up policy) and, with several workers on one
   study, the fleet's incumbent (the root study's "continuous" attribute, written by whichever worker
-  decided last) is adopted, a re-opened epoch joined.
+  decided last) is adopted, a re-opened epoch joined. A challenge running when the fleet's
+  incumbent changes stops at its next heartbeat (told FAIL "superseded", never counted: its control
+  is no longer the incumbent) and the new incumbent is applied at once, so every replica follows a
+  fleet decision within about `policy_check_seconds`, mid-challenge or idle.
 - State (decisions.py): every decision is appended to the root study's user attribute "decisions",
   the current state is its attribute "continuous" (epoch, incumbent, baselines), logged through
   `on_decision`, and published as the `moespec.tuner.incumbent` gauge. SIGTERM takes the Ctrl-C
@@ -47,7 +50,7 @@ from tuner.loop.metrics import TunerMetrics
 from tuner.loop.promotion import PromotionGate
 from tuner.loop.shift import ShiftDetector
 from tuner.loop.space import SearchSpace, policy_key
-from tuner.loop.trial import Challenge
+from tuner.loop.trial import Challenge, Superseded
 from tuner.loop.tuning import NoTraffic
 from tuner.measurement.admin import ServerUnavailable
 
@@ -109,7 +112,12 @@ class ContinuousTuner:
             started = time.monotonic()
             try:
                 result = self.built.tuner.challenge(challenger, self.incumbent, self._config.exploration_share,
-                                                    prune=not probe)
+                                                    prune=not probe, superseded=self._fleet_moved)
+            except Superseded as e:
+                self._on_log(f"challenge stopped: {e}")
+                self._adopt_fleet_incumbent()
+                self._keep(self._config.idle_seconds)
+                continue
             except ServerUnavailable as e:
                 # A background job outlives server restarts: wait (backing off) and try again.
                 idle = min(self._config.max_idle_seconds, idle * 2)
@@ -134,20 +142,32 @@ class ContinuousTuner:
              ensure=lambda: self.built.tuner.ensure(self.incumbent.policy), on_reapplied=reapplied,
              adopt=self._adopt_fleet_incumbent)
 
+    def _fleet_moved(self, saved: dict | None = None) -> str | None:
+        """What the fleet decided (`saved`: the root study's state, read when not given) that this
+        worker has not followed yet; None: nothing."""
+        saved = saved_state(self._root) if saved is None else saved
+        theirs = saved.get("incumbent")
+        if not theirs or self.incumbent is None:
+            return None
+        epoch = int(saved.get("epoch", 0))
+        if epoch > self.epoch:
+            return f"another worker re-opened the search (epoch {epoch})"
+        if epoch < self.epoch or theirs["policy_id"] == self.incumbent.policy.policy_id:
+            return None
+        return f"the fleet's incumbent is now {theirs.get('label', '?')} ({theirs['policy_id']})"
+
     def _adopt_fleet_incumbent(self) -> None:
         """Several workers on one study: whichever promoted last wrote the incumbent to the root
         study's "continuous" attribute; every worker runs that one (and joins a re-opened search)."""
         saved = saved_state(self._root)
-        theirs = saved.get("incumbent")
-        if not theirs or self.incumbent is None:
+        if self._fleet_moved(saved) is None:
             return
         epoch = int(saved.get("epoch", 0))
         if epoch > self.epoch:
             self._on_log(f"another worker re-opened the search (epoch {epoch}): joining it")
             self._open_epoch(epoch, resumed=True)
             return
-        if epoch < self.epoch or theirs["policy_id"] == self.incumbent.policy.policy_id:
-            return
+        theirs = saved["incumbent"]
         self.incumbent = score_from_saved(self.built.space, theirs)
         self.gate = PromotionGate(self._config.promote_confirmations)
         self.detector = detector_from_saved(self._config, saved)

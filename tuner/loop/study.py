@@ -37,8 +37,10 @@ FAIL_INTERRUPTED = "interrupted"
 FAIL_STARVED = "starved"  # prefix of a starved window's fail_reason
 FAIL_BUSY = "busy"  # prefix: another worker of the fleet was measuring that policy (tuner/fleet.py)
 FAIL_UNREACHABLE = "server unreachable"  # prefix: the trial's server went away before it was measured
+# prefix: a challenge stopped because the fleet's incumbent (its control) changed under it
+FAIL_SUPERSEDED = "superseded"
 # Trials failed for these reasons measured nothing and are redone: they never count towards --trials.
-NOT_MEASURED = (FAIL_STARVED, FAIL_BUSY, FAIL_UNREACHABLE)
+NOT_MEASURED = (FAIL_STARVED, FAIL_BUSY, FAIL_UNREACHABLE, FAIL_SUPERSEDED)
 
 
 class StorageError(Exception):

@@ -6,7 +6,8 @@ control (measurement/against_control.py), replay the what-if hint (loop/whatif_h
 the outcome (loop/tell.py). Whatever interrupts a trial (the server gone, the admin token refused,
 Ctrl-C / SIGTERM, a bug) tells it FAIL with the reason before it propagates, so a restart finds
 nothing to clean up. A continuous-mode challenge (`challenge`) is a trial of its own role beside
-the incumbent.
+the incumbent; it stops (`Superseded`, told FAIL "superseded: ...") at the first heartbeat after
+its `superseded` check names a reason: the fleet's incumbent, its control, changed under it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ from tuner.measurement.admin import AdminRejected, PolicyAdmin, ServerUnavailabl
 from tuner.measurement.against_control import AgainstControl
 from tuner.measurement.measure import Measurement, Measurer, PairedMeasurement
 from tuner.measurement.window import WindowStats
+
+
+class Superseded(Exception):
+    """A challenge's control is no longer the incumbent (another worker of the fleet decided):
+    its measurement would judge the challenger against the wrong policy."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,9 @@ class TrialRunner:
         except AdminRejected:
             self._fail(trial, "admin token refused")
             raise
+        except Superseded as e:
+            self._fail(trial, f"{st.FAIL_SUPERSEDED}: {e}")
+            raise
         except BaseException:  # Ctrl-C / SIGTERM, or a bug
             self._fail(trial, st.FAIL_INTERRUPTED)
             raise
@@ -179,12 +188,21 @@ class TrialRunner:
         return state
 
     def challenge(
-        self, params: dict[str, object] | None, incumbent: st.PolicyScore, share: float, prune: bool = True
+        self, params: dict[str, object] | None, incumbent: st.PolicyScore, share: float, prune: bool = True,
+        superseded: Callable[[], str | None] = lambda: None,
     ) -> Challenge | None:
         """Continuous mode: one challenger (`params`, or TPE's next proposal when None) beside the
         incumbent at `share` of the traffic, told as a trial of role "challenge" (TPE learns from it;
         it never changes the incumbent by itself). None when TPE proposed a policy already measured
-        (its result reused, no traffic spent)."""
+        (its result reused, no traffic spent). `superseded()` is asked at every heartbeat: a reason
+        stops the challenge (Superseded)."""
+
+        def heartbeat() -> None:
+            st.beat(trial, self._wall_clock)
+            reason = superseded()
+            if reason:
+                raise Superseded(reason)
+
         if params is not None:
             self._study.enqueue_trial(params, user_attrs={"role": st.ROLE_CHALLENGE})
         trial = self._study.ask()
@@ -200,8 +218,7 @@ class TrialRunner:
                 self._tell_duplicate_challenge(trial, policy, incumbent)
                 return None
             self._emit(TunerEvent(EventKind.TRIAL_STARTED, trial.number, st.ROLE_CHALLENGE, policy, best=incumbent))
-            measured = self._against_control.measure(policy, incumbent, lambda stats: None,
-                                                     lambda: st.beat(trial, self._wall_clock), prune, share,
+            measured = self._against_control.measure(policy, incumbent, lambda stats: None, heartbeat, prune, share,
                                                      fresh_control=True)
             paired = measured if isinstance(measured, PairedMeasurement) else None
             m = paired.candidate if paired else measured

@@ -222,10 +222,11 @@ class Tuner:
         return self._trials.apply_incumbent()
 
     def challenge(
-        self, params: dict[str, object] | None, incumbent: st.PolicyScore, share: float, prune: bool = True
+        self, params: dict[str, object] | None, incumbent: st.PolicyScore, share: float, prune: bool = True,
+        superseded: Callable[[], str | None] = lambda: None,
     ) -> Challenge | None:
         """Continuous mode's challenger beside the incumbent (`TrialRunner.challenge`)."""
-        return self._trials.challenge(params, incumbent, share, prune)
+        return self._trials.challenge(params, incumbent, share, prune, superseded)
 
     def _diagnose(self, failures: int) -> str:
         t = self._traffic()
