@@ -254,7 +254,7 @@ class Scheduler:
         e = self.e
         start_ns, t0 = time.time_ns(), time.perf_counter()
         for seq in seqs:  # each runs its policy's (its table's cell's) controller at this occupancy
-            seq.enter_step(len(seqs), seq.request.sampling.greedy, e.adaptive.controller_for)
+            seq.enter_step(len(seqs), e.adaptive.controller_for)
         proposals = draft(e, seqs)  # per sequence: its drafts, q [k', V] or None, draft seconds, confidences
         t1 = time.perf_counter()
         windows = [[s.ids[-1], *p.drafts] for s, p in zip(seqs, proposals, strict=True)]  # [w_b]
@@ -265,7 +265,7 @@ class Scheduler:
         logits, routed = out.logits, out.routed_ids  # [n, V], [L, n, m]
         if e.draft_is_head and any(uses_head(s) for s in seqs):  # what the head's next catch-up reads
             e.target_features[batch.token_slot, batch.positions] = out.features
-        verdicts = self._accept(seqs, proposals, logits, lengths)
+        verdicts, sampling_seconds, sampled_rows = self._accept(seqs, proposals, logits, lengths)
         t2 = time.perf_counter()
         if len(seqs) == 1 and lengths[0] == 1:
             e.observe_plain_step(t2 - t1)
@@ -276,7 +276,8 @@ class Scheduler:
         # Each window's routed ids, only where a record keeps them (top-k capture, the EP estimate): a
         # batched step does this loop for every request, so it does nothing a request does not need.
         window_ids = routed.split(lengths, dim=1) if step_records.records_ids(e) else [None] * len(seqs)
-        self._observe_controllers(seqs, proposals, verdicts, lengths, batch_unique, t0, t1, t2)
+        self._observe_controllers(seqs, proposals, verdicts, lengths, batch_unique, t0, t1, t2,
+                                  (sampling_seconds, sampled_rows))
         for seq, proposal, window, ids, unique, (n_ok, _, bonus) in zip(
                 seqs, proposals, windows, window_ids, own_unique, verdicts, strict=True):
             drafts, draft_s = proposal.drafts, proposal.seconds
@@ -297,9 +298,11 @@ class Scheduler:
                 self._finish(seq, finish)
 
     def _observe_controllers(self, seqs: list[Sequence], proposals: list[Proposal], verdicts: list, lengths: list[int],
-                             batch_unique: tuple[int, ...], t0: float, t1: float, t2: float) -> None:
+                             batch_unique: tuple[int, ...], t0: float, t1: float, t2: float,
+                             sampling: tuple[float, int]) -> None:
         """Each controller hears its request's outcome; the engine's estimates learn from the pass
-        (only where some request adapts: a pass of static policies pays nothing for them)."""
+        (only where some request adapts: a pass of static policies pays nothing for them).
+        sampling: the seconds the sampled requests' acceptance took and the rows it covered."""
         adaptive = any(adapts(s.controller) for s in seqs)
         for seq, proposal, (n_ok, _, _), w in zip(seqs, proposals, verdicts, lengths, strict=True):
             if adaptive:
@@ -309,11 +312,13 @@ class Scheduler:
             e = self.e
             e.adaptive.end_pass([s.controller for s in seqs], len(seqs))
             union = sum(batch_unique) / len(batch_unique) if batch_unique else 0.0
-            e.adaptive.observe_pass(sum(lengths), union, t2 - t1, sum(v[0] + 1 for v in verdicts))
+            e.adaptive.observe_pass(sum(lengths), union, t2 - t1, sum(v[0] + 1 for v in verdicts), *sampling)
 
     def _accept(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
-                lengths: list[int]) -> list[tuple[int, tuple[bool, ...], int]]:
-        """Per sequence: (drafts accepted, accepted flags [k], the target's next token).
+                lengths: list[int]) -> tuple[list[tuple[int, tuple[bool, ...], int]], float, int]:
+        """Per sequence: (drafts accepted, accepted flags [k], the target's next token); and the
+        seconds and rows of the sampled sequences' acceptance (what one more sampled row costs
+        beyond the pass: the adaptive controllers price it).
 
         Greedy sequences (p a point mass: acceptance is an exact prefix match) share one argmax over
         every row of the pass; sampled ones draw from their own generator, one at a time.
@@ -321,15 +326,18 @@ class Scheduler:
         greedy = any(s.request.sampling.greedy for s in seqs)
         # [n]: every row at once; numpy's argmax (first maximum, like torch's) is ~10x cheaper on 16 x 4096
         argmax = logits.numpy().argmax(-1).tolist() if greedy else []
-        verdicts, offset = [], 0
+        verdicts, offset, sampling_seconds, sampled_rows = [], 0, 0.0, 0
         for seq, proposal, w in zip(seqs, proposals, lengths, strict=True):
             drafts, q = proposal.drafts, proposal.q
             if seq.request.sampling.greedy:
                 verdicts.append(accept_greedy_ids(drafts, argmax[offset:offset + w]))
             else:
+                started = time.perf_counter()
                 p = target_probs(logits[offset:offset + w], seq.request.sampling)  # [w, V]
                 n_ok, ok, bonus = accept(torch.tensor(drafts, dtype=torch.long), q if q is not None else p[:0], p,
                                          seq.gen)
                 verdicts.append((n_ok, tuple(ok.tolist()), int(bonus)))
+                sampling_seconds += time.perf_counter() - started
+                sampled_rows += w
             offset += w
-        return verdicts
+        return verdicts, sampling_seconds, sampled_rows

@@ -87,16 +87,17 @@ class Sequence:
         step whose window starts at the last committed token, the first step included."""
         return self.prompt_len - 1 - self.prefilled
 
-    def enter_step(self, batch_size: int, greedy: bool,
-                   make_controller: Callable[[DraftPolicy, str], StepController]) -> None:
+    def enter_step(self, batch_size: int, make_controller: Callable[[DraftPolicy, str, bool], StepController]) -> None:
         """Pick the policy this step runs (a table's cell, by the pass's occupancy and the request's
-        kind) and its controller; each cell keeps its own controller for the whole request."""
+        kind) and its controller, made by `make_controller(policy, cell label, greedy)`; each cell
+        keeps its own controller for the whole request."""
+        greedy = self.request.sampling.greedy
         index, _ = self.policy.for_step(batch_size, greedy)
         self.step_policy = self._cell_policies[index]
         self.cell = self.policy.cells[index].label if index >= 0 else ""
         controller = self._controllers.get(index)
         if controller is None:
-            controller = self._controllers[index] = make_controller(self.step_policy, self.cell)
+            controller = self._controllers[index] = make_controller(self.step_policy, self.cell, greedy)
         self.controller = controller
 
     def draft_budget(self) -> int:

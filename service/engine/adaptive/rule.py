@@ -6,7 +6,9 @@ position j. The pass this request joins costs S seconds for T expected committed
 other windows as in the last pass, plus this request's window so far); one more position costs m_i,
 its marginal verify seconds at the size the pass will have, which on an MoE target follows how
 many new experts one more position brings (estimates.PassCost), plus one more draft round for the
-model drafter (for the n-gram drafter, the first position also pays its lookup). Adding it
+model drafter (for the n-gram drafter, the first position also pays its lookup), plus, for a
+sampled request, its own acceptance of one more row (target probabilities and the accept test,
+paid beside the pass and only by sampled requests: state.row_seconds). Adding it
 lowers the pass's seconds per token S / T iff
 
     P_i * S / T > m_i        (drafted with cost_weight * m_i on the right)
@@ -25,7 +27,10 @@ Where a_j comes from:
   fails. Both are calibrated online: every verify outcome updates them, and the state tracks the
   mean predicted-minus-observed acceptance (the calibration error).
 After 16 plain steps in a row the rule verifies one draft, so estimates that went stale while it
-was not drafting can recover (a probe costs one marginal position once per 16 steps).
+was not drafting can recover (a probe costs one marginal position once per 16 steps). Once it
+chose plain, it keeps plain without pricing for the next RECHECK_EVERY - 1 steps at the same
+batch size (estimates move over tens of passes, and pricing every step of a long plain stretch is
+the rule's whole overhead there).
 """
 
 from __future__ import annotations
@@ -40,30 +45,37 @@ if TYPE_CHECKING:
     from service.engine.adaptive.state import AdaptiveState
 
 PROBE_EVERY = 16  # plain steps in a row before one probing draft
+RECHECK_EVERY = 4  # after a plain decision, steps until the positions are priced again (same batch size)
 OWN_DECAY = 0.9  # a request's own acceptance: ~10 steps of memory (its text changes)
 
 
 class MoespecRule(StepController):
     wants_confidence = True
 
-    def __init__(self, state: AdaptiveState, drafter: Drafter, cost_weight: float):
-        self.state, self.drafter, self.weight = state, drafter, cost_weight
+    def __init__(self, state: AdaptiveState, drafter: Drafter, cost_weight: float, sampled: bool = False):
+        self.state, self.drafter, self.weight, self.sampled = state, drafter, cost_weight, sampled
         self.own = AcceptanceByPosition(MAX_DRAFT_LENGTH, decay=OWN_DECAY)
         self._costs: list[float] = []  # this step's weighted marginal cost of each position, seconds
         self._pass = (0.0, 1.0)  # this step's pass before any of its drafts: (seconds S, expected tokens T)
         self._rates: list[float] = []  # the conditional acceptance the verified drafts were sent with
         self._plain_run = 0
         self._probing = False  # this step verifies one draft to measure, whatever the estimates say
+        self._quiet = (0, 0)  # (steps left, batch size) of plain kept without pricing
 
     def rate(self, i: int) -> float:
         """This request's conditional acceptance of position i, before its draft is seen."""
         return self.own.rate(i, self.state.acceptance[self.drafter].rate(i, 0.5))
 
     def plan(self, ctx: StepContext, limit: int) -> int:
+        left, batch = self._quiet
+        if left and batch == ctx.batch_size and limit > 0:
+            self._quiet = (left - 1, batch)
+            return self._plain_or_probe()
         s = self.state
         n = ctx.other_positions + 1  # the pass holds this request's last committed token at least
         self._pass = (s.pass_seconds(n), ctx.other_tokens + 1.0)
         draft, first = s.draft_seconds(self.drafter), s.first_draft_seconds(self.drafter)
+        draft += s.row_seconds(self.sampled)
         costs, rates = [], []
 
         def priced():
@@ -75,15 +87,24 @@ class MoespecRule(StepController):
                 yield rates[-1], costs[-1]
 
         k = self._keep(priced())
-        self._costs, self._probing = costs, False
+        self._costs = costs
         if k == 0 and limit > 0:
-            self._plain_run += 1
-            if self._plain_run >= PROBE_EVERY:
-                self._plain_run, k, self._probing = 0, 1, True
-        else:
-            self._plain_run = 0
+            self._quiet = (RECHECK_EVERY - 1, ctx.batch_size)
+            return self._plain_or_probe()
+        self._plain_run, self._probing = 0, False
         self._rates = rates[:k]
         return k
+
+    def _plain_or_probe(self) -> int:
+        """A step the rule keeps plain, except the probe after PROBE_EVERY of them in a row."""
+        self._plain_run += 1
+        self._probing = self._plain_run >= PROBE_EVERY
+        if not self._probing:
+            self._rates = []
+            return 0
+        self._plain_run, self._quiet = 0, (0, 0)
+        self._rates = [self.rate(0)]
+        return 1
 
     def _keep(self, priced) -> int:
         """Positions that pay, from (rate, cost) pairs in order: while P_i * S / T exceeds position

@@ -22,6 +22,10 @@ class AdaptiveState:
         self.plain_step_seconds = plain_step_seconds  # until passes are seen: the calibrated plain step
         self.draft_round_seconds = Ema(0.1)  # the model drafter's seconds per draft round
         self.lookup_seconds = Ema(0.1)  # the n-gram drafter's seconds per proposal (any length)
+        # A sampled request's acceptance per verified row (its target_probs and accept): paid beside
+        # the pass, by sampled requests only, so it is kept out of the pass-cost fit.
+        self.sampled_row_seconds = Ema(0.1)
+        self.last_sampling_seconds = 0.0  # the last pass's sampled acceptance, all its sampled requests
         self.acceptance = {d: AcceptanceByPosition(MAX_DRAFT_LENGTH, decay=0.999) for d in Drafter}
         self.calibration = {d: ConfidenceCalibration() for d in Drafter}
         self.calibration_bias = Ema(0.002)  # predicted - observed acceptance, per verified draft (~500 of them)
@@ -39,8 +43,15 @@ class AdaptiveState:
                            float(max(0, self.last_committed - own_last_committed)))
 
     def pass_seconds(self, positions: int) -> float:
-        """A verify pass of that many positions: the fit, or the calibrated plain step before any."""
-        return self.cost.seconds(positions) if self.cost.passes else self.plain_step_seconds * positions
+        """A verify pass of that many positions, the sampled acceptance as in the last pass: the
+        fit, or the calibrated plain step before any."""
+        if not self.cost.passes:
+            return self.plain_step_seconds * positions
+        return self.cost.seconds(positions) + self.last_sampling_seconds
+
+    def row_seconds(self, sampled: bool) -> float:
+        """What one more verified row costs a request beyond the pass: its sampled acceptance."""
+        return self.sampled_row_seconds.get(0.0) if sampled else 0.0
 
     def draft_seconds(self, drafter: Drafter) -> float:
         """Seconds one more draft position costs: a draft round of the model drafter; an n-gram
@@ -57,9 +68,15 @@ class AdaptiveState:
         return abs(self.calibration_bias.get(0.0))
 
     # -- fed by the scheduler ------------------------------------------------------------------
-    def observe_pass(self, positions: int, union_per_layer: float, verify_seconds: float, committed: int) -> None:
-        self.cost.observe(positions, union_per_layer, verify_seconds)
+    def observe_pass(self, positions: int, union_per_layer: float, verify_seconds: float, committed: int,
+                     sampling_seconds: float = 0.0, sampled_rows: int = 0) -> None:
+        """verify_seconds includes the sampled requests' acceptance (sampling_seconds over
+        sampled_rows rows): the pass-cost fit sees the pass without it."""
+        self.cost.observe(positions, union_per_layer, verify_seconds - sampling_seconds)
+        if sampled_rows:
+            self.sampled_row_seconds.update(sampling_seconds / sampled_rows)
         self.last_positions, self.last_committed = positions, committed
+        self.last_sampling_seconds = sampling_seconds
 
     def observe_lookup(self, seconds: float) -> None:
         self.lookup_seconds.update(seconds)
@@ -72,12 +89,12 @@ class AdaptiveState:
         self.calibration_bias.update(predicted - (1.0 if accepted else 0.0))
 
     # -- controllers ---------------------------------------------------------------------------
-    def controller_for(self, policy: DraftPolicy, cell: str = "") -> StepController:
-        """A request's controller for a policy (a table's cell: `cell` its label): per request, or
-        the one that policy's requests share."""
+    def controller_for(self, policy: DraftPolicy, cell: str = "", greedy: bool = True) -> StepController:
+        """A request's controller for a policy (a table's cell: `cell` its label; `greedy`: the
+        request's kind): per request, or the one that policy's requests share."""
         kind = policy.controller if policy.draft_length > 0 else Controller.STATIC
         if kind is Controller.MOESPEC:
-            return MoespecRule(self, policy.drafter, policy.cost_weight)
+            return MoespecRule(self, policy.drafter, policy.cost_weight, sampled=not greedy)
         if kind is Controller.TRANSFORMERS:
             return TransformersHeuristic(policy.draft_length)
         if kind is Controller.CASCADE:
