@@ -2,15 +2,15 @@
 # Optional: llama.cpp as a benchmark baseline (`moespec bench llamacpp`).
 #
 # Everything comes from the package registry: the llama-cpp-python source distribution carries a
-# complete llama.cpp (vendor/llama.cpp) with its HF-to-GGUF converter. This script builds the three
-# tools the benchmark runs (llama-bench, llama-batched-bench, llama-speculative) for this CPU
+# complete llama.cpp (vendor/llama.cpp) with its HF-to-GGUF converter. This script builds the four
+# tools the benchmark runs (llama-bench, llama-batched-bench, llama-speculative, llama-server) for this CPU
 # (GGML_NATIVE: the instruction set detected at build time) and converts the shipped target and
 # dense draft to bf16 GGUF files. Idempotent: a finished step is skipped.
 #
 #   bash scripts/setup_llama_cpp.sh            # into ~/.cache/moespec/llama.cpp
 #   MOESPEC_LLAMA_CPP_DIR=/path bash scripts/setup_llama_cpp.sh
 #
-# Takes a few minutes on 2 quiet cores (about 15 on a busy machine); CI does not need it.
+# Takes 10-20 minutes on 2 cores (llama-server is most of it); CI does not need it.
 set -euo pipefail
 
 VERSION=0.3.36  # llama-cpp-python release whose vendored llama.cpp is built
@@ -31,12 +31,12 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
   mv "$tmp/llama_cpp_python-$VERSION/vendor/llama.cpp" "$SRC"
 fi
 
-if [ ! -x "$SRC/build/bin/llama-speculative" ]; then
-  echo "setup_llama_cpp: building llama-bench, llama-batched-bench, llama-speculative (-j$JOBS)"
+TOOLS=(llama-bench llama-batched-bench llama-speculative llama-server)
+if [ ! -x "$SRC/build/bin/llama-speculative" ] || [ ! -x "$SRC/build/bin/llama-server" ]; then
+  echo "setup_llama_cpp: building ${TOOLS[*]} (-j$JOBS)"
   cmake -S "$SRC" -B "$SRC/build" -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
     -DCMAKE_BUILD_TYPE=Release > "$DIR/cmake.log"
-  cmake --build "$SRC/build" -j "$JOBS" --target llama-bench llama-batched-bench llama-speculative \
-    > "$DIR/build.log"
+  cmake --build "$SRC/build" -j "$JOBS" --target "${TOOLS[@]}" > "$DIR/build.log"
 fi
 
 # The converter's own environment (its pinned transformers differs from the project's).

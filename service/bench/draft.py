@@ -31,7 +31,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from service.bench.server import PROMPTS, _ServerProcess
+from service.bench.server import PROMPTS, ServeProcess
 from service.server.client import MoespecClient
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     server_args = ["--port", "0", "--admin-token", token]
     if args.draft_model is not None:
         server_args += ["--draft-model", str(args.draft_model)]
-    with _ServerProcess(server_args) as address, MoespecClient(address, admin_token=token) as client:
+    with ServeProcess(server_args) as address, MoespecClient(address, admin_token=token) as client:
         client.wait_ready(timeout=120)
         for request in loads["greedy"][:2]:  # warm-up: first calls pay one-off costs
             client.generate(request)

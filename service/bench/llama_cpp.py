@@ -18,12 +18,17 @@ so load from elsewhere on the machine moves both sides of a pair. Modes:
   S_TG, generation only, and the whole run's tokens/s with its prefill); moespec: that many
   concurrent requests through the engine's continuous batching, generated tokens over the wall time
   (prefill included) and over the decode passes alone.
+- server: each side's own server at its defaults (same threads) under --server-clients concurrent
+  clients: `llama-server` with that many parallel slots against `moespec serve` over gRPC, generated
+  tokens over the wall time (llama_cpp_server.py). Where the batched mode ran the same count
+  in-process, moespec's server figure over its in-process one is the gRPC layer's share.
 Writes llamacpp.json and llamacpp.md to --out and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -36,11 +41,12 @@ from pathlib import Path
 
 from service.bench.engine import load_prompts
 from service.bench.limit import fused_step_cost, measure_rates
+from service.bench.llama_cpp_server import LlamaServer, ServerFailed, concurrent_load, moespec_send
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 DEFAULT_DIR = Path.home() / ".cache" / "moespec" / "llama.cpp"
-TOOLS = ("llama-bench", "llama-batched-bench", "llama-speculative")
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-speculative", "llama-server")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=48, help="generated tokens per stream (default 48)")
     parser.add_argument("--draft-lengths", type=int, nargs="+", default=[1, 2, 4], help="speculative k (default 1 2 4)")
     parser.add_argument("--batch", type=int, nargs="+", default=[4, 16], help="batched sequences (default 4 16)")
+    parser.add_argument("--server-clients", type=int, nargs="*", default=[1, 16],
+                        help="server mode: concurrent clients, each side its own server (default 1 16; none: skip)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("reports/bench-llamacpp"))
 
@@ -173,14 +181,21 @@ def moespec_batched(engine, prompts, gen: int) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     try:
         return _measure(args)
-    except ToolFailed as e:
+    except (ToolFailed, ServerFailed) as e:
         print(f"moespec bench llamacpp: error: {e}", file=sys.stderr)
         return 1
 
 
 def _measure(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as servers:
+        return _measure_with(args, servers)
+
+
+def _measure_with(args: argparse.Namespace, servers: contextlib.ExitStack) -> int:
+    from service.bench.server import ServeProcess
     from service.engine import Engine, EngineConfig
     from service.engine.weights import DEFAULT_DRAFT_DIR
+    from service.server.client import MoespecClient
 
     t = tools(args.llama_cpp_dir)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -226,8 +241,24 @@ def _measure(args: argparse.Namespace) -> int:
         for key, value in figures.items():
             add(f"batch {b} {key} {side}", value)
 
+    if args.server_clients:  # both servers live for the whole run, idle while other modes measure
+        most = max(args.server_clients)
+        llama = servers.enter_context(LlamaServer(t["llama-server"], t["target"], args.threads, most,
+                                                  args.depth + args.tokens + 16))
+        address = servers.enter_context(ServeProcess(["--port", "0", "--kernel-threads", str(args.threads),
+                                                        "--max-queue", str(2 * most)]))
+        client = servers.enter_context(MoespecClient(address))
+        client.wait_ready(timeout=120)
+        server_prompts = prompt_windows(head, args.depth, most)
+        for send in (llama.complete, moespec_send(client)):  # warm-up: first requests pay one-off costs
+            concurrent_load(send, server_prompts[:2], 8)
+
+    def server(clients: int, side: str) -> None:
+        send = llama.complete if side == "llama.cpp" else moespec_send(client)
+        add(f"server {clients} {side}", concurrent_load(send, server_prompts[:clients], args.tokens))
+
     modes = [decode, prefill, *(partial(speculative, k) for k in args.draft_lengths),
-             *(partial(batched, b) for b in args.batch)]
+             *(partial(batched, b) for b in args.batch), *(partial(server, c) for c in args.server_clients)]
     # The step limit (limit.py) at the decode's middle context; llama.cpp's GGUF holds the same bf16 weights.
     cost, bf16_math = fused_step_cost(head.target, context=args.depth + args.tokens // 2)
     for rnd in range(args.rounds):
@@ -257,11 +288,19 @@ def summarise(args: argparse.Namespace, samples: dict[str, list[float]]) -> dict
         for key in ("generation_tokens_per_second", "output_tokens_per_second"):
             pairs[f"batch {b} {key.removesuffix('_tokens_per_second')}"] = (f"batch {b} {key} moespec",
                                                                              f"batch {b} {key} llama.cpp")
+    for c in args.server_clients:
+        pairs[f"server {c} clients"] = (f"server {c} moespec", f"server {c} llama.cpp")
     ratios = {name: [a / b for a, b in zip(samples[ours], samples[theirs], strict=True)]
               for name, (ours, theirs) in pairs.items()}
     result = {"threads": args.threads, "depth": args.depth, "tokens": args.tokens, "rounds": args.rounds,
               "samples": samples, "pairs": {n: list(p) for n, p in pairs.items()},
               "moespec_over_llama_cpp": {n: _spread(r) for n, r in ratios.items()}}
+    # moespec through its server over the same load in-process (same round): the gRPC layer's share.
+    grpc = {c: [a / b for a, b in zip(samples[f"server {c} moespec"],
+                                      samples[f"batch {c} output_tokens_per_second moespec"], strict=True)]
+            for c in args.server_clients if c in args.batch}
+    if grpc:
+        result["moespec_server_over_in_process"] = {str(c): _spread(r) for c, r in grpc.items()}
     if "decode limit" in samples:  # each side's decode over the same round's step limit
         result["decode_share_of_limit"] = {
             side: _spread([v / limit for v, limit in zip(samples[f"decode {side}"], samples["decode limit"],
@@ -283,6 +322,9 @@ def markdown(result: dict) -> str:
         r = result["moespec_over_llama_cpp"][name]
         rows.append(f"| {name} | {statistics.median(s[theirs]):,.0f} | {statistics.median(s[ours]):,.0f} | "
                     f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}) |")
+    for c, r in result.get("moespec_server_over_in_process", {}).items():
+        rows.append(f"\nmoespec at {c} clients through `moespec serve` (gRPC) over the same load in-process: "
+                    f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})")
     if "decode_share_of_limit" in result:
         shares = ", ".join(f"{side} {v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f})"
                            for side, v in result["decode_share_of_limit"].items())

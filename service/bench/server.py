@@ -99,7 +99,7 @@ def bench_server(
                    "--draft-length", str(policy.draft_length), "--draft-temperature", str(policy.draft_temperature)]
     if threads:
         server_args += ["--threads", str(threads)]
-    with _ServerProcess(server_args) as address, MoespecClient(address) as client:
+    with ServeProcess(server_args) as address, MoespecClient(address) as client:
         client.wait_ready(timeout=120)
         for r in workload[:2]:  # warm both paths: first calls pay one-off allocation costs
             engine.generate(r, policy)
@@ -306,7 +306,7 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[index]
 
 
-class _ServerProcess:
+class ServeProcess:
     """`moespec serve` as a child; entering yields its address, leaving sends SIGTERM."""
 
     def __init__(self, args: list[str]):

@@ -30,7 +30,8 @@ def test_without_llama_cpp_the_bench_exits_2_naming_the_setup_script(tmp_path):
 
 
 def test_ratios_pair_each_round_of_moespec_with_the_same_round_of_llama_cpp():
-    args = argparse.Namespace(draft_lengths=[2], batch=[4], threads=2, depth=96, tokens=48, rounds=2)
+    args = argparse.Namespace(draft_lengths=[2], batch=[4], server_clients=[1, 4], threads=2, depth=96, tokens=48,
+                              rounds=2)
     samples = {"decode moespec": [100.0, 300.0], "decode llama.cpp": [200.0, 200.0],
                "prefill moespec": [10.0, 10.0], "prefill llama.cpp": [5.0, 20.0],
                "speculative k=2 moespec dense draft": [1.0, 1.0], "speculative k=2 moespec draft head": [2.0, 2.0],
@@ -38,12 +39,19 @@ def test_ratios_pair_each_round_of_moespec_with_the_same_round_of_llama_cpp():
                "batch 4 generation_tokens_per_second moespec": [4.0, 4.0],
                "batch 4 generation_tokens_per_second llama.cpp": [2.0, 2.0],
                "batch 4 output_tokens_per_second moespec": [3.0, 3.0],
-               "batch 4 output_tokens_per_second llama.cpp": [3.0, 3.0]}
-    ratios = summarise(args, samples)["moespec_over_llama_cpp"]
+               "batch 4 output_tokens_per_second llama.cpp": [3.0, 3.0],
+               "server 1 moespec": [1.0, 2.0], "server 1 llama.cpp": [2.0, 2.0],
+               "server 4 moespec": [2.7, 1.5], "server 4 llama.cpp": [1.0, 1.0]}
+    result = summarise(args, samples)
+    ratios = result["moespec_over_llama_cpp"]
     assert ratios["decode"] == {"median": 1.0, "min": 0.5, "max": 1.5}
     assert ratios["prefill"]["min"] == 0.5 and ratios["prefill"]["max"] == 2.0
     assert ratios["speculative k=2 (draft head)"]["median"] == 2.0
     assert ratios["batch 4 generation"]["median"] == 2.0 and ratios["batch 4 output"]["median"] == 1.0
+    assert ratios["server 1 clients"] == {"median": 0.75, "min": 0.5, "max": 1.0}
+    assert ratios["server 4 clients"]["max"] == 2.7
+    # The gRPC layer's share: moespec's server figure over its in-process batched one, round by round.
+    assert result["moespec_server_over_in_process"] == {"4": pytest.approx({"median": 0.7, "min": 0.5, "max": 0.9})}
 
 
 def test_the_converter_is_told_qwen2_only_for_a_tokenizer_that_splits_like_qwen2(tmp_path):
@@ -63,13 +71,14 @@ def test_the_converter_is_told_qwen2_only_for_a_tokenizer_that_splits_like_qwen2
                            "need llama.cpp")
 def test_a_short_real_run_measures_every_mode_on_both_sides(tmp_path):
     run = subprocess.run([*MOESPEC, "bench", "llamacpp", "--rounds", "1", "--depth", "16",
-                          "--tokens", "8", "--draft-lengths", "2", "--batch", "2", "--out", str(tmp_path)],
+                          "--tokens", "8", "--draft-lengths", "2", "--batch", "2", "--server-clients", "1", "2",
+                          "--out", str(tmp_path)],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "llamacpp.json").read_text())
     assert set(result["moespec_over_llama_cpp"]) == {"decode", "prefill", "speculative k=2 (dense draft)",
                                                      "speculative k=2 (draft head)", "batch 2 generation",
-                                                     "batch 2 output"}
+                                                     "batch 2 output", "server 1 clients", "server 2 clients"}
     assert all(v > 0 for values in result["samples"].values() for v in values if v == v)
 
 
@@ -100,6 +109,68 @@ def test_a_tool_that_never_prints_a_result_fails_the_bench_with_one_line_naming_
         (tmp_path / "models" / model).write_text("")
     run = subprocess.run([*MOESPEC, "bench", "llamacpp", "--llama-cpp-dir", str(tmp_path), "--rounds", "1",
                           "--tokens", "4", "--depth", "8", "--draft-lengths", "1", "--batch", "2",
-                          "--out", str(tmp_path / "out")], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+                          "--server-clients", "--out", str(tmp_path / "out")],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert "llama-bench printed no result in 3 runs (its last line: 'W llama_context: set up')" in run.stderr
+
+
+STAND_IN_SERVER = """#!/usr/bin/env python3
+# A llama-server stand-in: /health, and /completion answering n_predict tokens; logs argv and bodies.
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+log = open(LOG, "a")
+log.write(json.dumps({"argv": sys.argv[1:]}) + "\\n"); log.flush()
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def _answer(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(data))); self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self._answer({"status": "ok"})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        log.write(json.dumps({"body": body}) + "\\n"); log.flush()
+        self._answer({"tokens_predicted": body["n_predict"]})
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Handler).serve_forever()
+"""
+
+
+def test_the_server_mode_asks_llama_server_for_its_slots_and_fresh_prefills(tmp_path):
+    """LlamaServer starts llama-server with a slot per client and a context that holds them all, and
+    every request sends the prompt's ids uncached (the moespec side pays every prefill too), greedy,
+    generating exactly the asked tokens; concurrent_load counts what the answers report."""
+    from service.bench.llama_cpp_server import LlamaServer, concurrent_load
+
+    log = tmp_path / "calls.jsonl"
+    server = _tool(tmp_path / "llama-server", "")  # executable; its text follows
+    server.write_text(STAND_IN_SERVER.replace("LOG", repr(str(log))))
+    prompts = [(1, 2, 3), (4, 5, 6), (7, 8, 9)]
+    with LlamaServer(server, tmp_path / "target.gguf", threads=2, slots=3, context_per_slot=64) as llama:
+        assert concurrent_load(llama.complete, prompts, 5) > 0
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    argv = calls[0]["argv"]
+    assert argv[argv.index("-np") + 1] == "3" and argv[argv.index("-c") + 1] == "192"
+    assert argv[argv.index("-t") + 1] == "2"
+    bodies = [c["body"] for c in calls[1:]]
+    assert sorted(tuple(b["prompt"]) for b in bodies) == prompts
+    assert all(b["n_predict"] == 5 and b["temperature"] == 0 and b["cache_prompt"] is False and b["ignore_eos"]
+               for b in bodies)
+
+
+def test_a_llama_server_that_exits_at_start_fails_the_bench_with_one_line(tmp_path):
+    bin_dir = tmp_path / "src" / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in TOOLS:
+        _tool(bin_dir / name, "exit 3\n")
+    (tmp_path / "models").mkdir()
+    for model in ("target-bf16.gguf", "draft-bf16.gguf"):
+        (tmp_path / "models" / model).write_text("")
+    run = subprocess.run([*MOESPEC, "bench", "llamacpp", "--llama-cpp-dir", str(tmp_path), "--rounds", "1",
+                          "--tokens", "4", "--depth", "8", "--draft-lengths", "1", "--batch", "2",
+                          "--server-clients", "2", "--out", str(tmp_path / "out")],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert "llama-server exited 3 at start" in run.stderr
