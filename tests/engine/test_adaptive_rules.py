@@ -111,6 +111,24 @@ def test_a_higher_cost_weight_drafts_less():
     assert ks[0] > ks[1] > ks[2], ks
 
 
+def test_a_new_request_starts_from_what_requests_of_its_own_kind_accepted():
+    """Greedy requests accepted n-gram drafts at 0.9, sampled ones at 0.02: a new greedy request
+    drafts, a new sampled one does not (with one engine-wide prior both would start from ~0.5)."""
+    state = fitted_state()
+    for sampled, rate in ((False, 0.9), (True, 0.02)):
+        rng = random.Random(int(sampled))
+        veteran = MoespecRule(state, Drafter.NGRAM, 1.0, sampled=sampled)
+        for _ in range(3000):
+            accepted = next((i for i in range(4) if rng.random() > rate), 4)
+            veteran.observe(StepOutcome(drafted=4, accepted=accepted, seconds=1e-3, committed=accepted + 1,
+                                        confidence=None))
+    greedy = MoespecRule(state, Drafter.NGRAM, 1.0, sampled=False)
+    sampled = MoespecRule(state, Drafter.NGRAM, 1.0, sampled=True)
+    assert greedy.rate(0) == pytest.approx(0.9, abs=0.05) and sampled.rate(0) == pytest.approx(0.02, abs=0.03)
+    assert greedy.plan(StepContext(1, 0, 0.0), 8) > 0
+    assert sampled.plan(StepContext(1, 0, 0.0), 8) == 0
+
+
 def test_after_sixteen_plain_steps_the_rule_probes_one_draft():
     state = fitted_state()
     rule = rule_with_rates(state, [0.01] * 8)
@@ -123,7 +141,7 @@ def test_after_sixteen_plain_steps_the_rule_probes_one_draft():
 
 def test_the_cut_keeps_the_prefix_the_calibrated_confidences_pay_for():
     state = fitted_state()
-    calibration = state.calibration[Drafter.NGRAM]
+    calibration = state.calibration[Drafter.NGRAM, False]
     for b in range(calibration.bins):  # a known calibration: acceptance = the bin's upper edge
         calibration.rates[b].value = (b + 1) / calibration.bins
     rule = rule_with_rates(state, [0.99] * 8)

@@ -20,10 +20,11 @@ that. 0 drafts (plain) is always reachable; `cost_weight` is the tuner's knob (>
 
 Where a_j comes from:
 - before drafting: the request's own decayed acceptance at position j, shrunk towards every
-  request's (the drafter's engine-wide rate), so a new request starts from what the engine knows;
+  request of its kind (the drafter's engine-wide rate for greedy or for sampled requests), so a new
+  request starts from what the engine knows of requests like it;
 - after drafting, where the drafter reports confidences (the dense draft model; the draft head
   when it samples): the calibrated acceptance of a draft whose distribution's largest probability
-  was that high (estimates.ConfidenceCalibration), and the drafts are cut where the condition
+  was that high (estimates.ConfidenceCalibration, per request kind too), and the drafts are cut where the condition
   fails. Both are calibrated online: every verify outcome updates them, and the state tracks the
   mean predicted-minus-observed acceptance (the calibration error).
 After 16 plain steps in a row the rule verifies one draft, so estimates that went stale while it
@@ -64,7 +65,7 @@ class MoespecRule(StepController):
 
     def rate(self, i: int) -> float:
         """This request's conditional acceptance of position i, before its draft is seen."""
-        return self.own.rate(i, self.state.acceptance[self.drafter].rate(i, 0.5))
+        return self.own.rate(i, self.state.acceptance[self.drafter, self.sampled].rate(i, 0.5))
 
     def plan(self, ctx: StepContext, limit: int) -> int:
         left, batch = self._quiet
@@ -118,7 +119,7 @@ class MoespecRule(StepController):
         return k
 
     def cut(self, confidence: DraftConfidence) -> int:
-        calibration = self.state.calibration[self.drafter]
+        calibration = self.state.calibration[self.drafter, self.sampled]
         rates = [calibration.rate(top) for top in confidence.top]
         k = len(rates) if self._probing else self._keep(zip(rates, self._costs, strict=False))
         self._rates = rates[:k]
@@ -134,9 +135,9 @@ class MoespecRule(StepController):
     def observe(self, outcome: StepOutcome) -> None:
         d, a = outcome.drafted, outcome.accepted
         self.own.observe(d, a)
-        self.state.acceptance[self.drafter].observe(d, a)
+        self.state.acceptance[self.drafter, self.sampled].observe(d, a)
         for i in range(min(d, a + 1)):  # the positions verification reached
             if outcome.confidence is not None:
-                self.state.calibration[self.drafter].observe(outcome.confidence.top[i], i < a)
+                self.state.calibration[self.drafter, self.sampled].observe(outcome.confidence.top[i], i < a)
             if i < len(self._rates):
                 self.state.observe_prediction(self._rates[i], i < a)

@@ -26,8 +26,12 @@ class AdaptiveState:
         # the pass, by sampled requests only, so it is kept out of the pass-cost fit.
         self.sampled_row_seconds = Ema(0.1)
         self.last_sampling_seconds = 0.0  # the last pass's sampled acceptance, all its sampled requests
-        self.acceptance = {d: AcceptanceByPosition(MAX_DRAFT_LENGTH, decay=0.999) for d in Drafter}
-        self.calibration = {d: ConfidenceCalibration() for d in Drafter}
+        # Keyed by (drafter, sampled): a sampled request accepts a draft by the target's probability of
+        # it, a greedy one only on an exact match, so the two kinds' rates differ for the same drafts
+        # and one shared prior would make a new request of either kind start from the other's.
+        self.acceptance = {(d, s): AcceptanceByPosition(MAX_DRAFT_LENGTH, decay=0.999)
+                           for d in Drafter for s in (False, True)}
+        self.calibration = {(d, s): ConfidenceCalibration() for d in Drafter for s in (False, True)}
         self.calibration_bias = Ema(0.002)  # predicted - observed acceptance, per verified draft (~500 of them)
         self.last_positions = 0  # the last verify pass's positions
         self.last_committed = 0  # and the tokens it committed
