@@ -76,7 +76,7 @@ def tools(root: Path) -> dict[str, Path]:
     return found
 
 
-ATTEMPTS = 3
+ATTEMPTS = 5
 
 
 class ToolFailed(Exception):

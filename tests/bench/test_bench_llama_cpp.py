@@ -112,7 +112,7 @@ def test_a_tool_that_never_prints_a_result_fails_the_bench_with_one_line_naming_
                           "--server-clients", "--out", str(tmp_path / "out")],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and "Traceback" not in run.stderr
-    assert "llama-bench printed no result in 3 runs (its last line: 'W llama_context: set up')" in run.stderr
+    assert "llama-bench printed no result in 5 runs (its last line: 'W llama_context: set up')" in run.stderr
 
 
 STAND_IN_SERVER = """#!/usr/bin/env python3
