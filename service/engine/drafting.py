@@ -54,10 +54,13 @@ def draft(e: Engine, seqs: list[Sequence]) -> list[Proposal]:
             k = seq.controller.plan(e.adaptive.context(len(seqs), seq.last_window, seq.last_committed), limit)
         t0 = time.perf_counter()
         if k > 0 and seq.step_policy.drafter is Drafter.NGRAM:
-            drafts = ngram.propose(seq.tokens, k, cfg.ngram_min, cfg.ngram_max)
+            if seq.ngram is None:
+                seq.ngram = ngram.NgramIndex(cfg.ngram_min, cfg.ngram_max)
+            drafts = seq.ngram.propose(seq.ids, k)
             seconds = time.perf_counter() - t0
             e.adaptive.observe_lookup(seconds)
-            out.append(Proposal(drafts.tolist(), point_mass(drafts, vocab), seconds, planned=k))
+            out.append(Proposal(drafts, point_mass(torch.tensor(drafts, dtype=torch.long), vocab), seconds,
+                                planned=k))
         else:
             out.append(Proposal([], None, 0.0, planned=k))
             if k > 0:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from service.engine.adaptive.controller import StepController
+from service.engine.ngram import NgramIndex
 from service.types import (
     Drafter,
     DraftPolicy,
@@ -53,6 +54,7 @@ class Sequence:
             self.gen.manual_seed(seed)
         self.slot = -1  # cache slot, assigned when the scheduler admits it
         self.draft_valid = 0  # tokens of self.ids whose keys/values the draft cache holds
+        self.ngram: NgramIndex | None = None  # its n-gram lookup, made on its first n-gram draft
         self.step_policy = policy  # the policy (the table's cell) its current step runs
         self.cell = ""  # that cell's label ("" for the base policy)
         self.controller = StepController()  # that policy's controller (`enter_step`)
@@ -67,11 +69,6 @@ class Sequence:
         self.done = threading.Event()
         self.result: GenerationResult | None = None
         self.error: BaseException | None = None
-
-    @property
-    def tokens(self) -> torch.Tensor:
-        """[n] prompt + committed tokens, as a tensor (for the drafters)."""
-        return torch.tensor(self.ids, dtype=torch.long)
 
     @property
     def completion(self) -> list[int]:

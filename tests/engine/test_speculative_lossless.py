@@ -128,8 +128,8 @@ def spread_prompt(engine):
 
 
 def ngram_proposal(engine, ids: list[int]) -> int | None:
-    proposal = ngram.propose(torch.tensor(ids), 1, engine.config.ngram_min, engine.config.ngram_max)
-    return int(proposal[0]) if proposal.numel() else None
+    proposal = ngram.propose(list(ids), 1, engine.config.ngram_min, engine.config.ngram_max)
+    return proposal[0] if proposal else None
 
 
 def first_token_law_residual_from_p_point_mass(p: torch.Tensor, x: int) -> torch.Tensor:
