@@ -29,11 +29,11 @@ class NgramIndex:
         # Index every n-gram that is followed by a token (start + n <= N - 1): the suffix itself is
         # not, so it never matches its own occurrence.
         for n, last in self._last_start.items():
-            s = self._next_start[n]
-            while s + n <= N - 1:
-                last[tuple(history[s:s + n])] = s  # later starts overwrite: the most recent wins
-                s += 1
-            self._next_start[n] = s
+            first, end = self._next_start[n], N - n  # the new starts: first <= s < end
+            if end > first:
+                grams = zip(*(history[first + j:end + j] for j in range(n)), strict=True)  # each start's n-gram
+                last.update(zip(grams, range(first, end), strict=True))  # later starts overwrite: the latest wins
+                self._next_start[n] = end
         for n in range(min(self.max_n, N - 1), self.min_n - 1, -1):
             start = self._last_start[n].get(tuple(history[N - n:]))
             if start is not None:

@@ -276,8 +276,8 @@ class Scheduler:
         # Each window's routed ids, only where a record keeps them (top-k capture, the EP estimate): a
         # batched step does this loop for every request, so it does nothing a request does not need.
         window_ids = routed.split(lengths, dim=1) if step_records.records_ids(e) else [None] * len(seqs)
-        self._observe_controllers(seqs, proposals, verdicts, lengths, batch_unique, t0, t1, t2,
-                                  (sampling_seconds, sampled_rows))
+        adaptive = self._observe_controllers(seqs, proposals, verdicts, lengths, t0, t2)
+        finished = []
         for seq, proposal, window, ids, unique, (n_ok, _, bonus) in zip(
                 seqs, proposals, windows, window_ids, own_unique, verdicts, strict=True):
             drafts, draft_s = proposal.drafts, proposal.seconds
@@ -295,24 +295,29 @@ class Scheduler:
                 seq.fail(error)
                 continue
             if finish is not None:
-                self._finish(seq, finish)
+                finished.append((seq, finish))
+        if adaptive:
+            # The engine's estimates learn what the step paid after drafting: the pass, the acceptance,
+            # the unions, records and commits (a longer window pays for all of them), not the finishing
+            # of requests, which every request pays once whatever its windows.
+            union = sum(batch_unique) / len(batch_unique) if batch_unique else 0.0
+            e.adaptive.observe_pass(sum(lengths), union, time.perf_counter() - t1, sum(v[0] + 1 for v in verdicts),
+                                    sampling_seconds, sampled_rows, plain=max(lengths) == 1)
+        for seq, finish in finished:
+            self._finish(seq, finish)
 
-    def _observe_controllers(self, seqs: list[Sequence], proposals: list[Proposal], verdicts: list, lengths: list[int],
-                             batch_unique: tuple[int, ...], t0: float, t1: float, t2: float,
-                             sampling: tuple[float, int]) -> None:
-        """Each controller hears its request's outcome; the engine's estimates learn from the pass
-        (only where some request adapts: a pass of static policies pays nothing for them).
-        sampling: the seconds the sampled requests' acceptance took and the rows it covered."""
+    def _observe_controllers(self, seqs: list[Sequence], proposals: list[Proposal], verdicts: list,
+                             lengths: list[int], t0: float, t2: float) -> bool:
+        """Each controller hears its request's outcome -> whether any request adapts (then the
+        engine's estimates learn from the step; a pass of static policies pays nothing for them)."""
         adaptive = any(adapts(s.controller) for s in seqs)
         for seq, proposal, (n_ok, _, _), w in zip(seqs, proposals, verdicts, lengths, strict=True):
-            if adaptive:
+            if adaptive and (w > 1 or seq.controller.hears_plain_steps):
                 seq.controller.observe(StepOutcome(w - 1, n_ok, t2 - t0, n_ok + 1, proposal.confidence))
             seq.last_window, seq.last_committed = w, n_ok + 1
         if adaptive:
-            e = self.e
-            e.adaptive.end_pass([s.controller for s in seqs], len(seqs))
-            union = sum(batch_unique) / len(batch_unique) if batch_unique else 0.0
-            e.adaptive.observe_pass(sum(lengths), union, t2 - t1, sum(v[0] + 1 for v in verdicts), *sampling)
+            self.e.adaptive.end_pass([s.controller for s in seqs], len(seqs))
+        return adaptive
 
     def _accept(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
                 lengths: list[int]) -> tuple[list[tuple[int, tuple[bool, ...], int]], float, int]:

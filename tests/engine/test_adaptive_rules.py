@@ -11,7 +11,7 @@ import pytest
 from service.engine.adaptive.baselines import CascadeUtility, SglangEmaTiers, SglangTier, TransformersHeuristic
 from service.engine.adaptive.controller import DraftConfidence, StepContext, StepOutcome
 from service.engine.adaptive.estimates import AcceptanceByPosition, ConfidenceCalibration, PassCost
-from service.engine.adaptive.rule import PROBE_EVERY, MoespecRule
+from service.engine.adaptive.rule import MAX_PROBE_EVERY, PROBE_EVERY, MoespecRule
 from service.engine.adaptive.state import AdaptiveState
 from service.types import Drafter
 
@@ -137,6 +137,26 @@ def test_after_sixteen_plain_steps_the_rule_probes_one_draft():
     # A probe keeps its draft whatever its confidence says.
     rule.plan(StepContext(1, 0, 0.0), 8)
     assert rule.cut(DraftConfidence((0.01,), (0.01,))) == 0
+
+
+def test_rejected_probes_space_out_and_an_accepted_one_starts_over():
+    state = fitted_state()
+    rule = rule_with_rates(state, [0.01] * 8)
+
+    def next_probe(accepted: int) -> int:
+        """Plain steps until the rule probes; the probe's draft is then `accepted` or rejected."""
+        for step in range(1, 1000):
+            k = rule.plan(StepContext(1, 0, 0.0), 8)
+            rule.observe(StepOutcome(drafted=k, accepted=min(k, accepted), seconds=1e-3, committed=1,
+                                     confidence=None))
+            if k:
+                return step
+        raise AssertionError("no probe")
+
+    assert [next_probe(0) for _ in range(5)] == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY,
+                                                 MAX_PROBE_EVERY]
+    next_probe(1)  # accepted (still after MAX_PROBE_EVERY): the next comes after PROBE_EVERY again
+    assert next_probe(0) == PROBE_EVERY
 
 
 def test_the_cut_keeps_the_prefix_the_calibrated_confidences_pay_for():

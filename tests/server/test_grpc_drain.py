@@ -25,9 +25,10 @@ LONG_GENERATION = 480
 # Slow on purpose, so the generations outlast the grace period whatever the machine's speed: the
 # dense draft model drafting 8 near-uniform tokens (the highest draft temperature) that are almost
 # never accepted, so every committed token pays 8 draft steps and a nine-position verify pass; and
-# eight such generations share the batch. Two alone take ~1.3x the time to the grace period's end on
-# a fast machine; eight take ~3.5x.
-IN_FLIGHT = 8
+# sixteen such generations share the batch, on one kernel thread. Eight on two kernel threads took
+# ~3.4 s on the fastest machine seen, about the time to the grace period's end; sixteen on one take
+# ~3x that.
+IN_FLIGHT = 16
 SLOW_POLICY = ["--draft-model", str(DEFAULT_DRAFT_DIR), "--drafter", "model", "--draft-length", "8",
                "--draft-temperature", "2.0"]
 
@@ -36,7 +37,7 @@ SLOW_POLICY = ["--draft-model", str(DEFAULT_DRAFT_DIR), "--drafter", "model", "-
 def serving(tmp_path):
     log = (tmp_path / "serve.stderr").open("w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--threads", "1",
+        [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--threads", "1", "--kernel-threads", "1",
          "--grace", str(GRACE_SECONDS), "--log-level", "INFO", *SLOW_POLICY],
         stdout=subprocess.PIPE, stderr=log, text=True,
     )

@@ -48,6 +48,7 @@ class StepController:
 
     wants_confidence = False  # ask the drafter for DraftConfidence (costs a softmax per draft)
     shared = False  # one object for every request of a policy (hears end_pass once per pass)
+    hears_plain_steps = True  # observe() is called for steps that verified no draft too
 
     def plan(self, ctx: StepContext, limit: int) -> int:
         """Drafts to draft this step, in [0, limit] (limit: the policy's length cut to the budget)."""

@@ -47,6 +47,7 @@ class PassCost:
         # seen / independent union, over the passes seen: scales the independent estimate where n is unseen
         self.correlation = Ema(0.05)
         self.passes = 0
+        self.longest = 0  # the most positions of any pass seen
         self._marginals: dict[int, float] = {}  # n -> marginal(n) until the next observed pass
 
     # -- the union at n positions -----------------------------------------------------------------
@@ -99,6 +100,7 @@ class PassCost:
             P = [[v * 3 * self.PRIOR / trace for v in row] for row in P]
         self.P = P
         self.passes += 1
+        self.longest = max(self.longest, positions)
         self._marginals.clear()
 
     def seconds(self, n: int) -> float:
@@ -106,11 +108,21 @@ class PassCost:
         return t0 + t1 * n / 16 + t2 * self.union(n) / self.E
 
     def marginal(self, n: int) -> float:
-        """Extra verify seconds of position n + 1 in a pass that has n (never below 0: a fit may tilt).
-        Cached until the next pass: every request of a pass asks for the same few n."""
+        """Extra seconds of position n + 1 in a pass that has n (never below 0: a fit may tilt).
+        Where no pass was ever that long, the fit extrapolates along a direction the data may not
+        pin down (passes of one or two positions cannot tell c1 from c2, and a tilted fit made
+        eight-token drafts look free to sampled requests): it is never cheaper there than the
+        last position the passes seen cover, and with no pass of two positions yet it costs a
+        whole one-position pass. Cached until the next pass: every request asks for the same few n."""
         cached = self._marginals.get(n)
         if cached is None:
-            cached = self._marginals[n] = max(0.0, self.seconds(n + 1) - self.seconds(n))
+            cached = max(0.0, self.seconds(n + 1) - self.seconds(n))
+            if self.longest < 2:
+                cached = max(cached, self.seconds(1))
+            elif n + 1 > self.longest:
+                covered = self.longest - 1
+                cached = max(cached, self.seconds(covered + 1) - self.seconds(covered))
+            self._marginals[n] = cached
         return cached
 
 

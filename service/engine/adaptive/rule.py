@@ -4,8 +4,9 @@ Per request and step. Position i (0 = the first draft) adds a token iff it and e
 it are accepted: probability P_i = a_0 * ... * a_i, where a_j is the conditional acceptance of
 position j. The pass this request joins costs S seconds for T expected committed tokens (the
 other windows as in the last pass, plus this request's window so far); one more position costs m_i,
-its marginal verify seconds at the size the pass will have, which on an MoE target follows how
-many new experts one more position brings (estimates.PassCost), plus one more draft round for the
+its marginal step seconds at the size the pass will have (the verify pass and what the step's
+bookkeeping pays per position), which on an MoE target follows how many new experts one more
+position brings (estimates.PassCost), plus one more draft round for the
 model drafter (for the n-gram drafter, the first position also pays its lookup), plus, for a
 sampled request, its own acceptance of one more row (target probabilities and the accept test,
 paid beside the pass and only by sampled requests: state.row_seconds). Adding it
@@ -28,10 +29,13 @@ Where a_j comes from:
   fails. Both are calibrated online: every verify outcome updates them, and the state tracks the
   mean predicted-minus-observed acceptance (the calibration error).
 After 16 plain steps in a row the rule verifies one draft, so estimates that went stale while it
-was not drafting can recover (a probe costs one marginal position once per 16 steps). Once it
+was not drafting can recover (a probe costs one marginal position once per 16 steps; after a
+rejected probe the next waits twice as long, up to 128 steps, and an accepted one or a decision
+to draft starts over from 16). Once it
 chose plain, it keeps plain without pricing for the next RECHECK_EVERY - 1 steps at the same
-batch size (estimates move over tens of passes, and pricing every step of a long plain stretch is
-the rule's whole overhead there).
+batch size, twice as many after each plain decision in a row up to MAX_RECHECK (estimates move
+over tens of passes, and pricing every step of a long plain stretch is the rule's whole overhead
+there); a decision to draft, or a probe, starts over from RECHECK_EVERY.
 """
 
 from __future__ import annotations
@@ -46,12 +50,15 @@ if TYPE_CHECKING:
     from service.engine.adaptive.state import AdaptiveState
 
 PROBE_EVERY = 16  # plain steps in a row before one probing draft
+MAX_PROBE_EVERY = 128  # ... doubling after each rejected probe, up to this
 RECHECK_EVERY = 4  # after a plain decision, steps until the positions are priced again (same batch size)
+MAX_RECHECK = 16  # ... doubling after each plain decision in a row, up to this
 OWN_DECAY = 0.9  # a request's own acceptance: ~10 steps of memory (its text changes)
 
 
 class MoespecRule(StepController):
     wants_confidence = True
+    hears_plain_steps = False  # a step without drafts carries no acceptance; plain stretches are plan's
 
     def __init__(self, state: AdaptiveState, drafter: Drafter, cost_weight: float, sampled: bool = False):
         self.state, self.drafter, self.weight, self.sampled = state, drafter, cost_weight, sampled
@@ -61,7 +68,9 @@ class MoespecRule(StepController):
         self._rates: list[float] = []  # the conditional acceptance the verified drafts were sent with
         self._plain_run = 0
         self._probing = False  # this step verifies one draft to measure, whatever the estimates say
+        self._probe_every = PROBE_EVERY  # plain steps in a row before the next probe
         self._quiet = (0, 0)  # (steps left, batch size) of plain kept without pricing
+        self._recheck = RECHECK_EVERY  # the next plain decision's quiet stretch
 
     def rate(self, i: int) -> float:
         """This request's conditional acceptance of position i, before its draft is seen."""
@@ -83,27 +92,28 @@ class MoespecRule(StepController):
             # Positions are priced one at a time, as the walk asks: the plan runs on every request's
             # step, and no position past the first that does not pay is ever priced.
             for i in range(limit):
-                costs.append(self.weight * (s.cost.marginal(n + i) + draft + (first if i == 0 else 0.0)))
+                costs.append(self.weight * (s.marginal_seconds(n + i) + draft + (first if i == 0 else 0.0)))
                 rates.append(self.rate(i))
                 yield rates[-1], costs[-1]
 
         k = self._keep(priced())
         self._costs = costs
         if k == 0 and limit > 0:
-            self._quiet = (RECHECK_EVERY - 1, ctx.batch_size)
+            self._quiet = (self._recheck - 1, ctx.batch_size)
+            self._recheck = min(MAX_RECHECK, 2 * self._recheck)
             return self._plain_or_probe()
-        self._plain_run, self._probing = 0, False
+        self._plain_run, self._probing, self._recheck, self._probe_every = 0, False, RECHECK_EVERY, PROBE_EVERY
         self._rates = rates[:k]
         return k
 
     def _plain_or_probe(self) -> int:
-        """A step the rule keeps plain, except the probe after PROBE_EVERY of them in a row."""
+        """A step the rule keeps plain, except the probe after `_probe_every` of them in a row."""
         self._plain_run += 1
-        self._probing = self._plain_run >= PROBE_EVERY
+        self._probing = self._plain_run >= self._probe_every
         if not self._probing:
             self._rates = []
             return 0
-        self._plain_run, self._quiet = 0, (0, 0)
+        self._plain_run, self._quiet, self._recheck = 0, (0, 0), RECHECK_EVERY
         self._rates = [self.rate(0)]
         return 1
 
@@ -134,6 +144,8 @@ class MoespecRule(StepController):
 
     def observe(self, outcome: StepOutcome) -> None:
         d, a = outcome.drafted, outcome.accepted
+        if self._probing and d > 0:  # a rejected probe: the next one waits twice as long
+            self._probe_every = PROBE_EVERY if a > 0 else min(MAX_PROBE_EVERY, 2 * self._probe_every)
         self.own.observe(d, a)
         self.state.acceptance[self.drafter, self.sampled].observe(d, a)
         for i in range(min(d, a + 1)):  # the positions verification reached

@@ -2,7 +2,7 @@
 
 One `AdaptiveState` per engine, on the scheduler thread. It learns the pass cost (estimates.PassCost),
 the model drafter's seconds per draft round, the n-gram lookup's seconds, and per drafter the
-acceptance by position and by confidence over every request (a new request's prior);
+acceptance by position and by confidence over every request of each kind (a new request's prior);
 it tracks the moespec rule's calibration error (mean predicted minus observed acceptance of the
 drafts it sent to verification) and hands out each request's controller.
 """
@@ -14,6 +14,9 @@ from service.engine.adaptive.controller import StepContext, StepController
 from service.engine.adaptive.estimates import AcceptanceByPosition, ConfidenceCalibration, Ema, PassCost
 from service.engine.adaptive.rule import MoespecRule
 from service.types import MAX_DRAFT_LENGTH, Controller, Drafter, DraftPolicy
+
+PLAIN_FIT_EVERY = 8  # passes without drafts per one the pass-cost fit sees
+ALONE = StepContext(1, 0, 0.0)  # a request alone in its pass: no other windows
 
 
 class AdaptiveState:
@@ -33,6 +36,7 @@ class AdaptiveState:
                            for d in Drafter for s in (False, True)}
         self.calibration = {(d, s): ConfidenceCalibration() for d in Drafter for s in (False, True)}
         self.calibration_bias = Ema(0.002)  # predicted - observed acceptance, per verified draft (~500 of them)
+        self._plain_passes = 0  # passes without drafts since the last one the fit saw (mod PLAIN_FIT_EVERY)
         self.last_positions = 0  # the last verify pass's positions
         self.last_committed = 0  # and the tokens it committed
         self._shared: dict[str, StepController] = {}  # policy id -> the controller its requests share
@@ -42,7 +46,7 @@ class AdaptiveState:
     def context(self, batch_size: int, own_last_window: int, own_last_committed: int) -> StepContext:
         """A request's view of the coming pass: the last pass without its own window (batch 1: empty)."""
         if batch_size == 1:
-            return StepContext(1, 0, 0.0)
+            return ALONE
         return StepContext(batch_size, max(0, self.last_positions - own_last_window),
                            float(max(0, self.last_committed - own_last_committed)))
 
@@ -52,6 +56,11 @@ class AdaptiveState:
         if not self.cost.passes:
             return self.plain_step_seconds * positions
         return self.cost.seconds(positions) + self.last_sampling_seconds
+
+    def marginal_seconds(self, positions: int) -> float:
+        """One more position in a pass of that many: the fit's marginal, or before any pass a whole
+        calibrated plain step (nothing is known of longer passes yet: drafting waits for a probe)."""
+        return self.cost.marginal(positions) if self.cost.passes else self.plain_step_seconds
 
     def row_seconds(self, sampled: bool) -> float:
         """What one more verified row costs a request beyond the pass: its sampled acceptance."""
@@ -72,11 +81,17 @@ class AdaptiveState:
         return abs(self.calibration_bias.get(0.0))
 
     # -- fed by the scheduler ------------------------------------------------------------------
-    def observe_pass(self, positions: int, union_per_layer: float, verify_seconds: float, committed: int,
-                     sampling_seconds: float = 0.0, sampled_rows: int = 0) -> None:
-        """verify_seconds includes the sampled requests' acceptance (sampling_seconds over
-        sampled_rows rows): the pass-cost fit sees the pass without it."""
-        self.cost.observe(positions, union_per_layer, verify_seconds - sampling_seconds)
+    def observe_pass(self, positions: int, union_per_layer: float, step_seconds: float, committed: int,
+                     sampling_seconds: float = 0.0, sampled_rows: int = 0, plain: bool = False) -> None:
+        """step_seconds: what the step paid after drafting (the verify pass and everything a window's
+        length adds to the step). It includes the sampled requests' acceptance (sampling_seconds over
+        sampled_rows rows), which only sampled requests pay: the pass-cost fit sees the step without
+        it. Of the passes without drafts (`plain`) only every PLAIN_FIT_EVERY-th feeds the fit: while
+        the rule keeps plain they repeat one point of the fit, and the update was most of the rule's
+        cost per step."""
+        self._plain_passes = (self._plain_passes + 1) % PLAIN_FIT_EVERY if plain else 0
+        if self._plain_passes == 0:
+            self.cost.observe(positions, union_per_layer, step_seconds - sampling_seconds)
         if sampled_rows:
             self.sampled_row_seconds.update(sampling_seconds / sampled_rows)
         self.last_positions, self.last_committed = positions, committed
