@@ -58,6 +58,23 @@ def test_the_pass_cost_fit_recovers_the_marginal_cost_of_one_more_position():
     assert state.cost.marginal(1) > 2 * state.cost.marginal(30)
 
 
+def test_beyond_the_longest_pass_seen_a_position_costs_at_least_the_last_one_covered():
+    """Passes of one and two positions only (a plain load and its probes) pin down one increment;
+    the fit cannot tell the per-position from the per-expert cost, so its extrapolation is bounded
+    by that increment instead of trusted. Before any pass, a position costs a whole plain step."""
+    state = AdaptiveState(E, M, plain_step_seconds=true_seconds(1))
+    assert state.marginal_seconds(1) == true_seconds(1)
+    rng = random.Random(3)
+    for _ in range(300):
+        n = rng.choice((1, 2))
+        state.observe_pass(n, true_union(n), true_seconds(n) * (1 + rng.uniform(-0.02, 0.02)), n)
+    covered = true_seconds(2) - true_seconds(1)
+    assert state.marginal_seconds(1) == pytest.approx(covered, rel=0.2)
+    # Fitted from those passes alone, a position joining a longer pass brings fewer new experts and
+    # would look cheaper than the one the passes measured; bounded, none is.
+    assert all(state.marginal_seconds(n) >= state.marginal_seconds(1) for n in range(2, 9))
+
+
 def test_the_union_estimate_scales_the_independent_one_to_the_unions_seen():
     cost = PassCost(E, M)
     for n in (2, 8):
