@@ -37,6 +37,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_child(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM a benchmark's child server; SIGKILL if it has not exited within `timeout` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class ServerFailed(Exception):
     """llama-server exited at start or never answered its /health."""
 
@@ -70,12 +80,7 @@ class LlamaServer:
         raise ServerFailed(f"llama-server not ready in {self._ready_timeout:.0f} s: {' '.join(self._cmd)}")
 
     def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_child(self.proc)
 
     def complete(self, ids: tuple[int, ...], tokens: int) -> int:
         """One greedy completion of exactly `tokens` tokens -> tokens it reports generated."""

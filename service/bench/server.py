@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from service.bench.batching import Cell, bench_policies, format_table, uniform_union
+from service.bench.llama_cpp_server import stop_child
 from service.server.client import MoespecClient
 from service.types import DraftPolicy, GenerationRequest, SamplingParams
 
@@ -321,12 +322,7 @@ class ServeProcess:
         return line.split()[-1]
 
     def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_child(self.proc)
 
 
 if __name__ == "__main__":

@@ -124,6 +124,9 @@ def one_run(args, rig: Rig, label: str, new_prompts: list[str] | None, out: Path
     else:
         time.sleep(args.steady_seconds)
         seen = len(decisions)
+        # What the shift leaves behind: the incumbent now (the steady phase may have moved it).
+        before = running.tuner.incumbent
+        r["incumbent_at_switch"] = before.key.label() if before else None
         rig.switch_prompts(new_prompts, args.shift_temperature)
         switched = time.time()  # Decision.at is wall time
         # The tuner follows a shift by re-opening its search (the shift detector) or by promoting a
@@ -220,13 +223,14 @@ def wait_for(condition, timeout: float) -> bool:
 
 def markdown(result: dict) -> str:
     s, n = result.get("shift"), result.get("no-shift")
-    lines = ["| run | incumbent before | after | s to re-open | s to new incumbent | re-opened searches | promotions |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| run | incumbent after the search | at the switch | after | s to re-open | s to new incumbent | "
+             "re-opened searches | promotions |", "|---|---|---|---|---|---|---|---|"]
     if s is not None:
-        lines.append(f"| shift | {s['incumbent_before']} | {s.get('incumbent_after')} | {s.get('seconds_to_reopen')} | "
+        lines.append(f"| shift | {s['incumbent_before']} | {s.get('incumbent_at_switch', '-')} | "
+                     f"{s.get('incumbent_after')} | {s.get('seconds_to_reopen')} | "
                      f"{s.get('seconds_to_new_incumbent')} | {s['reopened']} | {s['promoted']} |")
     if n is not None:
-        lines.append(f"| no shift | {n['incumbent_before']} | {n.get('incumbent_after')} | - | - | {n['reopened']} "
+        lines.append(f"| no shift | {n['incumbent_before']} | - | {n.get('incumbent_after')} | - | - | {n['reopened']} "
                      f"| {n['promoted']} |")
     lines.append("")
     n = n or {}

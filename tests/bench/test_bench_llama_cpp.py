@@ -99,18 +99,23 @@ def test_a_tool_run_that_prints_no_result_is_run_again(tmp_path):
     assert found[1] == "7" and runs.read_text().count("run") == 2
 
 
-def test_a_tool_that_never_prints_a_result_fails_the_bench_with_one_line_naming_it(tmp_path):
+def bench_with_stand_ins(tmp_path, tool_body: str, *server_clients: str) -> subprocess.CompletedProcess:
+    """`moespec bench llamacpp` (one short round) over stand-in tools that all run `tool_body`."""
     bin_dir = tmp_path / "src" / "build" / "bin"
     bin_dir.mkdir(parents=True)
     for name in TOOLS:
-        _tool(bin_dir / name, "echo 'W llama_context: set up' >&2\nexit 0\n")
+        _tool(bin_dir / name, tool_body)
     (tmp_path / "models").mkdir()
     for model in ("target-bf16.gguf", "draft-bf16.gguf"):
         (tmp_path / "models" / model).write_text("")
-    run = subprocess.run([*MOESPEC, "bench", "llamacpp", "--llama-cpp-dir", str(tmp_path), "--rounds", "1",
-                          "--tokens", "4", "--depth", "8", "--draft-lengths", "1", "--batch", "2",
-                          "--server-clients", "--out", str(tmp_path / "out")],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run([*MOESPEC, "bench", "llamacpp", "--llama-cpp-dir", str(tmp_path), "--rounds", "1",
+                           "--tokens", "4", "--depth", "8", "--draft-lengths", "1", "--batch", "2",
+                           "--server-clients", *server_clients, "--out", str(tmp_path / "out")],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_a_tool_that_never_prints_a_result_fails_the_bench_with_one_line_naming_it(tmp_path):
+    run = bench_with_stand_ins(tmp_path, "echo 'W llama_context: set up' >&2\nexit 0\n")
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert "llama-bench printed no result in 5 runs (its last line: 'W llama_context: set up')" in run.stderr
 
@@ -161,16 +166,6 @@ def test_the_server_mode_asks_llama_server_for_its_slots_and_fresh_prefills(tmp_
 
 
 def test_a_llama_server_that_exits_at_start_fails_the_bench_with_one_line(tmp_path):
-    bin_dir = tmp_path / "src" / "build" / "bin"
-    bin_dir.mkdir(parents=True)
-    for name in TOOLS:
-        _tool(bin_dir / name, "exit 3\n")
-    (tmp_path / "models").mkdir()
-    for model in ("target-bf16.gguf", "draft-bf16.gguf"):
-        (tmp_path / "models" / model).write_text("")
-    run = subprocess.run([*MOESPEC, "bench", "llamacpp", "--llama-cpp-dir", str(tmp_path), "--rounds", "1",
-                          "--tokens", "4", "--depth", "8", "--draft-lengths", "1", "--batch", "2",
-                          "--server-clients", "2", "--out", str(tmp_path / "out")],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    run = bench_with_stand_ins(tmp_path, "exit 3\n", "2")
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert "llama-server exited 3 at start" in run.stderr
