@@ -41,10 +41,9 @@ from pathlib import Path
 
 from service.bench.engine import load_prompts
 from service.bench.limit import fused_step_cost, measure_rates
-from service.bench.llama_cpp_server import LlamaServer, ServerFailed, concurrent_load, moespec_send
-from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
+from service.bench.llama_cpp_server import GREEDY, LlamaServer, ServerFailed, concurrent_load, moespec_send
+from service.types import Drafter, DraftPolicy, GenerationRequest
 
-GREEDY = SamplingParams(temperature=0)
 DEFAULT_DIR = Path.home() / ".cache" / "moespec" / "llama.cpp"
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-speculative", "llama-server")
 

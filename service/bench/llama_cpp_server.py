@@ -26,6 +26,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from service.bench.server import stop_child
 from service.types import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -35,16 +36,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def stop_child(proc: subprocess.Popen, timeout: float = 30) -> None:
-    """SIGTERM a benchmark's child server; SIGKILL if it has not exited within `timeout` seconds."""
-    proc.terminate()
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 class ServerFailed(Exception):

@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from service.bench.batching import Cell, bench_policies, format_table, uniform_union
-from service.bench.llama_cpp_server import stop_child
 from service.server.client import MoespecClient
 from service.types import DraftPolicy, GenerationRequest, SamplingParams
 
@@ -305,6 +304,16 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     # Nearest rank: with few samples p99 is the slowest request, which is what it should say.
     index = min(len(sorted_values) - 1, max(0, round(q * len(sorted_values) + 0.5) - 1))
     return sorted_values[index]
+
+
+def stop_child(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM a benchmark's child server; SIGKILL if it has not exited within `timeout` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class ServeProcess:

@@ -146,6 +146,18 @@ def test_a_new_request_starts_from_what_requests_of_its_own_kind_accepted():
     assert sampled.plan(StepContext(1, 0, 0.0), 8) == 0
 
 
+def test_a_sampled_request_pays_its_own_acceptance_of_each_row():
+    """Sampled rows cost their target probabilities and accept test beside the pass: where that is
+    dear, a sampled request drafts less than a greedy one with the same acceptance."""
+    state = fitted_state()
+    state.observe_pass(1, true_union(1), true_seconds(1) + 4e-4, 1, sampling_seconds=4e-4, sampled_rows=1)
+    assert state.row_seconds(sampled=True) == pytest.approx(4e-4) and state.row_seconds(sampled=False) == 0.0
+    rates = [0.7] * 8
+    greedy, sampled = (rule_with_rates(state, rates) for _ in range(2))
+    sampled.sampled = True
+    assert greedy.plan(StepContext(1, 0, 0.0), 8) > sampled.plan(StepContext(1, 0, 0.0), 8)
+
+
 def test_after_sixteen_plain_steps_the_rule_probes_one_draft():
     state = fitted_state()
     rule = rule_with_rates(state, [0.01] * 8)

@@ -25,9 +25,9 @@ LONG_GENERATION = 480
 # Slow on purpose, so the generations outlast the grace period whatever the machine's speed: the
 # dense draft model drafting 8 near-uniform tokens (the highest draft temperature) that are almost
 # never accepted, so every committed token pays 8 draft steps and a nine-position verify pass; and
-# sixteen such generations share the batch, on one kernel thread. Eight on two kernel threads took
-# ~3.4 s on the fastest machine seen, about the time to the grace period's end; sixteen on one take
-# ~3x that.
+# sixteen such generations share the batch, on one kernel thread. In-process on the fastest machine
+# seen, eight on two kernel threads took 3.3-3.6 s, about the time to the grace period's end; sixteen
+# on one took 9.2 s.
 IN_FLIGHT = 16
 SLOW_POLICY = ["--draft-model", str(DEFAULT_DRAFT_DIR), "--drafter", "model", "--draft-length", "8",
                "--draft-temperature", "2.0"]

@@ -6,11 +6,10 @@ position j. The pass this request joins costs S seconds for T expected committed
 other windows as in the last pass, plus this request's window so far); one more position costs m_i,
 its marginal step seconds at the size the pass will have (the verify pass and what the step's
 bookkeeping pays per position), which on an MoE target follows how many new experts one more
-position brings (estimates.PassCost), plus one more draft round for the
-model drafter (for the n-gram drafter, the first position also pays its lookup), plus, for a
-sampled request, its own acceptance of one more row (target probabilities and the accept test,
-paid beside the pass and only by sampled requests: state.row_seconds). Adding it
-lowers the pass's seconds per token S / T iff
+position brings (estimates.PassCost), plus one more draft round for the model drafter (for the
+n-gram drafter, the first position also pays its lookup), plus, for a sampled request, its own
+acceptance of one more row (target probabilities and the accept test, paid beside the pass and
+only by sampled requests: state.row_seconds). Adding it lowers the pass's seconds per token S / T iff
 
     P_i * S / T > m_i        (drafted with cost_weight * m_i on the right)
 
@@ -25,17 +24,17 @@ Where a_j comes from:
   request starts from what the engine knows of requests like it;
 - after drafting, where the drafter reports confidences (the dense draft model; the draft head
   when it samples): the calibrated acceptance of a draft whose distribution's largest probability
-  was that high (estimates.ConfidenceCalibration, per request kind too), and the drafts are cut where the condition
-  fails. Both are calibrated online: every verify outcome updates them, and the state tracks the
-  mean predicted-minus-observed acceptance (the calibration error).
+  was that high (estimates.ConfidenceCalibration, per request kind too), and the drafts are cut
+  where the condition fails. Both are calibrated online: every verify outcome updates them, and
+  the state tracks the mean predicted-minus-observed acceptance (the calibration error).
 After 16 plain steps in a row the rule verifies one draft, so estimates that went stale while it
 was not drafting can recover (a probe costs one marginal position once per 16 steps; after a
 rejected probe the next waits twice as long, up to 128 steps, and an accepted one or a decision
-to draft starts over from 16). Once it
-chose plain, it keeps plain without pricing for the next RECHECK_EVERY - 1 steps at the same
-batch size, twice as many after each plain decision in a row up to MAX_RECHECK (estimates move
-over tens of passes, and pricing every step of a long plain stretch is the rule's whole overhead
-there); a decision to draft, or a probe, starts over from RECHECK_EVERY.
+to draft starts over from 16). Once it chose plain, it keeps plain without pricing for the next
+RECHECK_EVERY - 1 steps at the same batch size, twice as many after each plain decision in a row
+up to MAX_RECHECK (estimates move over tens of passes, and pricing every step of a long plain
+stretch is the rule's whole overhead there); a decision to draft, or a probe, starts over from
+RECHECK_EVERY.
 """
 
 from __future__ import annotations
