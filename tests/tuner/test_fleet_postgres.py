@@ -291,8 +291,8 @@ def test_the_fleet_incumbent_is_applied_on_every_replica_even_mid_challenge(post
     study's incumbent changes (as when any worker promotes) while each worker sits in a challenge,
     both stop their challenges (told FAIL "superseded", not counted) and apply the new one.
 
-    Mid-challenge by construction: with both loads off, a challenge asked after that cannot finish
-    (no request can run its policy), and the windows' limit (--max-window-seconds 600) outlasts the test."""
+    Mid-challenge by construction: with both loads off, a running challenge cannot finish (no request
+    can run its policy), and the windows' limit (--max-window-seconds 600) outlasts the test."""
     a, b = replicas
     storage = postgres.create_database("fleet_incumbent")
     study_name = "inc"
@@ -308,11 +308,17 @@ def test_the_fleet_incumbent_is_applied_on_every_replica_even_mid_challenge(post
         incumbent = root.user_attrs["continuous"]["incumbent"]
         a.load_off()
         b.load_off()
-        before = {t.number for t in root.get_trials(deepcopy=False)}
+        time.sleep(2)  # the last request's spans land (exported every 200 ms): no window can fill after this
 
         def stuck_challenge(worker: Worker) -> optuna.trial.FrozenTrial | None:
+            """The worker's running challenge, if it is still the same one a while later: one asked before
+            the loads stopped (and stuck since) counts as much as one asked after."""
             t = running_trial(storage, study_name, worker.id)
-            return t if t is not None and t.number not in before and st.role(t) == st.ROLE_CHALLENGE else None
+            if t is None or st.role(t) != st.ROLE_CHALLENGE:
+                return None
+            time.sleep(2)
+            again = running_trial(storage, study_name, worker.id)
+            return again if again is not None and again.number == t.number else None
 
         stuck = [wait_until(lambda w=w: stuck_challenge(w), 180, what=f"{w.id} inside a challenge with no traffic")
                  for w in workers]
