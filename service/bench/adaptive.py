@@ -127,14 +127,14 @@ def rule_overhead(plain_step_seconds: float, steps: int = 20000) -> dict[str, fl
     state = AdaptiveState(64, 8, plain_step_seconds)
     policy = DraftPolicy(Drafter.NGRAM, 8, controller=Controller.MOESPEC)
     rule = state.controller_for(policy)
-    context = state.context(1, 0, 0)
+    context = state.context(1, 0)
     t0 = time.perf_counter()
     for i in range(steps):
         k = rule.plan(context, 8)
         accepted = i % (k + 1)
         rule.observe(StepOutcome(k, accepted, plain_step_seconds, accepted + 1, None))
         state.end_pass([rule], 1)
-        state.observe_pass(k + 1, 8.0 + 4 * k, plain_step_seconds * (1 + 0.1 * k), accepted + 1)
+        state.observe_pass(k + 1, 8.0 + 4 * k, plain_step_seconds * (1 + 0.1 * k))
     per_step = (time.perf_counter() - t0) / steps
     return {"seconds_per_step": per_step, "plain_step_seconds": plain_step_seconds,
             "share_of_plain_step": per_step / plain_step_seconds}

@@ -53,7 +53,7 @@ def draft(e: Engine, seqs: list[Sequence]) -> list[Proposal]:
     for i, seq in enumerate(seqs):
         k = limit = seq.draft_budget()
         if limit > 0 and adapts(seq.controller):
-            k = seq.controller.plan(e.adaptive.context(len(seqs), seq.last_window, seq.last_committed), limit)
+            k = seq.controller.plan(e.adaptive.context(len(seqs), seq.last_window), limit)
         t0 = time.perf_counter()
         if k > 0 and seq.step_policy.drafter is Drafter.NGRAM:
             if seq.ngram is None:

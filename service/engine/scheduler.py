@@ -301,7 +301,7 @@ class Scheduler:
             # the unions, records and commits (a longer window pays for all of them), not the finishing
             # of requests, which every request pays once whatever its windows.
             union = sum(batch_unique) / len(batch_unique) if batch_unique else 0.0
-            e.adaptive.observe_pass(sum(lengths), union, time.perf_counter() - t1, sum(v[0] + 1 for v in verdicts),
+            e.adaptive.observe_pass(sum(lengths), union, time.perf_counter() - t1,
                                     sampling_seconds, sampled_rows, plain=max(lengths) == 1)
         for seq, finish in finished:
             self._finish(seq, finish)
@@ -314,7 +314,7 @@ class Scheduler:
         for seq, proposal, (n_ok, _, _), w in zip(seqs, proposals, verdicts, lengths, strict=True):
             if adaptive and (w > 1 or seq.controller.hears_plain_steps):
                 seq.controller.observe(StepOutcome(w - 1, n_ok, t2 - t0, n_ok + 1, proposal.confidence))
-            seq.last_window, seq.last_committed = w, n_ok + 1
+            seq.last_window = w
         if adaptive:
             self.e.adaptive.end_pass([s.controller for s in seqs], len(seqs))
         return adaptive

@@ -60,7 +60,6 @@ class Sequence:
         self.controller = StepController()  # that policy's controller (`enter_step`)
         self._controllers: dict[int, StepController] = {}  # cell index -> its controller, made on first use
         self.last_window = 0  # positions of its window in the last step
-        self.last_committed = 0  # and the tokens that step committed
         self.steps: list[StepRecord] = []
         self.sent_chars = 0  # completion text already streamed
         self.holdback = max((len(s) for s in request.stop), default=1) - 1

@@ -33,7 +33,7 @@ def fitted_state(max_positions: int = 40, passes: int = 400, noise: float = 0.02
     rng = random.Random(seed)
     for _ in range(passes):
         n = rng.randint(1, max_positions)
-        state.observe_pass(n, true_union(n), true_seconds(n) * (1 + rng.uniform(-noise, noise)), n)
+        state.observe_pass(n, true_union(n), true_seconds(n) * (1 + rng.uniform(-noise, noise)))
     return state
 
 
@@ -67,7 +67,7 @@ def test_beyond_the_longest_pass_seen_a_position_costs_at_least_the_last_one_cov
     rng = random.Random(3)
     for _ in range(300):
         n = rng.choice((1, 2))
-        state.observe_pass(n, true_union(n), true_seconds(n) * (1 + rng.uniform(-0.02, 0.02)), n)
+        state.observe_pass(n, true_union(n), true_seconds(n) * (1 + rng.uniform(-0.02, 0.02)))
     covered = true_seconds(2) - true_seconds(1)
     assert state.marginal_seconds(1) == pytest.approx(covered, rel=0.2)
     # Fitted from those passes alone, a position joining a longer pass brings fewer new experts and
@@ -101,21 +101,23 @@ CURVES = {
 
 
 @pytest.mark.parametrize("curve", CURVES)
-@pytest.mark.parametrize("others", [(0, 0.0), (24, 20.0)], ids=["alone", "in a batch"])
+@pytest.mark.parametrize("others", [0, 24], ids=["alone", "in a batch"])
 def test_the_rule_stops_at_the_optimum_of_known_acceptance_and_cost_curves(curve, others):
+    """The length that gives this request the fewest seconds per token: a plain step costs it its
+    position's share of the pass."""
     state = fitted_state()
     rates = CURVES[curve]
     rule = rule_with_rates(state, rates)
-    ctx = StepContext(batch_size=1 if others[0] == 0 else 8, other_positions=others[0], other_tokens=others[1])
+    ctx = StepContext(batch_size=1 if others == 0 else 8, other_positions=others)
     k = rule.plan(ctx, 8)
     n = ctx.other_positions + 1
     costs = [state.cost.marginal(n + i) for i in range(8)]
-    assert k == brute_force_length(rates, costs, state.pass_seconds(n), ctx.other_tokens + 1)
+    assert k == brute_force_length(rates, costs, state.cost.seconds(n) / n, 1.0)
 
 
 def test_the_rule_drafts_all_with_certain_drafts_and_nothing_with_hopeless_ones():
     state = fitted_state()
-    alone = StepContext(1, 0, 0.0)
+    alone = StepContext(1, 0)
     assert rule_with_rates(state, [1.0] * 8).plan(alone, 8) == 8
     assert rule_with_rates(state, [0.01] * 8).plan(alone, 8) == 0
     assert rule_with_rates(state, [1.0] * 8).plan(alone, 3) == 3  # never past the limit
@@ -124,8 +126,30 @@ def test_the_rule_drafts_all_with_certain_drafts_and_nothing_with_hopeless_ones(
 def test_a_higher_cost_weight_drafts_less():
     state = fitted_state()
     rates = CURVES["falling"]
-    ks = [rule_with_rates(state, rates, w).plan(StepContext(1, 0, 0.0), 8) for w in (0.25, 1.0, 4.0)]
+    ks = [rule_with_rates(state, rates, w).plan(StepContext(1, 0), 8) for w in (0.25, 1.0, 4.0)]
     assert ks[0] > ks[1] > ks[2], ks
+
+
+def test_in_a_full_compute_bound_pass_only_what_this_request_pays_prices_its_drafts():
+    """A pass whose seconds grow by a position's cost at every position (compute-bound), beside ten
+    sampled requests whose acceptance costs more than the pass itself. Alone, a draft accepted at
+    0.6 saves most of a step and is drafted; in the full pass a plain step costs this request about
+    one position, so the same draft costs more than it brings, however dear the pass's other
+    requests make its seconds per token."""
+    def seconds(n: int) -> float:
+        return 4e-4 + 6e-5 * n
+
+    state = AdaptiveState(E, M, plain_step_seconds=seconds(1))
+    rng = random.Random(5)
+    for _ in range(400):
+        n = rng.randint(1, 40)
+        sampling = 1.5e-3 if n >= 10 else 0.0  # the others' acceptance, beside the pass
+        state.observe_pass(n, true_union(n), seconds(n) + sampling, sampling_seconds=sampling,
+                           sampled_rows=10 if sampling else 0)
+    rates = [0.6] * 8
+    assert rule_with_rates(state, rates).plan(StepContext(1, 0), 8) > 0
+    assert rule_with_rates(state, rates).plan(StepContext(16, 15), 8) == 0
+    assert rule_with_rates(state, [0.99] * 8).plan(StepContext(16, 15), 8) > 0  # near-certain drafts still pay
 
 
 def test_a_new_request_starts_from_what_requests_of_its_own_kind_accepted():
@@ -142,29 +166,29 @@ def test_a_new_request_starts_from_what_requests_of_its_own_kind_accepted():
     greedy = MoespecRule(state, Drafter.NGRAM, 1.0, sampled=False)
     sampled = MoespecRule(state, Drafter.NGRAM, 1.0, sampled=True)
     assert greedy.rate(0) == pytest.approx(0.9, abs=0.05) and sampled.rate(0) == pytest.approx(0.02, abs=0.03)
-    assert greedy.plan(StepContext(1, 0, 0.0), 8) > 0
-    assert sampled.plan(StepContext(1, 0, 0.0), 8) == 0
+    assert greedy.plan(StepContext(1, 0), 8) > 0
+    assert sampled.plan(StepContext(1, 0), 8) == 0
 
 
 def test_a_sampled_request_pays_its_own_acceptance_of_each_row():
     """Sampled rows cost their target probabilities and accept test beside the pass: where that is
     dear, a sampled request drafts less than a greedy one with the same acceptance."""
     state = fitted_state()
-    state.observe_pass(1, true_union(1), true_seconds(1) + 4e-4, 1, sampling_seconds=4e-4, sampled_rows=1)
+    state.observe_pass(1, true_union(1), true_seconds(1) + 4e-4, sampling_seconds=4e-4, sampled_rows=1)
     assert state.row_seconds(sampled=True) == pytest.approx(4e-4) and state.row_seconds(sampled=False) == 0.0
     rates = [0.7] * 8
     greedy, sampled = (rule_with_rates(state, rates) for _ in range(2))
     sampled.sampled = True
-    assert greedy.plan(StepContext(1, 0, 0.0), 8) > sampled.plan(StepContext(1, 0, 0.0), 8)
+    assert greedy.plan(StepContext(1, 0), 8) > sampled.plan(StepContext(1, 0), 8)
 
 
 def test_after_sixteen_plain_steps_the_rule_probes_one_draft():
     state = fitted_state()
     rule = rule_with_rates(state, [0.01] * 8)
-    ks = [rule.plan(StepContext(1, 0, 0.0), 8) for _ in range(2 * PROBE_EVERY)]
+    ks = [rule.plan(StepContext(1, 0), 8) for _ in range(2 * PROBE_EVERY)]
     assert ks.count(1) == 2 and ks[PROBE_EVERY - 1] == 1 and set(ks) == {0, 1}
     # A probe keeps its draft whatever its confidence says.
-    rule.plan(StepContext(1, 0, 0.0), 8)
+    rule.plan(StepContext(1, 0), 8)
     assert rule.cut(DraftConfidence((0.01,), (0.01,))) == 0
 
 
@@ -175,7 +199,7 @@ def test_rejected_probes_space_out_and_an_accepted_one_starts_over():
     def next_probe(accepted: int) -> int:
         """Plain steps until the rule probes; the probe's draft is then `accepted` or rejected."""
         for step in range(1, 1000):
-            k = rule.plan(StepContext(1, 0, 0.0), 8)
+            k = rule.plan(StepContext(1, 0), 8)
             rule.observe(StepOutcome(drafted=k, accepted=min(k, accepted), seconds=1e-3, committed=1,
                                      confidence=None))
             if k:
@@ -194,7 +218,7 @@ def test_the_cut_keeps_the_prefix_the_calibrated_confidences_pay_for():
     for b in range(calibration.bins):  # a known calibration: acceptance = the bin's upper edge
         calibration.rates[b].value = (b + 1) / calibration.bins
     rule = rule_with_rates(state, [0.99] * 8)
-    assert rule.plan(StepContext(1, 0, 0.0), 8) == 8
+    assert rule.plan(StepContext(1, 0), 8) == 8
     confidence = DraftConfidence(token=(0.5,) * 8, top=(0.99, 0.99, 0.99, 0.05, 0.99, 0.99, 0.99, 0.99))
     k = rule.cut(confidence)
     assert k == 3  # the fourth draft's distribution was unsure: it and everything after go
@@ -225,7 +249,7 @@ def test_confidence_calibration_converges_on_a_drafter_of_known_calibration():
 def calibration_error_after(rule: MoespecRule, state: AdaptiveState, acceptance: float, steps: int = 3000) -> float:
     rng = random.Random(3)
     for _ in range(steps):
-        k = rule.plan(StepContext(1, 0, 0.0), 8)
+        k = rule.plan(StepContext(1, 0), 8)
         accepted = 0
         while accepted < k and rng.random() < acceptance:
             accepted += 1
@@ -296,7 +320,7 @@ def test_sglang_controller_hears_the_pass_once_through_end_pass():
 # ------------------------------------------------------------------------------- transformers
 def test_transformers_heuristic_adds_two_after_a_full_window_and_takes_one_otherwise():
     c = TransformersHeuristic(max_length=8)
-    ctx, lengths = StepContext(1, 0, 0.0), []
+    ctx, lengths = StepContext(1, 0), []
     for accepted_all in (False, False, True, False, False, False, False, False, False, False, True):
         k = c.plan(ctx, 8)
         lengths.append(k)
@@ -316,7 +340,7 @@ def run_cascade(c: CascadeUtility, rate: dict[int, float], steps: int) -> list[i
     """Scripted outcomes: a step at length k commits 1 + k/2 tokens and takes (1 + k/2) / rate[k] s."""
     ks = []
     for _ in range(steps):
-        k = c.plan(StepContext(1, 0, 0.0), 8)
+        k = c.plan(StepContext(1, 0), 8)
         ks.append(k)
         tokens = 1 + k // 2
         c.observe(StepOutcome(k, k // 2, tokens / rate[k], tokens, None))

@@ -23,7 +23,6 @@ class StepContext:
 
     batch_size: int  # sequences in the pass
     other_positions: int  # positions the pass's other windows are expected to hold (the last pass's)
-    other_tokens: float  # tokens they are expected to commit (the last pass's)
 
 
 @dataclass(frozen=True)

@@ -2,21 +2,25 @@
 
 Per request and step. Position i (0 = the first draft) adds a token iff it and every draft before
 it are accepted: probability P_i = a_0 * ... * a_i, where a_j is the conditional acceptance of
-position j. The pass this request joins costs S seconds for T expected committed tokens (the
-other windows as in the last pass, plus this request's window so far); one more position costs m_i,
-its marginal step seconds at the size the pass will have (the verify pass and what the step's
-bookkeeping pays per position), which on an MoE target follows how many new experts one more
-position brings (estimates.PassCost), plus one more draft round for the model drafter (for the
-n-gram drafter, the first position also pays its lookup), plus, for a sampled request, its own
-acceptance of one more row (target probabilities and the accept test, paid beside the pass and
-only by sampled requests: state.row_seconds). Adding it lowers the pass's seconds per token S / T iff
+position j. Without drafts this request's step costs it S seconds for T = 1 token: its position's
+share of the pass it joins (the pass's seconds over its positions, the other windows as in the last
+pass) plus, for a sampled request, its own acceptance of the row (state.plain_step_share). One more
+position costs m_i, its marginal step seconds at the size the pass will have (the verify pass and
+what the step's bookkeeping pays per position), which on an MoE target follows how many new experts
+one more position brings (estimates.PassCost), plus one more draft round for the model drafter (for
+the n-gram drafter, the first position also pays its lookup), plus, for a sampled request, its own
+acceptance of one more row (target probabilities and the accept test, paid beside the pass and only
+by sampled requests: state.row_seconds). Adding it lowers this request's seconds per token S / T iff
 
     P_i * S / T > m_i        (drafted with cost_weight * m_i on the right)
 
 so the rule drafts positions while that holds, adding m_i to S and P_i to T, and stops at the
-first that fails. Alone, S / T starts at a plain step and each position must pay for itself
-against it; in a full pass, S / T is the batch's cost per token and the marginal position must beat
-that. 0 drafts (plain) is always reachable; `cost_weight` is the tuner's knob (> 1: more cautious).
+first that fails. Alone, S is a whole plain step, and on a memory-bound pass a position costs a
+fraction of it; in a full pass the share shrinks towards what a position costs, and only drafts
+that are nearly sure to be accepted pay. In a closed loop of clients the server's tokens per second
+follow the work each token costs, so a request's own seconds per token is what the rule lowers,
+never the pass's (the other requests' costs are paid whatever this one drafts).
+0 drafts (plain) is always reachable; `cost_weight` is the tuner's knob (> 1: more cautious).
 
 Where a_j comes from:
 - before drafting: the request's own decayed acceptance at position j, shrunk towards every
@@ -63,7 +67,7 @@ class MoespecRule(StepController):
         self.state, self.drafter, self.weight, self.sampled = state, drafter, cost_weight, sampled
         self.own = AcceptanceByPosition(MAX_DRAFT_LENGTH, decay=OWN_DECAY)
         self._costs: list[float] = []  # this step's weighted marginal cost of each position, seconds
-        self._pass = (0.0, 1.0)  # this step's pass before any of its drafts: (seconds S, expected tokens T)
+        self._plain = 0.0  # what this step costs this request without drafts: S for one token
         self._rates: list[float] = []  # the conditional acceptance the verified drafts were sent with
         self._plain_run = 0
         self._probing = False  # this step verifies one draft to measure, whatever the estimates say
@@ -82,7 +86,7 @@ class MoespecRule(StepController):
             return self._plain_or_probe()
         s = self.state
         n = ctx.other_positions + 1  # the pass holds this request's last committed token at least
-        self._pass = (s.pass_seconds(n), ctx.other_tokens + 1.0)
+        self._plain = s.plain_step_share(n, self.sampled)
         draft, first = s.draft_seconds(self.drafter), s.first_draft_seconds(self.drafter)
         draft += s.row_seconds(self.sampled)
         costs, rates = [], []
@@ -119,7 +123,7 @@ class MoespecRule(StepController):
     def _keep(self, priced) -> int:
         """Positions that pay, from (rate, cost) pairs in order: while P_i * S / T exceeds position
         i's cost, S and T growing with each position kept."""
-        (seconds, tokens), p, k = self._pass, 1.0, 0
+        seconds, tokens, p, k = self._plain, 1.0, 1.0, 0
         for rate, cost in priced:
             p *= rate
             if p * seconds <= cost * tokens:

@@ -16,7 +16,7 @@ from service.engine.adaptive.rule import MoespecRule
 from service.types import MAX_DRAFT_LENGTH, Controller, Drafter, DraftPolicy
 
 PLAIN_FIT_EVERY = 8  # passes without drafts per one the pass-cost fit sees
-ALONE = StepContext(1, 0, 0.0)  # a request alone in its pass: no other windows
+ALONE = StepContext(1, 0)  # a request alone in its pass: no other windows
 
 
 class AdaptiveState:
@@ -28,7 +28,6 @@ class AdaptiveState:
         # A sampled request's acceptance per verified row (its target_probs and accept): paid beside
         # the pass, by sampled requests only, so it is kept out of the pass-cost fit.
         self.sampled_row_seconds = Ema(0.1)
-        self.last_sampling_seconds = 0.0  # the last pass's sampled acceptance, all its sampled requests
         # Keyed by (drafter, sampled): a sampled request accepts a draft by the target's probability of
         # it, a greedy one only on an exact match, so the two kinds' rates differ for the same drafts
         # and one shared prior would make a new request of either kind start from the other's.
@@ -38,24 +37,28 @@ class AdaptiveState:
         self.calibration_bias = Ema(0.002)  # predicted - observed acceptance, per verified draft (~500 of them)
         self._plain_passes = 0  # passes without drafts since the last one the fit saw (mod PLAIN_FIT_EVERY)
         self.last_positions = 0  # the last verify pass's positions
-        self.last_committed = 0  # and the tokens it committed
         self._shared: dict[str, StepController] = {}  # policy id -> the controller its requests share
         self._passed: set[int] = set()  # ids of shared controllers in the current pass
 
     # -- read by the controllers ---------------------------------------------------------------
-    def context(self, batch_size: int, own_last_window: int, own_last_committed: int) -> StepContext:
+    def context(self, batch_size: int, own_last_window: int) -> StepContext:
         """A request's view of the coming pass: the last pass without its own window (batch 1: empty)."""
         if batch_size == 1:
             return ALONE
-        return StepContext(batch_size, max(0, self.last_positions - own_last_window),
-                           float(max(0, self.last_committed - own_last_committed)))
+        return StepContext(batch_size, max(0, self.last_positions - own_last_window))
 
-    def pass_seconds(self, positions: int) -> float:
-        """A verify pass of that many positions, the sampled acceptance as in the last pass: the
-        fit, or the calibrated plain step before any."""
+    def plain_step_share(self, positions: int, sampled: bool) -> float:
+        """What one plain step costs a request in a pass of that many positions: its position's share
+        of the pass (the fit's seconds over its positions; the calibrated plain step before any pass),
+        plus, for a sampled request, its own acceptance of the row. Alone, the whole plain step.
+
+        A share, not the pass: whatever the pass's other windows cost (the other sampled requests'
+        acceptance above all) is paid whether this request drafts or not; measured against the
+        pass's seconds per token, one more position looked cheap beside the other requests'
+        sampling, and the rule drafted at 16 clients where every draft cost more than it brought."""
         if not self.cost.passes:
-            return self.plain_step_seconds * positions
-        return self.cost.seconds(positions) + self.last_sampling_seconds
+            return self.plain_step_seconds + self.row_seconds(sampled)
+        return self.cost.seconds(positions) / positions + self.row_seconds(sampled)
 
     def marginal_seconds(self, positions: int) -> float:
         """One more position in a pass of that many: the fit's marginal, or before any pass a whole
@@ -81,7 +84,7 @@ class AdaptiveState:
         return abs(self.calibration_bias.get(0.0))
 
     # -- fed by the scheduler ------------------------------------------------------------------
-    def observe_pass(self, positions: int, union_per_layer: float, step_seconds: float, committed: int,
+    def observe_pass(self, positions: int, union_per_layer: float, step_seconds: float,
                      sampling_seconds: float = 0.0, sampled_rows: int = 0, plain: bool = False) -> None:
         """step_seconds: what the step paid after drafting (the verify pass and everything a window's
         length adds to the step). It includes the sampled requests' acceptance (sampling_seconds over
@@ -94,8 +97,7 @@ class AdaptiveState:
             self.cost.observe(positions, union_per_layer, step_seconds - sampling_seconds)
         if sampled_rows:
             self.sampled_row_seconds.update(sampling_seconds / sampled_rows)
-        self.last_positions, self.last_committed = positions, committed
-        self.last_sampling_seconds = sampling_seconds
+        self.last_positions = positions
 
     def observe_lookup(self, seconds: float) -> None:
         self.lookup_seconds.update(seconds)
