@@ -53,9 +53,9 @@ class AdaptiveState:
         plus, for a sampled request, its own acceptance of the row. Alone, the whole plain step.
 
         A share, not the pass: whatever the pass's other windows cost (the other sampled requests'
-        acceptance above all) is paid whether this request drafts or not; measured against the
-        pass's seconds per token, one more position looked cheap beside the other requests'
-        sampling, and the rule drafted at 16 clients where every draft cost more than it brought."""
+        acceptance above all) is paid whether this request drafts or not. Against the pass's
+        seconds per token, which that cost fills, a position looks cheap in a full pass even where
+        it costs more than the tokens it brings."""
         if not self.cost.passes:
             return self.plain_step_seconds + self.row_seconds(sampled)
         return self.cost.seconds(positions) / positions + self.row_seconds(sampled)
