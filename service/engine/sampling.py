@@ -11,6 +11,7 @@ Shape legend: k draft positions, V vocabulary.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from service.types import SamplingParams
@@ -22,8 +23,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         return point_mass(logits.argmax(-1), logits.shape[-1])
     scaled = logits.float() / params.temperature
     if 0 < params.top_k < scaled.shape[-1]:
-        kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]  # [n, 1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        scaled = scaled.masked_fill(scaled < _kth_largest(scaled, params.top_k), float("-inf"))
     probs = scaled.softmax(-1)
     if params.top_p < 1.0:
         # Keep the smallest set of likeliest tokens whose mass reaches top_p (the top token always
@@ -35,22 +35,25 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-TOP_P_PREFIX = 1024  # likeliest tokens sorted first; the whole vocabulary only when their mass falls short
-
-
 def _top_p_cutoff(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """probs [n, V] -> [n, 1] the least probability top-p keeps. The kept set is usually a few
-    tokens: the sorted prefix of the likeliest TOP_P_PREFIX (topk's values are the full sort's first
-    values, summed in the same order, so the cutoff is the one a full sort gives) decides it when
-    the set ends inside the prefix; otherwise the whole vocabulary is sorted."""
-    prefix = min(TOP_P_PREFIX, probs.shape[-1])
-    for sorted_p in (probs.topk(prefix, -1).values, None):
-        if sorted_p is None:
-            sorted_p = probs.sort(-1, descending=True).values  # [n, V]
-        kept = (sorted_p.cumsum(-1) - sorted_p) < top_p  # mass strictly before < top_p
-        if sorted_p.shape[-1] == probs.shape[-1] or not bool(kept[:, -1].any()):
-            return sorted_p.masked_fill(~kept, float("inf")).amin(-1, keepdim=True)
-    raise AssertionError("unreachable")
+    """probs [n, V] -> [n, 1] the least probability top-p keeps.
+
+    The row is sorted by numpy: torch's CPU sort (and topk) of a model's 4,096 probabilities took
+    ~200 us (~75 us for topk(1024)) against numpy's ~10 us, and a sampled request pays this on
+    every row it verifies. A sort's values do not depend on the algorithm, and the mass before each
+    is summed by torch's cumsum in the same order as before, so the cutoff is exactly the one
+    torch's sort gives."""
+    ascending = torch.from_numpy(np.sort(probs.detach().float().numpy(), axis=-1))  # [n, V]
+    sorted_p = ascending.flip(-1)
+    kept = (sorted_p.cumsum(-1) - sorted_p) < top_p  # mass strictly before < top_p
+    return sorted_p.masked_fill(~kept, float("inf")).amin(-1, keepdim=True)
+
+
+def _kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x [n, V] -> [n, 1] each row's k-th largest value: numpy's partition, the value torch's topk
+    gives (~75 us a row of a model's logits) at a fraction of the cost."""
+    v = x.shape[-1]
+    return torch.from_numpy(np.partition(x.detach().numpy(), v - k, axis=-1)[:, v - k:v - k + 1])
 
 
 def draft_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

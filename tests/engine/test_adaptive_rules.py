@@ -192,6 +192,15 @@ def test_after_sixteen_plain_steps_the_rule_probes_one_draft():
     assert rule.cut(DraftConfidence((0.01,), (0.01,))) == 0
 
 
+def test_in_a_full_pass_each_request_probes_as_many_times_less_often_as_the_pass_has_requests():
+    """Every request's probes feed its kind's engine-wide estimates: the pass, not each request,
+    carries one probe per PROBE_EVERY passes."""
+    state = fitted_state()
+    rule = rule_with_rates(state, [0.01] * 8)
+    ks = [rule.plan(StepContext(16, 15), 8) for _ in range(16 * PROBE_EVERY)]
+    assert ks.count(1) == 1 and ks[-1] == 1
+
+
 def test_rejected_probes_space_out_and_an_accepted_one_starts_over():
     state = fitted_state()
     rule = rule_with_rates(state, [0.01] * 8)

@@ -1,14 +1,14 @@
-"""The sampling fast paths give exactly what the plain computations give: the top-p cutoff from a
-sorted prefix equals the full sort's (ties, flat rows that need more than the prefix, several rows),
-and the inverse-CDF draw follows its distribution and never draws a token of probability 0."""
+"""The sampling fast paths give exactly what the plain computations give: the top-p cutoff from
+numpy's sort and the top-k threshold from numpy's partition equal torch's sort and topk (ties,
+flat rows, several rows), and the inverse-CDF draw follows its distribution and never draws a
+token of probability 0."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from service.engine import sampling
-from service.engine.sampling import _top_p_cutoff, sample
+from service.engine.sampling import _kth_largest, _top_p_cutoff, sample
 from tests.support.engine_helpers import fit_pvalue
 
 
@@ -18,9 +18,9 @@ def full_sort_cutoff(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return sorted_p.masked_fill(~kept, float("inf")).amin(-1, keepdim=True)
 
 
-@pytest.mark.parametrize("scale", [0.3, 1.0, 3.0, 8.0])  # 0.3: flat rows whose kept set outgrows the prefix
+@pytest.mark.parametrize("scale", [0.3, 1.0, 3.0, 8.0])  # 0.3: flat rows, most of the vocabulary kept
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95, 0.999])
-def test_the_prefix_cutoff_equals_the_full_sort_cutoff(scale, top_p):
+def test_the_cutoff_equals_torchs_full_sort_cutoff(scale, top_p):
     g = torch.Generator().manual_seed(int(scale * 10) + int(top_p * 1000))
     for tied in (False, True):
         logits = torch.randn(4, 4096, generator=g) * scale
@@ -31,7 +31,15 @@ def test_the_prefix_cutoff_equals_the_full_sort_cutoff(scale, top_p):
 def test_flat_rows_take_the_full_sort():
     probs = torch.full((2, 4096), 1 / 4096)
     assert (probs >= _top_p_cutoff(probs, 0.95)).sum() == 2 * 4096  # every tied token stays
-    assert sampling.TOP_P_PREFIX < 4096
+
+
+@pytest.mark.parametrize("k", [1, 50, 4095])
+def test_the_top_k_threshold_equals_torchs_topk(k):
+    g = torch.Generator().manual_seed(k)
+    for tied in (False, True):
+        logits = torch.randn(3, 4096, generator=g) * 3
+        logits = logits.round() if tied else logits
+        assert torch.equal(_kth_largest(logits, k), logits.topk(k, dim=-1).values[..., -1:])
 
 
 def test_inverse_cdf_draws_follow_the_distribution_and_skip_zero_mass():

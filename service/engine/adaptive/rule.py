@@ -34,7 +34,10 @@ Where a_j comes from:
 After 16 plain steps in a row the rule verifies one draft, so estimates that went stale while it
 was not drafting can recover (a probe costs one marginal position once per 16 steps; after a
 rejected probe the next waits twice as long, up to 128 steps, and an accepted one or a decision
-to draft starts over from 16). Once it chose plain, it keeps plain without pricing for the next
+to draft starts over from 16). In a pass of B requests the wait is B times as long: every
+request's probes feed the same engine-wide estimates of its kind, so the pass carries about one
+probe per 16 passes at any occupancy (one per request every 16 steps put a probe in most 16-request
+passes, and their drafts, rows and pass-cost updates cost those passes more than plain). Once it chose plain, it keeps plain without pricing for the next
 RECHECK_EVERY - 1 steps at the same batch size, twice as many after each plain decision in a row
 up to MAX_RECHECK (estimates move over tens of passes, and pricing every step of a long plain
 stretch is the rule's whole overhead there); a decision to draft, or a probe, starts over from
@@ -83,7 +86,7 @@ class MoespecRule(StepController):
         left, batch = self._quiet
         if left and batch == ctx.batch_size and limit > 0:
             self._quiet = (left - 1, batch)
-            return self._plain_or_probe()
+            return self._plain_or_probe(batch)
         s = self.state
         n = ctx.other_positions + 1  # the pass holds this request's last committed token at least
         self._plain = s.plain_step_share(n, self.sampled)
@@ -104,15 +107,16 @@ class MoespecRule(StepController):
         if k == 0 and limit > 0:
             self._quiet = (self._recheck - 1, ctx.batch_size)
             self._recheck = min(MAX_RECHECK, 2 * self._recheck)
-            return self._plain_or_probe()
+            return self._plain_or_probe(ctx.batch_size)
         self._plain_run, self._probing, self._recheck, self._probe_every = 0, False, RECHECK_EVERY, PROBE_EVERY
         self._rates = rates[:k]
         return k
 
-    def _plain_or_probe(self) -> int:
-        """A step the rule keeps plain, except the probe after `_probe_every` of them in a row."""
+    def _plain_or_probe(self, batch_size: int) -> int:
+        """A step the rule keeps plain, except the probe after `_probe_every` x the pass's requests
+        of them in a row."""
         self._plain_run += 1
-        self._probing = self._plain_run >= self._probe_every
+        self._probing = self._plain_run >= self._probe_every * batch_size
         if not self._probing:
             self._rates = []
             return 0
