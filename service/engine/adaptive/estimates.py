@@ -37,6 +37,9 @@ class PassCost:
     """Verify seconds of a pass of n positions: c0 + c1 * n + c2 * U(n) (see the module docstring)."""
 
     FORGET = 0.995  # a few hundred passes of memory
+    # Passes between recomputing the marginals: the fit moves over hundreds of passes, and at one
+    # request a pass every request asked for them anew (most of the rule's cost per step).
+    REPRICE_EVERY = 8
     PRIOR = 1e4  # the initial inverse-precision: the first passes set the coefficients
 
     def __init__(self, num_experts: int, top_k: int):
@@ -48,7 +51,7 @@ class PassCost:
         self.correlation = Ema(0.05)
         self.passes = 0
         self.longest = 0  # the most positions of any pass seen
-        self._marginals: dict[int, float] = {}  # n -> marginal(n) until the next observed pass
+        self._marginals: dict[int, float] = {}  # n -> marginal(n), kept for REPRICE_EVERY passes
 
     # -- the union at n positions -----------------------------------------------------------------
     def independent_union(self, n: int) -> float:
@@ -100,8 +103,9 @@ class PassCost:
             P = [[v * 3 * self.PRIOR / trace for v in row] for row in P]
         self.P = P
         self.passes += 1
+        if positions > self.longest or self.passes % self.REPRICE_EVERY == 0:
+            self._marginals.clear()
         self.longest = max(self.longest, positions)
-        self._marginals.clear()
 
     def seconds(self, n: int) -> float:
         t0, t1, t2 = self.theta
@@ -113,7 +117,8 @@ class PassCost:
         pin down (passes of one or two positions cannot tell c1 from c2, and a tilted fit made
         eight-token drafts look free to sampled requests): it is never cheaper there than the
         last position the passes seen cover, and with no pass of two positions yet it costs a
-        whole one-position pass. Cached until the next pass: every request asks for the same few n."""
+        whole one-position pass. Cached for REPRICE_EVERY passes (and until a pass longer than any
+        before): every request asks for the same few n."""
         cached = self._marginals.get(n)
         if cached is None:
             cached = max(0.0, self.seconds(n + 1) - self.seconds(n))
