@@ -37,11 +37,11 @@ rejected probe the next waits twice as long, up to 128 steps, and an accepted on
 to draft starts over from 16). In a pass of B requests the wait is B times as long: every
 request's probes feed the same engine-wide estimates of its kind, so the pass carries about one
 probe per 16 passes at any occupancy (one per request every 16 steps put a probe in most 16-request
-passes, and their drafts, rows and pass-cost updates cost those passes more than plain). Once it chose plain, it keeps plain without pricing for the next
-RECHECK_EVERY - 1 steps at the same batch size, twice as many after each plain decision in a row
-up to MAX_RECHECK (estimates move over tens of passes, and pricing every step of a long plain
-stretch is the rule's whole overhead there); a decision to draft, or a probe, starts over from
-RECHECK_EVERY.
+passes, and their drafts, rows and pass-cost updates cost those passes more than plain).
+Once it chose plain, it keeps plain without pricing for the next RECHECK_EVERY - 1 steps at the
+same batch size, twice as many after each plain decision in a row up to MAX_RECHECK (estimates
+move over tens of passes, and pricing every step of a long plain stretch is the rule's whole
+overhead there); a decision to draft, or a probe, starts over from RECHECK_EVERY.
 """
 
 from __future__ import annotations
