@@ -11,7 +11,7 @@ import pytest
 from service.engine.adaptive.baselines import CascadeUtility, SglangEmaTiers, SglangTier, TransformersHeuristic
 from service.engine.adaptive.controller import DraftConfidence, StepContext, StepOutcome
 from service.engine.adaptive.estimates import AcceptanceByPosition, ConfidenceCalibration, PassCost
-from service.engine.adaptive.rule import MAX_PROBE_EVERY, PROBE_EVERY, MoespecRule
+from service.engine.adaptive.rule import MAX_PROBE_EVERY, PROBE_EVERY, PROBE_LENGTH, MoespecRule
 from service.engine.adaptive.state import AdaptiveState
 from service.types import Drafter
 
@@ -182,14 +182,17 @@ def test_a_sampled_request_pays_its_own_acceptance_of_each_row():
     assert greedy.plan(StepContext(1, 0), 8) > sampled.plan(StepContext(1, 0), 8)
 
 
-def test_after_sixteen_plain_steps_the_rule_probes_one_draft():
+def test_after_sixteen_plain_steps_the_rule_probes_a_short_window_and_keeps_it_whatever_the_confidence():
+    """PROBE_LENGTH drafts, not one: probes of one draft showed the pass-cost fit windows of one and
+    two positions only, from which it priced every position at a whole step, and a greedy request
+    whose drafts paid never drafted again."""
     state = fitted_state()
     rule = rule_with_rates(state, [0.01] * 8)
-    ks = [rule.plan(StepContext(1, 0), 8) for _ in range(2 * PROBE_EVERY)]
-    assert ks.count(1) == 2 and ks[PROBE_EVERY - 1] == 1 and set(ks) == {0, 1}
-    # A probe keeps its draft whatever its confidence says.
-    rule.plan(StepContext(1, 0), 8)
-    assert rule.cut(DraftConfidence((0.01,), (0.01,))) == 0
+    ks = [rule.plan(StepContext(1, 0), 8) for _ in range(2 * PROBE_EVERY - 1)]
+    assert ks.count(PROBE_LENGTH) == 1 and ks[PROBE_EVERY - 1] == PROBE_LENGTH and set(ks) == {0, PROBE_LENGTH}
+    assert rule.plan(StepContext(1, 0), 8) == PROBE_LENGTH
+    assert rule.cut(DraftConfidence((0.01,) * PROBE_LENGTH, (0.01,) * PROBE_LENGTH)) == PROBE_LENGTH
+    assert [rule.plan(StepContext(1, 0), 1) for _ in range(PROBE_EVERY)][-1] == 1  # never past the step's limit
 
 
 def test_in_a_full_pass_each_request_probes_as_many_times_less_often_as_the_pass_has_requests():
@@ -198,7 +201,7 @@ def test_in_a_full_pass_each_request_probes_as_many_times_less_often_as_the_pass
     state = fitted_state()
     rule = rule_with_rates(state, [0.01] * 8)
     ks = [rule.plan(StepContext(16, 15), 8) for _ in range(16 * PROBE_EVERY)]
-    assert ks.count(1) == 1 and ks[-1] == 1
+    assert ks.count(PROBE_LENGTH) == 1 and ks[-1] == PROBE_LENGTH
 
 
 def test_rejected_probes_space_out_and_an_accepted_one_starts_over():

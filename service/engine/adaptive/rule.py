@@ -31,10 +31,13 @@ Where a_j comes from:
   was that high (estimates.ConfidenceCalibration, per request kind too), and the drafts are cut
   where the condition fails. Both are calibrated online: every verify outcome updates them, and
   the state tracks the mean predicted-minus-observed acceptance (the calibration error).
-After 16 plain steps in a row the rule verifies one draft, so estimates that went stale while it
-was not drafting can recover (a probe costs one marginal position once per 16 steps; after a
+After 16 plain steps in a row the rule verifies two drafts, so estimates that went stale while it
+was not drafting can recover, the acceptance past the first position included, and the pass-cost
+fit sees windows of three positions (probes of one draft showed it windows of one and two only, and
+from those it priced every position at a whole step: a greedy request whose drafts paid stopped
+drafting for good). A probe costs two marginal positions once per 16 steps; after a
 rejected probe the next waits twice as long, up to 128 steps, and an accepted one or a decision
-to draft starts over from 16). In a pass of B requests the wait is B times as long: every
+to draft starts over from 16. In a pass of B requests the wait is B times as long: every
 request's probes feed the same engine-wide estimates of its kind, so the pass carries about one
 probe per 16 passes at any occupancy (one per request every 16 steps put a probe in most 16-request
 passes, and their drafts, rows and pass-cost updates cost those passes more than plain).
@@ -57,6 +60,7 @@ if TYPE_CHECKING:
 
 PROBE_EVERY = 16  # plain steps in a row before one probing draft
 MAX_PROBE_EVERY = 128  # ... doubling after each rejected probe, up to this
+PROBE_LENGTH = 2  # drafts a probe verifies (fewer where the step's limit is lower)
 RECHECK_EVERY = 4  # after a plain decision, steps until the positions are priced again (same batch size)
 MAX_RECHECK = 16  # ... doubling after each plain decision in a row, up to this
 OWN_DECAY = 0.9  # a request's own acceptance: ~10 steps of memory (its text changes)
@@ -86,7 +90,7 @@ class MoespecRule(StepController):
         left, batch = self._quiet
         if left and batch == ctx.batch_size and limit > 0:
             self._quiet = (left - 1, batch)
-            return self._plain_or_probe(batch)
+            return self._plain_or_probe(batch, limit)
         s = self.state
         n = ctx.other_positions + 1  # the pass holds this request's last committed token at least
         self._plain = s.plain_step_share(n, self.sampled)
@@ -107,12 +111,12 @@ class MoespecRule(StepController):
         if k == 0 and limit > 0:
             self._quiet = (self._recheck - 1, ctx.batch_size)
             self._recheck = min(MAX_RECHECK, 2 * self._recheck)
-            return self._plain_or_probe(ctx.batch_size)
+            return self._plain_or_probe(ctx.batch_size, limit)
         self._plain_run, self._probing, self._recheck, self._probe_every = 0, False, RECHECK_EVERY, PROBE_EVERY
         self._rates = rates[:k]
         return k
 
-    def _plain_or_probe(self, batch_size: int) -> int:
+    def _plain_or_probe(self, batch_size: int, limit: int) -> int:
         """A step the rule keeps plain, except the probe after `_probe_every` x the pass's requests
         of them in a row."""
         self._plain_run += 1
@@ -121,8 +125,9 @@ class MoespecRule(StepController):
             self._rates = []
             return 0
         self._plain_run, self._quiet, self._recheck = 0, (0, 0), RECHECK_EVERY
-        self._rates = [self.rate(0)]
-        return 1
+        k = min(limit, PROBE_LENGTH)
+        self._rates = [self.rate(i) for i in range(k)]
+        return k
 
     def _keep(self, priced) -> int:
         """Positions that pay, from (rate, cost) pairs in order: while P_i * S / T exceeds position
