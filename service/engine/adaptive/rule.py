@@ -58,7 +58,7 @@ from service.types import MAX_DRAFT_LENGTH, Drafter
 if TYPE_CHECKING:
     from service.engine.adaptive.state import AdaptiveState
 
-PROBE_EVERY = 16  # plain steps in a row before one probing draft
+PROBE_EVERY = 16  # plain steps in a row (times the pass's requests) before one probe
 MAX_PROBE_EVERY = 128  # ... doubling after each rejected probe, up to this
 PROBE_LENGTH = 2  # drafts a probe verifies (fewer where the step's limit is lower)
 RECHECK_EVERY = 4  # after a plain decision, steps until the positions are priced again (same batch size)
