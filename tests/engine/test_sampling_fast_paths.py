@@ -1,14 +1,19 @@
 """The sampling fast paths give exactly what the plain computations give: the top-p cutoff from
 numpy's sort and the top-k threshold from numpy's partition equal torch's sort and topk (ties,
-flat rows, several rows), and the inverse-CDF draw follows its distribution and never draws a
-token of probability 0."""
+flat rows, several rows), a pass's sampled requests' distributions computed together are bitwise
+each one's alone, and the inverse-CDF draw follows its distribution and never draws a token of
+probability 0."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from service.engine.sampling import _kth_largest, _top_p_cutoff, sample
+from service.engine.sampling import _kth_largest, _top_p_cutoff, sample, target_probs
+from service.engine.scheduler import _sampled_probs
+from service.types import GenerationRequest, SamplingParams
 from tests.support.engine_helpers import fit_pvalue
 
 
@@ -40,6 +45,23 @@ def test_the_top_k_threshold_equals_torchs_topk(k):
         logits = torch.randn(3, 4096, generator=g) * 3
         logits = logits.round() if tied else logits
         assert torch.equal(_kth_largest(logits, k), logits.topk(k, dim=-1).values[..., -1:])
+
+
+def test_a_pass_s_sampled_distributions_computed_together_are_each_request_s_own():
+    """Requests of one sampling setting share a target_probs call; settings that differ in any of
+    temperature, top-p or top-k (here only top-p) never do; a greedy request gets none."""
+    settings = [SamplingParams(0.8, 0.95), SamplingParams(temperature=0), SamplingParams(0.8, 0.5),
+                SamplingParams(0.8, 0.95, seed=3), SamplingParams(1.2, 1.0, top_k=50), SamplingParams(0.8, 0.95)]
+    seqs = [SimpleNamespace(request=GenerationRequest(prompt="x", sampling=p)) for p in settings]
+    lengths = [1, 3, 2, 4, 1, 5]
+    logits = torch.randn(sum(lengths), 4096, generator=torch.Generator().manual_seed(5)) * 3
+    probs = _sampled_probs(seqs, logits, lengths)
+    rows = logits.split(lengths)
+    for params, p, own in zip(settings, probs, rows, strict=True):
+        if params.greedy:
+            assert p is None
+        else:
+            assert torch.equal(p, target_probs(own, params))
 
 
 def test_inverse_cdf_draws_follow_the_distribution_and_skip_zero_mass():
