@@ -50,10 +50,12 @@ def draft(e: Engine, seqs: list[Sequence]) -> list[Proposal]:
     cfg, vocab = e.config, e.info.vocab_size
     out: list[Proposal] = []
     model_rows: list[tuple[int, int]] = []  # (index in seqs, k)
+    fed = 0  # positions the model drafter feeds this step: each row's catch-up, then a round per later draft
     for i, seq in enumerate(seqs):
         k = limit = seq.draft_budget()
+        lag = len(seq.ids) - seq.draft_valid if seq.step_policy.drafter is Drafter.MODEL else 0
         if limit > 0 and adapts(seq.controller):
-            k = seq.controller.plan(e.adaptive.context(len(seqs), seq.last_window), limit)
+            k = seq.controller.plan(e.adaptive.context(len(seqs), seq.last_window, lag), limit)
         t0 = time.perf_counter()
         if k > 0 and seq.step_policy.drafter is Drafter.NGRAM:
             if seq.ngram is None:
@@ -69,13 +71,14 @@ def draft(e: Engine, seqs: list[Sequence]) -> list[Proposal]:
             out.append(Proposal([], None, 0.0, planned=k))
             if k > 0:
                 model_rows.append((i, k))
+                fed += lag + k - 1
     if model_rows:
         t0 = time.perf_counter()
         draft_rounds = model_drafting.draft_with_head if e.draft_is_head else model_drafting.draft_dense
         rows = [seqs[i] for i, _ in model_rows]
         drafted = draft_rounds(e, rows, [k for _, k in model_rows], [s.controller.wants_confidence for s in rows])
         seconds = time.perf_counter() - t0
-        e.adaptive.observe_draft_rounds(max(k for _, k in model_rows), seconds)
+        e.adaptive.observe_draft_positions(fed, seconds)
         for (i, _), (drafts, q, confidence) in zip(model_rows, drafted, strict=True):
             out[i] = _cut(seqs[i], Proposal(drafts.tolist(), q, seconds, confidence, planned=len(drafts)))
     return out

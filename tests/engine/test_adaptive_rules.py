@@ -182,6 +182,21 @@ def test_a_sampled_request_pays_its_own_acceptance_of_each_row():
     assert greedy.plan(StepContext(1, 0), 8) > sampled.plan(StepContext(1, 0), 8)
 
 
+def test_the_model_drafter_is_priced_per_position_it_feeds_and_its_catch_up_on_the_first_draft():
+    """A step's first draft round feeds every token the draft cache lacks: a draft after a plain
+    stretch pays for all of them, one after a drafting step for its few committed tokens. Priced per
+    round instead, the catch-ups made every draft look several positions dear."""
+    state = fitted_state()
+    state.observe_draft_positions(positions=20, seconds=20 * 3e-5)  # e.g. a catch-up of 17, then 3 more rounds
+    assert state.draft_seconds(Drafter.MODEL) == pytest.approx(3e-5)
+    assert state.first_draft_seconds(Drafter.MODEL, draft_lag=1) == 0.0  # the token every first round feeds
+    assert state.first_draft_seconds(Drafter.MODEL, draft_lag=41) == pytest.approx(40 * 3e-5)
+    after_drafting, after_plain = (MoespecRule(state, Drafter.MODEL, 1.0) for _ in range(2))
+    after_drafting.rate = after_plain.rate = lambda i: 0.9
+    assert after_drafting.plan(StepContext(1, 0, draft_lag=2), 8) > 0
+    assert after_plain.plan(StepContext(1, 0, draft_lag=400), 8) == 0
+
+
 def test_after_sixteen_plain_steps_the_rule_probes_a_short_window_and_keeps_it_whatever_the_confidence():
     """PROBE_LENGTH drafts, not one: probes of one draft showed the pass-cost fit windows of one and
     two positions only, from which it priced every position at a whole step, and a greedy request

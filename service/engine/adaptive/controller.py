@@ -23,6 +23,7 @@ class StepContext:
 
     batch_size: int  # sequences in the pass
     other_positions: int  # positions the pass's other windows are expected to hold (the last pass's)
+    draft_lag: int = 0  # tokens the request's model-drafter cache lacks: its first draft round feeds them
 
 
 @dataclass(frozen=True)

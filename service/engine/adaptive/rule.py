@@ -7,8 +7,9 @@ share of the pass it joins (the pass's seconds over its positions, the other win
 pass) plus, for a sampled request, its own acceptance of the row (state.plain_step_share). One more
 position costs m_i, its marginal step seconds at the size the pass will have (the verify pass and
 what the step's bookkeeping pays per position), which on an MoE target follows how many new experts
-one more position brings (estimates.PassCost), plus one more draft round for the model drafter (for
-the n-gram drafter, the first position also pays its lookup), plus, for a sampled request, its own
+one more position brings (estimates.PassCost), plus one more position the model drafter feeds
+(the first also pays the catch-up on the tokens its cache lacks, all of a plain stretch's; for the
+n-gram drafter, the first position pays its lookup), plus, for a sampled request, its own
 acceptance of one more row (target probabilities and the accept test, paid beside the pass and only
 by sampled requests: state.row_seconds). Adding it lowers this request's seconds per token S / T iff
 
@@ -94,7 +95,7 @@ class MoespecRule(StepController):
         s = self.state
         n = ctx.other_positions + 1  # the pass holds this request's last committed token at least
         self._plain = s.plain_step_share(n, self.sampled)
-        draft, first = s.draft_seconds(self.drafter), s.first_draft_seconds(self.drafter)
+        draft, first = s.draft_seconds(self.drafter), s.first_draft_seconds(self.drafter, ctx.draft_lag)
         draft += s.row_seconds(self.sampled)
         costs, rates = [], []
 

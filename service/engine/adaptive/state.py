@@ -1,7 +1,7 @@
 """The engine-wide estimates every adaptive controller reads, fed by the scheduler after each pass.
 
 One `AdaptiveState` per engine, on the scheduler thread. It learns the pass cost (estimates.PassCost),
-the model drafter's seconds per draft round, the n-gram lookup's seconds, and per drafter the
+the model drafter's seconds per position it feeds, the n-gram lookup's seconds, and per drafter the
 acceptance by position and by confidence over every request of each kind (a new request's prior);
 it tracks the moespec rule's calibration error (mean predicted minus observed acceptance of the
 drafts it sent to verification) and hands out each request's controller.
@@ -16,14 +16,17 @@ from service.engine.adaptive.rule import MoespecRule
 from service.types import MAX_DRAFT_LENGTH, Controller, Drafter, DraftPolicy
 
 PLAIN_FIT_EVERY = 8  # passes without drafts per one the pass-cost fit sees
-ALONE = StepContext(1, 0)  # a request alone in its pass: no other windows
 
 
 class AdaptiveState:
     def __init__(self, num_experts: int, top_k: int, plain_step_seconds: float):
         self.cost = PassCost(num_experts, top_k)
         self.plain_step_seconds = plain_step_seconds  # until passes are seen: the calibrated plain step
-        self.draft_round_seconds = Ema(0.1)  # the model drafter's seconds per draft round
+        # The model drafter's seconds per position it feeds: a step's first round feeds every token
+        # its cache lacks (after a plain stretch, all of them), each later round one draft. Per round
+        # instead, the catch-ups after plain stretches priced every draft at several positions'
+        # cost: the rule then kept plain, its probes paid longer catch-ups, and it never drafted again.
+        self.draft_position_seconds = Ema(0.1)
         self.lookup_seconds = Ema(0.1)  # the n-gram drafter's seconds per proposal (any length)
         # A sampled request's acceptance per verified row (its target_probs and accept): paid beside
         # the pass, by sampled requests only, so it is kept out of the pass-cost fit.
@@ -41,11 +44,11 @@ class AdaptiveState:
         self._passed: set[int] = set()  # ids of shared controllers in the current pass
 
     # -- read by the controllers ---------------------------------------------------------------
-    def context(self, batch_size: int, own_last_window: int) -> StepContext:
-        """A request's view of the coming pass: the last pass without its own window (batch 1: empty)."""
-        if batch_size == 1:
-            return ALONE
-        return StepContext(batch_size, max(0, self.last_positions - own_last_window))
+    def context(self, batch_size: int, own_last_window: int, draft_lag: int = 0) -> StepContext:
+        """A request's view of the coming pass: the last pass without its own window (batch 1: empty),
+        and the tokens its model-drafter cache lacks."""
+        others = 0 if batch_size == 1 else max(0, self.last_positions - own_last_window)
+        return StepContext(batch_size, others, draft_lag)
 
     def plain_step_share(self, positions: int, sampled: bool) -> float:
         """What one plain step costs a request in a pass of that many positions: its position's share
@@ -70,13 +73,16 @@ class AdaptiveState:
         return self.sampled_row_seconds.get(0.0) if sampled else 0.0
 
     def draft_seconds(self, drafter: Drafter) -> float:
-        """Seconds one more draft position costs: a draft round of the model drafter; an n-gram
+        """Seconds one more draft position costs: a position the model drafter feeds; an n-gram
         proposal costs the same at any length (`first_draft_seconds`)."""
-        return self.draft_round_seconds.get(0.0) if drafter is Drafter.MODEL else 0.0
+        return self.draft_position_seconds.get(0.0) if drafter is Drafter.MODEL else 0.0
 
-    def first_draft_seconds(self, drafter: Drafter) -> float:
-        """What drafting at all costs beyond the per-position cost: the n-gram lookup."""
-        return self.lookup_seconds.get(0.0) if drafter is Drafter.NGRAM else 0.0
+    def first_draft_seconds(self, drafter: Drafter, draft_lag: int = 0) -> float:
+        """What drafting at all costs beyond the per-position cost: the n-gram lookup, or the model
+        drafter's catch-up on the tokens its cache lacks beyond the one the first round feeds anyway."""
+        if drafter is Drafter.NGRAM:
+            return self.lookup_seconds.get(0.0)
+        return max(0, draft_lag - 1) * self.draft_position_seconds.get(0.0)
 
     @property
     def calibration_error(self) -> float:
@@ -102,9 +108,10 @@ class AdaptiveState:
     def observe_lookup(self, seconds: float) -> None:
         self.lookup_seconds.update(seconds)
 
-    def observe_draft_rounds(self, rounds: int, seconds: float) -> None:
-        if rounds > 0:
-            self.draft_round_seconds.update(seconds / rounds)
+    def observe_draft_positions(self, positions: int, seconds: float) -> None:
+        """The model drafter fed `positions` (catch-ups and chains of every request it drafted for)."""
+        if positions > 0:
+            self.draft_position_seconds.update(seconds / positions)
 
     def observe_prediction(self, predicted: float, accepted: bool) -> None:
         self.calibration_bias.update(predicted - (1.0 if accepted else 0.0))
