@@ -53,7 +53,8 @@ def draft(e: Engine, seqs: list[Sequence]) -> list[Proposal]:
     fed = 0  # positions the model drafter feeds this step: each row's catch-up, then a round per later draft
     for i, seq in enumerate(seqs):
         k = limit = seq.draft_budget()
-        lag = len(seq.ids) - seq.draft_valid if seq.step_policy.drafter is Drafter.MODEL else 0
+        # Tokens its model-drafter cache lacks: its first draft round feeds them (0 when it cannot draft).
+        lag = len(seq.ids) - seq.draft_valid if limit > 0 and seq.step_policy.drafter is Drafter.MODEL else 0
         if limit > 0 and adapts(seq.controller):
             k = seq.controller.plan(e.adaptive.context(len(seqs), seq.last_window, lag), limit)
         t0 = time.perf_counter()

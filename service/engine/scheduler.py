@@ -335,18 +335,20 @@ class Scheduler:
         argmax = logits.numpy().argmax(-1).tolist() if greedy else []
         started = time.perf_counter()
         probs = _sampled_probs(seqs, logits, lengths)
+        sampling_seconds = time.perf_counter() - started  # (the greedy verdicts below are not sampling's)
         verdicts, offset, sampled_rows = [], 0, 0
         for seq, proposal, w, p in zip(seqs, proposals, lengths, probs, strict=True):
             drafts, q = proposal.drafts, proposal.q
             if p is None:
                 verdicts.append(accept_greedy_ids(drafts, argmax[offset:offset + w]))
             else:
+                started = time.perf_counter()
                 n_ok, ok, bonus = accept(torch.tensor(drafts, dtype=torch.long), q if q is not None else p[:0], p,
                                          seq.gen)
                 verdicts.append((n_ok, tuple(ok.tolist()), int(bonus)))
+                sampling_seconds += time.perf_counter() - started
                 sampled_rows += w
             offset += w
-        sampling_seconds = time.perf_counter() - started if sampled_rows else 0.0
         return verdicts, sampling_seconds, sampled_rows
 
 
@@ -364,10 +366,7 @@ def _sampled_probs(seqs: list[Sequence], logits: torch.Tensor, lengths: list[int
             groups.setdefault((params.temperature, params.top_p, params.top_k), []).append(i)
     probs: list[torch.Tensor | None] = [None] * len(seqs)
     for members in groups.values():
-        if len(members) == 1:
-            rows = logits[offsets[members[0]]:offsets[members[0] + 1]]
-        else:
-            rows = torch.cat([logits[offsets[i]:offsets[i + 1]] for i in members])
+        rows = torch.cat([logits[offsets[i]:offsets[i + 1]] for i in members])
         p = target_probs(rows, seqs[members[0]].request.sampling)  # [rows, V]
         for i, part in zip(members, p.split([lengths[i] for i in members]), strict=True):
             probs[i] = part
