@@ -312,12 +312,16 @@ class Scheduler:
         """Each controller hears its request's outcome -> whether any request adapts (then the
         engine's estimates learn from the step; a pass of static policies pays nothing for them)."""
         adaptive = any(adapts(s.controller) for s in seqs)
+        shared = []  # the controllers a policy's requests share: each hears the pass's end once
         for seq, proposal, (n_ok, _, _), w in zip(seqs, proposals, verdicts, lengths, strict=True):
-            if adaptive and (w > 1 or seq.controller.hears_plain_steps):
-                seq.controller.observe(StepOutcome(w - 1, n_ok, t2 - t0, n_ok + 1, proposal.confidence))
+            controller = seq.controller
+            if adaptive and (w > 1 or controller.hears_plain_steps):
+                controller.observe(StepOutcome(w - 1, n_ok, t2 - t0, n_ok + 1, proposal.confidence))
+            if controller.shared:
+                shared.append(controller)
             seq.last_window = w
-        if adaptive:
-            self.e.adaptive.end_pass([s.controller for s in seqs], len(seqs))
+        if shared:
+            self.e.adaptive.end_pass(shared, len(seqs))
         return adaptive
 
     def _accept(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,

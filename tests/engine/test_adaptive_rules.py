@@ -58,6 +58,19 @@ def test_the_pass_cost_fit_recovers_the_marginal_cost_of_one_more_position():
     assert state.cost.marginal(1) > 2 * state.cost.marginal(30)
 
 
+def test_the_pass_cost_fit_follows_a_machine_that_slows_down():
+    """Shared machines drift: after the passes get 1.5x dearer, the fit forgets the old speed within
+    a few of its memories (FORGET) instead of averaging the two."""
+    state = fitted_state(passes=600)
+    rng = random.Random(1)
+    for _ in range(1500):
+        n = rng.randint(1, 40)
+        state.observe_pass(n, true_union(n), 1.5 * true_seconds(n))
+    for n in (1, 4, 12):
+        assert state.cost.seconds(n) == pytest.approx(1.5 * true_seconds(n), rel=0.03), n
+        assert state.cost.marginal(n) == pytest.approx(1.5 * (true_seconds(n + 1) - true_seconds(n)), rel=0.1), n
+
+
 def test_beyond_the_longest_pass_seen_a_position_costs_at_least_the_last_one_covered():
     """Passes of one and two positions only (a plain load and its probes) pin down one increment;
     the fit cannot tell the per-position from the per-expert cost, so its extrapolation is bounded

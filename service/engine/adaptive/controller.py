@@ -15,11 +15,12 @@ from that information). Greedy requests are exact-match and lossless for any cut
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class StepContext:
-    """What a controller knows about the step it plans."""
+class StepContext(NamedTuple):
+    """What a controller knows about the step it plans. (Tuples: every request's step builds one,
+    and a frozen dataclass costs several times as much to build.)"""
 
     batch_size: int  # sequences in the pass
     other_positions: int  # positions the pass's other windows are expected to hold (the last pass's)
@@ -34,8 +35,7 @@ class DraftConfidence:
     top: tuple[float, ...]  # the draft distribution's largest probability (known before the draw)
 
 
-@dataclass(frozen=True)
-class StepOutcome:
+class StepOutcome(NamedTuple):
     drafted: int  # drafts verified
     accepted: int  # the verifier's accepted prefix
     seconds: float  # the step's draft + verify seconds (the whole pass's, when batched)

@@ -1,8 +1,8 @@
 """What the adaptive controllers learn online from the engine's own passes.
 
 - `PassCost`: the verify pass's seconds as a function of its positions and of the distinct routed
-  experts they touch (the batch union): seconds ~ c0 + c1 * n + c2 * U(n), fitted by recursive
-  least squares with forgetting (the machine's speed drifts), and U(n), the mean union per layer at n
+  experts they touch (the batch union): seconds ~ c0 + c1 * n + c2 * U(n), fitted by least squares
+  with forgetting (the machine's speed drifts), and U(n), the mean union per layer at n
   positions, from the passes seen. The marginal cost of one more position is then
   c1 + c2 * (U(n + 1) - U(n)): on an MoE target a position that brings new experts costs more than
   one that reuses them, and how many new experts it brings depends on the pass it joins.
@@ -37,21 +37,32 @@ class PassCost:
     """Verify seconds of a pass of n positions: c0 + c1 * n + c2 * U(n) (see the module docstring)."""
 
     FORGET = 0.995  # a few hundred passes of memory
-    # Passes between recomputing the marginals: the fit moves over hundreds of passes, and at one
-    # request a pass every request asked for them anew (most of the rule's cost per step).
-    REPRICE_EVERY = 8
-    PRIOR = 1e4  # the initial inverse-precision: the first passes set the coefficients
+    # Passes between solving the fit anew (and recomputing the marginals): the fit moves over hundreds
+    # of passes, and at one request a pass every request asked for them anew (most of the rule's cost
+    # per step).
+    REPRICE_EVERY = 16
+    UNION_ALPHA = 0.1  # the per-size mean unions: ~10 passes of memory
+    RIDGE = 1e-4  # on the coefficients of the scaled features: a direction no pass varies stays near 0
 
     def __init__(self, num_experts: int, top_k: int):
         self.E, self.m = num_experts, top_k
-        self.theta = [0.0, 0.0, 0.0]
-        self.P = [[self.PRIOR if i == j else 0.0 for j in range(3)] for i in range(3)]
-        self.unions: dict[int, Ema] = {}  # n -> mean union per layer seen at n positions
-        # seen / independent union, over the passes seen: scales the independent estimate where n is unseen
-        self.correlation = Ema(0.05)
+        self.theta = (0.0, 0.0, 0.0)
+        # The fit's sufficient statistics, weighted least squares with forgetting: sum w x x^T (its six
+        # distinct entries) and sum w x y, over x = (1, n / 16, U / E). Each pass adds its terms with a
+        # weight that grows by 1 / FORGET a pass instead of decaying every term already there (the
+        # ratio is the same; solving divides it out): a pass costs a few additions, not the 3 x 3
+        # recursive least-squares update it used to.
+        self._xx = [0.0] * 6  # 00, 01, 02, 11, 12, 22
+        self._xy = [0.0] * 3
+        self._weight = 1.0  # the next pass's weight
+        self.unions: dict[int, float] = {}  # n -> mean union per layer seen at n positions (an EMA)
+        # seen / independent union, over the sizes seen (at each solve): scales the independent
+        # estimate where n is unseen
+        self.correlation = 1.0
         self.passes = 0
         self.longest = 0  # the most positions of any pass seen
         self._marginals: dict[int, float] = {}  # n -> marginal(n), kept for REPRICE_EVERY passes
+        self.version = 0  # counts the solves: what was priced from an older one is stale
 
     # -- the union at n positions -----------------------------------------------------------------
     def independent_union(self, n: int) -> float:
@@ -66,8 +77,8 @@ class PassCost:
             return float(min(self.m, self.E)) if n == 1 else 0.0
         seen = self.unions.get(n)
         if seen is not None:
-            return seen.value
-        return min(float(self.E), self.correlation.get(1.0) * self.independent_union(n))
+            return seen
+        return min(float(self.E), self.correlation * self.independent_union(n))
 
     # -- the fit ------------------------------------------------------------------------------------
     def observe(self, positions: int, union_per_layer: float, seconds: float) -> None:
@@ -75,37 +86,62 @@ class PassCost:
         if positions < 1 or not math.isfinite(seconds) or seconds <= 0:
             return
         if union_per_layer > 0:
-            self.unions.setdefault(positions, Ema(0.1)).update(union_per_layer)
-            if positions > 1:
-                self.correlation.update(union_per_layer / self.independent_union(positions))
-        u = union_per_layer if union_per_layer > 0 else self.union(positions)
-        # Features scaled to like magnitudes, so the fit stays well conditioned; unrolled 3 x 3
-        # recursive least squares (a pass pays this, so it is kept to plain float arithmetic).
-        x0, x1, x2 = 1.0, positions / 16, u / self.E
-        (p00, p01, p02), (p10, p11, p12), (p20, p21, p22) = self.P
-        a0, a1, a2 = p00 * x0 + p01 * x1 + p02 * x2, p10 * x0 + p11 * x1 + p12 * x2, p20 * x0 + p21 * x1 + p22 * x2
-        lam = self.FORGET
-        den = lam + x0 * a0 + x1 * a1 + x2 * a2
-        k0, k1, k2 = a0 / den, a1 / den, a2 / den
-        t0, t1, t2 = self.theta
-        error = seconds - (t0 * x0 + t1 * x1 + t2 * x2)
-        self.theta = [t0 + k0 * error, t1 + k1 * error, t2 + k2 * error]
-        # P' = (P - K a^T) / lam, with a = P x (P symmetric)
-        P = [[(p00 - k0 * a0) / lam, (p01 - k0 * a1) / lam, (p02 - k0 * a2) / lam],
-             [(p10 - k1 * a0) / lam, (p11 - k1 * a1) / lam, (p12 - k1 * a2) / lam],
-             [(p20 - k2 * a0) / lam, (p21 - k2 * a1) / lam, (p22 - k2 * a2) / lam]]
-        # Forgetting inflates P along directions the passes do not vary (a plain-only load repeats
-        # one x): bounded at the prior's trace, it can never wind up to overflow.
-        trace = P[0][0] + P[1][1] + P[2][2]
-        if not math.isfinite(trace) or trace <= 0:
-            P = [[self.PRIOR if i == j else 0.0 for j in range(3)] for i in range(3)]
-        elif trace > 3 * self.PRIOR:
-            P = [[v * 3 * self.PRIOR / trace for v in row] for row in P]
-        self.P = P
+            seen = self.unions.get(positions, union_per_layer)
+            self.unions[positions] = seen + self.UNION_ALPHA * (union_per_layer - seen)
+            u = union_per_layer
+        else:
+            u = self.union(positions)
+        w = self._weight
+        x1, x2 = positions / 16, u / self.E  # features scaled to like magnitudes: a well-conditioned solve
+        wx1, wx2 = w * x1, w * x2
+        xx, xy = self._xx, self._xy
+        xx[0] += w
+        xx[1] += wx1
+        xx[2] += wx2
+        xx[3] += wx1 * x1
+        xx[4] += wx1 * x2
+        xx[5] += wx2 * x2
+        xy[0] += w * seconds
+        xy[1] += wx1 * seconds
+        xy[2] += wx2 * seconds
+        self._weight = w / self.FORGET
+        if self._weight > 1e150:  # rescale long before overflow (after ~70,000 passes)
+            self._rescale(1 / self._weight)
         self.passes += 1
         if positions > self.longest or self.passes % self.REPRICE_EVERY == 0:
             self._marginals.clear()
+            self._correlate()
+            self._solve()
+            self.version += 1
         self.longest = max(self.longest, positions)
+
+    def _rescale(self, factor: float) -> None:
+        self._xx = [v * factor for v in self._xx]
+        self._xy = [v * factor for v in self._xy]
+        self._weight *= factor
+
+    def _correlate(self) -> None:
+        """The unions seen against the independent estimate, averaged over the sizes seen beyond one."""
+        ratios = [u / self.independent_union(n) for n, u in self.unions.items() if n > 1]
+        if ratios:
+            self.correlation = sum(ratios) / len(ratios)
+
+    def _solve(self) -> None:
+        """theta = (X^T W X / scale + RIDGE) ^ -1 X^T W y / scale, scale the newest pass's weight (so
+        that the ridge weighs against the passes' forgetting-weighted count, as it would with each
+        term decayed), by Cramer's rule on the 3 x 3 system. Solved with the marginals' cadence: theta
+        and the marginals move together."""
+        scale = self.FORGET / self._weight
+        a00, a01, a02, a11, a12, a22 = (v * scale for v in self._xx)
+        b0, b1, b2 = (v * scale for v in self._xy)
+        a00, a11, a22 = a00 + self.RIDGE, a11 + self.RIDGE, a22 + self.RIDGE
+        c00, c01, c02 = a11 * a22 - a12 * a12, a02 * a12 - a01 * a22, a01 * a12 - a02 * a11
+        c11, c12, c22 = a00 * a22 - a02 * a02, a01 * a02 - a00 * a12, a00 * a11 - a01 * a01
+        det = a00 * c00 + a01 * c01 + a02 * c02
+        if det > 0 and math.isfinite(det):
+            self.theta = ((c00 * b0 + c01 * b1 + c02 * b2) / det,
+                          (c01 * b0 + c11 * b1 + c12 * b2) / det,
+                          (c02 * b0 + c12 * b1 + c22 * b2) / det)
 
     def seconds(self, n: int) -> float:
         t0, t1, t2 = self.theta

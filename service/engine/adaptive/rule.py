@@ -74,7 +74,11 @@ class MoespecRule(StepController):
     def __init__(self, state: AdaptiveState, drafter: Drafter, cost_weight: float, sampled: bool = False):
         self.state, self.drafter, self.weight, self.sampled = state, drafter, cost_weight, sampled
         self.own = AcceptanceByPosition(MAX_DRAFT_LENGTH, decay=OWN_DECAY)
-        self._costs: list[float] = []  # this step's weighted marginal cost of each position, seconds
+        # what every request of this kind feeds and reads (looked up once: a step asks for them per position)
+        self._kind_acceptance = state.acceptance[drafter, sampled]
+        self._calibration = state.calibration[drafter, sampled]
+        self._costs: list[float] = []  # this step's marginal cost of each position, seconds (unweighted)
+        self._first = 0.0  # ... and what drafting at all adds to the first position's
         self._plain = 0.0  # what this step costs this request without drafts: S for one token
         self._rates: list[float] = []  # the conditional acceptance the verified drafts were sent with
         self._plain_run = 0
@@ -85,7 +89,7 @@ class MoespecRule(StepController):
 
     def rate(self, i: int) -> float:
         """This request's conditional acceptance of position i, before its draft is seen."""
-        return self.own.rate(i, self.state.acceptance[self.drafter, self.sampled].rate(i, 0.5))
+        return self.own.rate(i, self._kind_acceptance.rate(i, 0.5))
 
     def plan(self, ctx: StepContext, limit: int) -> int:
         left, batch = self._quiet
@@ -93,28 +97,15 @@ class MoespecRule(StepController):
             self._quiet = (left - 1, batch)
             return self._plain_or_probe(batch, limit)
         s = self.state
-        n = ctx.other_positions + 1  # the pass holds this request's last committed token at least
-        self._plain = s.plain_step_share(n, self.sampled)
-        draft, first = s.draft_seconds(self.drafter), s.first_draft_seconds(self.drafter, ctx.draft_lag)
-        draft += s.row_seconds(self.sampled)
-        costs, rates = [], []
-
-        def priced():
-            # Positions are priced one at a time, as the walk asks: the plan runs on every request's
-            # step, and no position past the first that does not pay is ever priced.
-            for i in range(limit):
-                costs.append(self.weight * (s.marginal_seconds(n + i) + draft + (first if i == 0 else 0.0)))
-                rates.append(self.rate(i))
-                yield rates[-1], costs[-1]
-
-        k = self._keep(priced())
-        self._costs = costs
+        # the pass holds this request's last committed token at least
+        self._plain, self._costs = s.step_prices(ctx.other_positions + 1, self.drafter, self.sampled)
+        self._first = s.first_draft_seconds(self.drafter, ctx.draft_lag)
+        k = self._keep(self.rate, limit)
         if k == 0 and limit > 0:
             self._quiet = (self._recheck - 1, ctx.batch_size)
             self._recheck = min(MAX_RECHECK, 2 * self._recheck)
             return self._plain_or_probe(ctx.batch_size, limit)
         self._plain_run, self._probing, self._recheck, self._probe_every = 0, False, RECHECK_EVERY, PROBE_EVERY
-        self._rates = rates[:k]
         return k
 
     def _plain_or_probe(self, batch_size: int, limit: int) -> int:
@@ -130,23 +121,29 @@ class MoespecRule(StepController):
         self._rates = [self.rate(i) for i in range(k)]
         return k
 
-    def _keep(self, priced) -> int:
-        """Positions that pay, from (rate, cost) pairs in order: while P_i * S / T exceeds position
-        i's cost, S and T growing with each position kept."""
-        seconds, tokens, p, k = self._plain, 1.0, 1.0, 0
-        for rate, cost in priced:
+    def _keep(self, rate_of, limit: int) -> int:
+        """Positions that pay, walked in order (rate_of(i): position i's conditional acceptance): while
+        P_i * S / T exceeds position i's weighted cost, S and T growing with each position kept. The
+        kept positions' rates stay in `_rates`. Positions are priced one at a time: the plan runs on
+        every request's step, and no position past the first that does not pay is ever priced."""
+        seconds, tokens, p, weight, costs = self._plain, 1.0, 1.0, self.weight, self._costs
+        kept = self._rates = []
+        for i in range(limit):
+            rate = rate_of(i)
             p *= rate
+            cost = weight * (costs[i] + self._first if i == 0 else costs[i])
             if p * seconds <= cost * tokens:
-                break
-            seconds, tokens, k = seconds + cost, tokens + p, k + 1
-        return k
+                return i
+            kept.append(rate)
+            seconds, tokens = seconds + cost, tokens + p
+        return limit
 
     def cut(self, confidence: DraftConfidence) -> int:
-        calibration = self.state.calibration[self.drafter, self.sampled]
-        rates = [calibration.rate(top) for top in confidence.top]
-        k = len(rates) if self._probing else self._keep(zip(rates, self._costs, strict=False))
-        self._rates = rates[:k]
-        return k
+        rates = [self._calibration.rate(top) for top in confidence.top]
+        if self._probing:
+            self._rates = rates
+            return len(rates)
+        return self._keep(rates.__getitem__, len(rates))
 
     def expected_accepted(self, drafted: int) -> float:
         p, total = 1.0, 0.0
@@ -160,9 +157,10 @@ class MoespecRule(StepController):
         if self._probing and d > 0:  # a rejected probe: the next one waits twice as long
             self._probe_every = PROBE_EVERY if a > 0 else min(MAX_PROBE_EVERY, 2 * self._probe_every)
         self.own.observe(d, a)
-        self.state.acceptance[self.drafter, self.sampled].observe(d, a)
-        for i in range(min(d, a + 1)):  # the positions verification reached
-            if outcome.confidence is not None:
-                self.state.calibration[self.drafter, self.sampled].observe(outcome.confidence.top[i], i < a)
-            if i < len(self._rates):
-                self.state.observe_prediction(self._rates[i], i < a)
+        self._kind_acceptance.observe(d, a)
+        reached = min(d, a + 1)  # the positions verification reached
+        if outcome.confidence is not None:
+            for i, top in enumerate(outcome.confidence.top[:reached]):
+                self._calibration.observe(top, i < a)
+        if self._rates:
+            self.state.observe_predictions(self._rates[:reached], a)

@@ -40,6 +40,10 @@ class AdaptiveState:
         self.calibration_bias = Ema(0.002)  # predicted - observed acceptance, per verified draft (~500 of them)
         self._plain_passes = 0  # passes without drafts since the last one the fit saw (mod PLAIN_FIT_EVERY)
         self.last_positions = 0  # the last verify pass's positions
+        # (positions, drafter, sampled) -> (plain_step_share, each position's marginal seconds), kept
+        # while the pass-cost fit is: every request of a kind at one pass size asks for the same.
+        self._prices: dict[tuple[int, Drafter, bool], tuple[float, list[float]]] = {}
+        self._prices_version = -1
         self._shared: dict[str, StepController] = {}  # policy id -> the controller its requests share
         self._passed: set[int] = set()  # ids of shared controllers in the current pass
 
@@ -62,6 +66,24 @@ class AdaptiveState:
         if not self.cost.passes:
             return self.plain_step_seconds + self.row_seconds(sampled)
         return self.cost.seconds(positions) / positions + self.row_seconds(sampled)
+
+    def step_prices(self, positions: int, drafter: Drafter, sampled: bool) -> tuple[float, list[float]]:
+        """What a request of that kind pays in a pass of that many positions: a plain step
+        (`plain_step_share`), and each of the MAX_DRAFT_LENGTH positions it may add after them (the
+        pass's marginal, a position the drafter feeds, its own acceptance of one more row; not the
+        first draft's extra, `first_draft_seconds`). Recomputed when the pass-cost fit is solved
+        anew, every few passes; the drafting and row estimates are read then too."""
+        if self._prices_version != self.cost.version:
+            self._prices.clear()
+            self._prices_version = self.cost.version
+        key = (positions, drafter, sampled)
+        prices = self._prices.get(key)
+        if prices is None:
+            extra = self.draft_seconds(drafter) + self.row_seconds(sampled)
+            prices = (self.plain_step_share(positions, sampled),
+                      [self.marginal_seconds(positions + i) + extra for i in range(MAX_DRAFT_LENGTH)])
+            self._prices[key] = prices
+        return prices
 
     def marginal_seconds(self, positions: int) -> float:
         """One more position in a pass of that many: the fit's marginal, or before any pass a whole
@@ -113,8 +135,12 @@ class AdaptiveState:
         if positions > 0:
             self.draft_position_seconds.update(seconds / positions)
 
-    def observe_prediction(self, predicted: float, accepted: bool) -> None:
-        self.calibration_bias.update(predicted - (1.0 if accepted else 0.0))
+    def observe_predictions(self, predicted: list[float], accepted: int) -> None:
+        """The rates the verified drafts were sent with, of the positions verification reached; the
+        first `accepted` of them were accepted."""
+        bias = self.calibration_bias
+        for i, rate in enumerate(predicted):
+            bias.update(rate - 1.0 if i < accepted else rate)
 
     # -- controllers ---------------------------------------------------------------------------
     def controller_for(self, policy: DraftPolicy, cell: str = "", greedy: bool = True) -> StepController:
@@ -134,10 +160,10 @@ class AdaptiveState:
             return self._shared[key]
         return StepController()
 
-    def end_pass(self, controllers: list[StepController], batch_size: int) -> None:
+    def end_pass(self, shared: list[StepController], batch_size: int) -> None:
         """Tell each shared controller of the pass, once, that the pass is over."""
         self._passed.clear()
-        for c in controllers:
-            if c.shared and id(c) not in self._passed:
+        for c in shared:
+            if id(c) not in self._passed:
                 self._passed.add(id(c))
                 c.end_pass(batch_size)
