@@ -93,6 +93,9 @@ class Scheduler:
         self._running: list[Sequence] = []  # scheduler thread only: decoding
         self._prefilling: deque[Sequence] = deque()  # scheduler thread only: admitted, prompt not all in cache
         self._pass_ids = itertools.count()
+        # Requests finished in the last step: their callers' threads build the results and submit the
+        # next requests beside the coming pass (what the adaptive estimates must not take for its cost).
+        self._finished_last = False
         self._thread = threading.Thread(target=self._loop, name="moespec-scheduler", daemon=True)
         self._thread.start()
 
@@ -302,10 +305,11 @@ class Scheduler:
             # the unions, records and commits (a longer window pays for all of them), not the finishing
             # of requests, which every request pays once whatever its windows.
             union = sum(batch_unique) / len(batch_unique) if batch_unique else 0.0
-            e.adaptive.observe_pass(sum(lengths), union, time.perf_counter() - t1,
-                                    sampling_seconds, sampled_rows, plain=max(lengths) == 1)
+            e.adaptive.observe_pass(sum(lengths), union, time.perf_counter() - t1, sampling_seconds, sampled_rows,
+                                    plain=max(lengths) == 1, disturbed=prefilled > 0 or self._finished_last)
         for seq, finish in finished:
             self._finish(seq, finish)
+        self._finished_last = bool(finished)
 
     def _observe_controllers(self, seqs: list[Sequence], proposals: list[Proposal], verdicts: list,
                              lengths: list[int], t0: float, t2: float) -> bool:

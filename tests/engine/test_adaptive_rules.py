@@ -71,6 +71,19 @@ def test_the_pass_cost_fit_follows_a_machine_that_slows_down():
         assert state.cost.marginal(n) == pytest.approx(1.5 * (true_seconds(n + 1) - true_seconds(n)), rel=0.1), n
 
 
+def test_disturbed_passes_do_not_feed_the_pass_cost_fit():
+    """A pass right after a prefill or after requests finished pays for what ran around it: at 16
+    clients such passes of 15 positions cost more than the steady passes of 16, and fitted they
+    made extra positions look free. The fit keeps to the steady passes."""
+    state = fitted_state()
+    before = [state.cost.marginal(n) for n in (1, 8, 16)], state.cost.seconds(16)
+    rng = random.Random(2)
+    for _ in range(400):
+        n = rng.randint(12, 16)
+        state.observe_pass(n, true_union(n), 1.6 * true_seconds(n) * (17 - n), disturbed=True)
+    assert ([state.cost.marginal(n) for n in (1, 8, 16)], state.cost.seconds(16)) == before
+
+
 def test_beyond_the_longest_pass_seen_a_position_costs_at_least_the_last_one_covered():
     """Passes of one and two positions only (a plain load and its probes) pin down one increment;
     the fit cannot tell the per-position from the per-expert cost, so its extrapolation is bounded
