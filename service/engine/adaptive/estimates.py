@@ -182,9 +182,10 @@ class AcceptanceByPosition:
     def observe(self, drafted: int, accepted: int) -> None:
         """A step verified `drafted` drafts and accepted the first `accepted`: positions 0..accepted
         were reached (the one after the last accepted was rejected, if there is one)."""
+        reached, hits, decay = self.reached, self.accepted, self.decay
         for i in range(min(drafted, accepted + 1)):
-            self.reached[i] = self.decay * self.reached[i] + 1
-            self.accepted[i] = self.decay * self.accepted[i] + (1.0 if i < accepted else 0.0)
+            reached[i] = decay * reached[i] + 1
+            hits[i] = decay * hits[i] + (i < accepted)
 
 
 class ConfidenceCalibration:

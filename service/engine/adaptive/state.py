@@ -147,7 +147,7 @@ class AdaptiveState:
         first `accepted` of them were accepted."""
         bias = self.calibration_bias
         for i, rate in enumerate(predicted):
-            bias.update(rate - 1.0 if i < accepted else rate)
+            bias.update(rate - (i < accepted))
 
     # -- controllers ---------------------------------------------------------------------------
     def controller_for(self, policy: DraftPolicy, cell: str = "", greedy: bool = True) -> StepController:
