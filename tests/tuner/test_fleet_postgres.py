@@ -236,12 +236,12 @@ def test_two_workers_never_measure_one_policy_at_once_and_finish_the_budget_toge
         intervals.sort()
         for (_, end, _), (start, _, _) in zip(intervals, intervals[1:], strict=False):
             assert start >= end, f"{key.label()} measured twice at once: {intervals}"
-    # Together exactly the budget, both workers took part, and both replicas end on the one winner.
+    # Together exactly the budget (B took part: the busy refusal above), and both replicas end on the
+    # one winner. Whether B also completes a trial of the budget depends on timing: on 2 loaded
+    # cores A once finished all five while B, after its refusal, had completed none.
     assert st.search_trials_done(study) == budget
-    # (Which worker measures which new policy depends on timing; that both finish trials of the shared
-    # budget does not: B's own completed trials may reuse a result A measured.)
     completed = {t.user_attrs["tuner_id"] for t in trials if t.state is TrialState.COMPLETE}
-    assert completed == {"worker-a", "worker-b"}
+    assert "worker-a" in completed and completed <= {"worker-a", "worker-b"}
     winner = study.user_attrs["winner"]["policy_id"]
     assert a.client.get_policy().policy_id == winner and b.client.get_policy().policy_id == winner
     # The intruder's spans never reached A's window; both kinds were dropped, counted and logged.
