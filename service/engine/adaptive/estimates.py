@@ -37,9 +37,9 @@ class PassCost:
     """Verify seconds of a pass of n positions: c0 + c1 * n + c2 * U(n) (see the module docstring)."""
 
     FORGET = 0.995  # a few hundred passes of memory
-    # Passes between solving the fit anew (and recomputing the marginals): the fit moves over hundreds
-    # of passes, and at one request a pass every request asked for them anew (most of the rule's cost
-    # per step).
+    # Passes between solving the fit anew (and so repricing: `version`): the fit moves over hundreds
+    # of passes, and at one request a pass every request asked for the prices anew (most of the rule's
+    # cost per step).
     REPRICE_EVERY = 16
     UNION_ALPHA = 0.1  # the per-size mean unions: ~10 passes of memory
     RIDGE = 1e-4  # on the coefficients of the scaled features: a direction no pass varies stays near 0
@@ -61,7 +61,6 @@ class PassCost:
         self.correlation = 1.0
         self.passes = 0
         self.longest = 0  # the most positions of any pass seen
-        self._marginals: dict[int, float] = {}  # n -> marginal(n), kept for REPRICE_EVERY passes
         self.version = 0  # counts the solves: what was priced from an older one is stale
 
     # -- the union at n positions -----------------------------------------------------------------
@@ -109,7 +108,6 @@ class PassCost:
             self._rescale(1 / self._weight)
         self.passes += 1
         if positions > self.longest or self.passes % self.REPRICE_EVERY == 0:
-            self._marginals.clear()
             self._correlate()
             self._solve()
             self.version += 1
@@ -129,8 +127,7 @@ class PassCost:
     def _solve(self) -> None:
         """theta = (X^T W X / scale + RIDGE) ^ -1 X^T W y / scale, scale the newest pass's weight (so
         that the ridge weighs against the passes' forgetting-weighted count, as it would with each
-        term decayed), by Cramer's rule on the 3 x 3 system. Solved with the marginals' cadence: theta
-        and the marginals move together."""
+        term decayed), by Cramer's rule on the 3 x 3 system."""
         scale = self.FORGET / self._weight
         a00, a01, a02, a11, a12, a22 = (v * scale for v in self._xx)
         b0, b1, b2 = (v * scale for v in self._xy)
@@ -153,18 +150,14 @@ class PassCost:
         pin down (passes of one or two positions cannot tell c1 from c2, and a tilted fit made
         eight-token drafts look free to sampled requests): it is never cheaper there than the
         last position the passes seen cover, and with no pass of two positions yet it costs a
-        whole one-position pass. Cached for REPRICE_EVERY passes (and until a pass longer than any
-        before): every request asks for the same few n."""
-        cached = self._marginals.get(n)
-        if cached is None:
-            cached = max(0.0, self.seconds(n + 1) - self.seconds(n))
-            if self.longest < 2:
-                cached = max(cached, self.seconds(1))
-            elif n + 1 > self.longest:
-                covered = self.longest - 1
-                cached = max(cached, self.seconds(covered + 1) - self.seconds(covered))
-            self._marginals[n] = cached
-        return cached
+        whole one-position pass. (Callers cache it with the prices: `AdaptiveState.step_prices`.)"""
+        marginal = max(0.0, self.seconds(n + 1) - self.seconds(n))
+        if self.longest < 2:
+            return max(marginal, self.seconds(1))
+        if n + 1 > self.longest:
+            covered = self.longest - 1
+            return max(marginal, self.seconds(covered + 1) - self.seconds(covered))
+        return marginal
 
 
 class AcceptanceByPosition:

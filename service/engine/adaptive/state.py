@@ -122,8 +122,8 @@ class AdaptiveState:
         the rule keeps plain they repeat one point of the fit, and the update was most of the rule's
         cost per step. A `disturbed` pass (right after a prefill pass, or after a step in which
         requests finished) does not feed it: it pays for what runs around it, whatever its windows
-        (the prompt's eviction of the weights from the caches; the callers' threads building results
-        and submitting requests beside it). At 16 clients such passes of 14 and 15 positions cost
+        (most likely the prompt evicting the weights from the caches, and the callers' threads
+        building results and submitting requests beside it). At 16 clients such passes of 14 and 15 positions cost
         30-60% more than the steady passes of 16 around them, and in the fit they made the drafted
         passes' extra positions look nearly free: the rule drafted where drafts cost ~4x the fit's
         price, and ran at ~0.94x plain where, kept plain, it ran at 1.00x."""
