@@ -57,6 +57,12 @@ class PhaseResult:
     seconds: float
     tokens: int
     requests: int
+    # what the contender's speculation did in the phase (the replies' SpecStats, summed): how much it
+    # drafted tells a controller that kept plain from one that drafted and lost
+    verify_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    empty_drafts: int = 0  # steps that asked the drafter and got nothing (an n-gram lookup without a match)
 
     @property
     def tokens_per_second(self) -> float:
@@ -89,14 +95,16 @@ class Workload:
 def run_phase(client: MoespecClient, workload: Workload, clients: int, seconds: float) -> PhaseResult:
     """`clients` callers back to back until the deadline; the requests in flight then finish and count."""
     deadline = time.perf_counter() + seconds
-    tokens, requests, lock = [0], [0], threading.Lock()
+    counts, lock = [0] * 6, threading.Lock()  # tokens, requests, verify steps, drafted, accepted, empty drafts
 
     def caller() -> None:
         while time.perf_counter() < deadline:
             reply = client.generate(workload.take(), timeout=120)
+            spec = reply.spec
             with lock:
-                tokens[0] += reply.completion_tokens
-                requests[0] += 1
+                for i, n in enumerate((reply.completion_tokens, 1, spec.verify_steps, spec.drafted_tokens,
+                                       spec.accepted_tokens, spec.empty_drafts)):
+                    counts[i] += n
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=caller) for _ in range(clients)]
@@ -104,7 +112,7 @@ def run_phase(client: MoespecClient, workload: Workload, clients: int, seconds: 
         t.start()
     for t in threads:
         t.join()
-    return PhaseResult(clients, time.perf_counter() - t0, tokens[0], requests[0])
+    return PhaseResult(clients, time.perf_counter() - t0, *counts)
 
 
 def run_schedule(client: MoespecClient, admin: MoespecClient, policy: DraftPolicy, workload: Workload,
@@ -191,7 +199,7 @@ def measure(args, client: MoespecClient, admin: MoespecClient, workload: Workloa
     contenders[best_name] = grid(args.max_draft_length)[best]
     contenders.update(controllers(Drafter(args.drafter), args.max_draft_length))
     names = list(contenders)
-    rounds, phases = [], {n: [] for n in names}
+    rounds, phases, drafting = [], {n: [] for n in names}, {n: [] for n in names}
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         this = {}
@@ -199,6 +207,7 @@ def measure(args, client: MoespecClient, admin: MoespecClient, workload: Workloa
             results = run_schedule(client, admin, contenders[name], workload, *schedule)
             this[name] = overall(results)
             phases[name].append([x.tokens_per_second for x in results])
+            drafting[name].append([asdict(x) for x in results])
         rounds.append(this)
         print(f"round {r + 1}: " + ", ".join(f"{n} {this[n]:.1f}" for n in names), flush=True)
     admin.set_policy(DraftPolicy(policy_id="default"))
@@ -209,6 +218,9 @@ def measure(args, client: MoespecClient, admin: MoespecClient, workload: Workloa
         summary[name] = {
             "tokens_per_second": {"median": statistics.median(values), "min": min(values), "max": max(values)},
             "per_phase_median": [statistics.median(p) for p in per_phase],
+            "drafts_per_step_per_phase_median": [statistics.median(r["drafted_tokens"] / max(1, r["verify_steps"])
+                                                         for r in p)
+                                                 for p in zip(*drafting[name], strict=True)],
             "vs_plain": paired(rounds, name, plain_name),
             "vs_best_static": paired(rounds, name, best_name),
             "policy": {k: str(v) for k, v in asdict(contenders[name]).items()},
@@ -222,14 +234,15 @@ def measure(args, client: MoespecClient, admin: MoespecClient, workload: Workloa
         "settings": {k: str(v) for k, v in vars(args).items() if not k.startswith("_")},
         "server": {"backend": info.backend, "decode_step_seconds": info.decode_step_seconds},
         "phases": args.phases, "phase_seconds": args.phase_seconds,
-        "grid": grid_runs, "best_static": best, "rounds": rounds, "per_phase": phases, "summary": summary,
+        "grid": grid_runs, "best_static": best, "rounds": rounds, "per_phase": phases, "phase_counts": drafting,
+        "summary": summary,
         "moespec_worst_phase_vs_plain_per_round": phase_vs_plain,
         "rule_overhead": rule_overhead(info.decode_step_seconds),
     }
 
 
 def _fields(row: dict) -> dict:
-    return {k: row[k] for k in ("clients", "seconds", "tokens", "requests")}
+    return {k: row[k] for k in PhaseResult.__dataclass_fields__ if k in row}
 
 
 def markdown(result: dict) -> str:
@@ -237,8 +250,9 @@ def markdown(result: dict) -> str:
     phases = " / ".join(f"{c}" for c in result["phases"])
     lines = [f"Workload: phases of {phases} clients, {result['phase_seconds']:g} s each; "
              f"best static of the grid: {result['best_static']}.", "",
-             "| contender | tokens/s (median, spread) | per phase (median) | vs plain | vs best static |",
-             "|---|---:|---|---:|---:|"]
+             "| contender | tokens/s (median, spread) | per phase (median) | drafts per step, per phase | "
+             "vs plain | vs best static |",
+             "|---|---:|---|---|---:|---:|"]
 
     def ratio(d: dict) -> str:
         return f"{d['median']:.3f}x [{d['min']:.3f}, {d['max']:.3f}]"
@@ -246,7 +260,8 @@ def markdown(result: dict) -> str:
     for name, row in s.items():
         t = row["tokens_per_second"]
         per_phase = " / ".join(f"{x:.0f}" for x in row["per_phase_median"])
-        lines.append(f"| {name} | {t['median']:.1f} [{t['min']:.1f}, {t['max']:.1f}] | {per_phase} | "
+        drafts = " / ".join(f"{x:.2f}" for x in row["drafts_per_step_per_phase_median"])
+        lines.append(f"| {name} | {t['median']:.1f} [{t['min']:.1f}, {t['max']:.1f}] | {per_phase} | {drafts} | "
                      f"{ratio(row['vs_plain'])} | {ratio(row['vs_best_static'])} |")
     lines += ["", "moespec's rule against each baseline (per-round ratio):", ""]
     for b, d in s[Controller.MOESPEC.value]["vs_baselines"].items():
