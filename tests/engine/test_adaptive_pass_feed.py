@@ -5,6 +5,7 @@ pass-cost fit skips it); the steady passes between are not."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -43,12 +44,24 @@ def test_a_request_alone_disturbs_only_the_pass_after_its_prefill(engine_and_pas
 def test_the_pass_after_a_request_finished_is_disturbed_and_the_next_is_not(engine_and_passes):
     engine, passes = engine_and_passes
     short, long = heldout_prompts(2)
-    threads = [threading.Thread(target=engine.generate, args=(request(p, n), HELD_PLAIN))
-               for p, n in ((short, 3), (long, 14))]  # (no probe: under 16 plain steps)
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    joined = threading.Event()
+    threads = [threading.Thread(target=engine.generate, args=(request(short, 3), HELD_PLAIN))]
+
+    def join_the_short_one(_delta) -> None:
+        """At the long request's first step (on the scheduler thread): the short request is queued
+        before the next step, so the two share passes whatever the threads' timing."""
+        if joined.is_set():
+            return
+        joined.set()
+        threads[0].start()
+        deadline = time.monotonic() + 30
+        while not engine._scheduler._waiting and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    # (no probe: under 16 plain steps)
+    result = engine.generate(request(long, 14), HELD_PLAIN, on_delta=join_the_short_one)
+    threads[0].join()
+    assert len(result.steps) == 14
     # The long request runs alone once the short one finished: no prefill runs then (nobody waits).
     last_pair = max(i for i, (n, _) in enumerate(passes) if n == 2)
     alone = passes[last_pair + 1:]
