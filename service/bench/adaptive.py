@@ -10,7 +10,9 @@ alike). Reported per contender: tokens/s over the schedule and per phase (median
 rounds), and per-round paired ratios against plain, the best static policy and each baseline.
 
 The rule's own overhead is timed in-process: plan + observe of the moespec controller and the
-pass bookkeeping on a fitted state, per step, against the server's plain decode step.
+pass bookkeeping on a fitted state, per step (drafting every step), against the server's plain
+decode step: its calibrated forward alone, and what plain serves one client per token (seconds per
+token of plain's one-client phases: the whole step a user waits for, prefill and RPC shared out).
 
 Writes adaptive.json, adaptive.md and adaptive.png to --out.
 """
@@ -230,6 +232,11 @@ def measure(args, client: MoespecClient, admin: MoespecClient, workload: Workloa
                                                         for b in baselines}
     phase_vs_plain = [min(x / p for x, p in zip(m, pl, strict=True))
                       for m, pl in zip(phases[Controller.MOESPEC.value], phases[plain_name], strict=True)]
+    overhead = rule_overhead(info.decode_step_seconds)
+    alone = [i for i, c in enumerate(args.phases) if c == 1]
+    if alone:  # what a step costs a user: plain's seconds per token with one client, through the server
+        served = statistics.median(1 / r[i] for r in phases[plain_name] for i in alone)
+        overhead |= {"served_step_seconds": served, "share_of_served_step": overhead["seconds_per_step"] / served}
     return {
         "settings": {k: str(v) for k, v in vars(args).items() if not k.startswith("_")},
         "server": {"backend": info.backend, "decode_step_seconds": info.decode_step_seconds},
@@ -237,7 +244,7 @@ def measure(args, client: MoespecClient, admin: MoespecClient, workload: Workloa
         "grid": grid_runs, "best_static": best, "rounds": rounds, "per_phase": phases, "phase_counts": drafting,
         "summary": summary,
         "moespec_worst_phase_vs_plain_per_round": phase_vs_plain,
-        "rule_overhead": rule_overhead(info.decode_step_seconds),
+        "rule_overhead": overhead,
     }
 
 
@@ -269,8 +276,10 @@ def markdown(result: dict) -> str:
     worst = result["moespec_worst_phase_vs_plain_per_round"]
     o = result["rule_overhead"]
     lines += ["", f"moespec's worst phase against plain, per round: {', '.join(f'{x:.3f}' for x in worst)}",
-              f"Rule overhead: {o['seconds_per_step'] * 1e6:.1f} us per step, "
-              f"{o['share_of_plain_step'] * 100:.2f}% of a plain step ({o['plain_step_seconds'] * 1e3:.3f} ms).", ""]
+              f"Rule overhead: {o['seconds_per_step'] * 1e6:.1f} us per step, {o['share_of_plain_step'] * 100:.2f}% "
+              f"of a plain step's forward ({o['plain_step_seconds'] * 1e3:.3f} ms)"
+              + (f", {o['share_of_served_step'] * 100:.2f}% of a plain step served to one client "
+                 f"({o['served_step_seconds'] * 1e3:.3f} ms a token)." if "served_step_seconds" in o else "."), ""]
     return "\n".join(lines)
 
 

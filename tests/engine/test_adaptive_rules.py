@@ -89,16 +89,18 @@ def test_beyond_the_longest_pass_seen_a_position_costs_at_least_the_last_one_cov
     the fit cannot tell the per-position from the per-expert cost, so its extrapolation is bounded
     by that increment instead of trusted. Before any pass, a position costs a whole plain step."""
     state = AdaptiveState(E, M, plain_step_seconds=true_seconds(1))
-    assert state.marginal_seconds(1) == true_seconds(1)
+    assert state.marginals(1, 8) == [true_seconds(1)] * 8
     rng = random.Random(3)
     for _ in range(300):
         n = rng.choice((1, 2))
         state.observe_pass(n, true_union(n), true_seconds(n) * (1 + rng.uniform(-0.02, 0.02)))
     covered = true_seconds(2) - true_seconds(1)
-    assert state.marginal_seconds(1) == pytest.approx(covered, rel=0.2)
+    first, *beyond = state.marginals(1, 8)
+    assert first == pytest.approx(covered, rel=0.2)
     # Fitted from those passes alone, a position joining a longer pass brings fewer new experts and
     # would look cheaper than the one the passes measured; bounded, none is.
-    assert all(state.marginal_seconds(n) >= state.marginal_seconds(1) for n in range(2, 9))
+    assert all(m >= first for m in beyond)
+    assert beyond == [state.marginals(n, 1)[0] for n in range(2, 9)]  # one walk prices each as alone
 
 
 def test_the_union_estimate_scales_the_independent_one_to_the_unions_seen():
@@ -112,10 +114,18 @@ def test_the_union_estimate_scales_the_independent_one_to_the_unions_seen():
 
 
 # ------------------------------------------------------------------------------- moespec's rule
-def rule_with_rates(state: AdaptiveState, rates: list[float], weight: float = 1.0) -> MoespecRule:
-    rule = MoespecRule(state, Drafter.NGRAM, weight)
-    rule.rate = lambda i: rates[i]  # a drafter of known conditional acceptance
+def with_known_acceptance(rule: MoespecRule, rates: list[float]) -> MoespecRule:
+    """A drafter of known conditional acceptance: the request's own estimate made of so many
+    outcomes at those rates that its prior no longer counts."""
+    seen = 1e12
+    rule.own.reached[:] = [seen] * len(rates)
+    rule.own.accepted[:] = [r * seen for r in rates]
+    assert [rule.rate(i) for i in range(len(rates))] == pytest.approx(rates, abs=1e-9)
     return rule
+
+
+def rule_with_rates(state: AdaptiveState, rates: list[float], weight: float = 1.0) -> MoespecRule:
+    return with_known_acceptance(MoespecRule(state, Drafter.NGRAM, weight), rates)
 
 
 CURVES = {
@@ -217,8 +227,8 @@ def test_the_model_drafter_is_priced_per_position_it_feeds_and_its_catch_up_on_t
     assert state.draft_seconds(Drafter.MODEL) == pytest.approx(3e-5)
     assert state.first_draft_seconds(Drafter.MODEL, draft_lag=1) == 0.0  # the token every first round feeds
     assert state.first_draft_seconds(Drafter.MODEL, draft_lag=41) == pytest.approx(40 * 3e-5)
-    after_drafting, after_plain = (MoespecRule(state, Drafter.MODEL, 1.0) for _ in range(2))
-    after_drafting.rate = after_plain.rate = lambda i: 0.9
+    after_drafting, after_plain = (with_known_acceptance(MoespecRule(state, Drafter.MODEL, 1.0), [0.9] * 8)
+                                   for _ in range(2))
     assert after_drafting.plan(StepContext(1, 0, draft_lag=2), 8) > 0
     assert after_plain.plan(StepContext(1, 0, draft_lag=400), 8) == 0
 
@@ -317,10 +327,18 @@ def test_the_rules_calibration_error_goes_to_zero_on_a_stationary_drafter():
     assert rule.rate(0) == pytest.approx(0.6, abs=0.15)
 
 
+class FrozenRule(MoespecRule):
+    """A rule whose estimates never learn: it only reports its predictions."""
+
+    def observe(self, outcome: StepOutcome) -> None:
+        reached = min(outcome.drafted, outcome.accepted + 1)
+        self.state.observe_predictions(self._rates[:reached], outcome.accepted)
+
+
 def test_the_calibration_error_shows_a_rule_that_does_not_learn():
     """Negative control: estimates frozen at 0.9 against a drafter accepted 60% of the time."""
     state = fitted_state()
-    frozen = rule_with_rates(state, [0.9] * 8, 0.05)
+    frozen = with_known_acceptance(FrozenRule(state, Drafter.NGRAM, 0.05), [0.9] * 8)
     assert calibration_error_after(frozen, state, 0.6) > 0.2
 
 

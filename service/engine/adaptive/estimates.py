@@ -39,8 +39,8 @@ class PassCost:
     FORGET = 0.995  # a few hundred passes of memory
     # Passes between solving the fit anew (and so repricing: `version`): the fit moves over hundreds
     # of passes, and at one request a pass every request asked for the prices anew (most of the rule's
-    # cost per step).
-    REPRICE_EVERY = 16
+    # cost per step; every 16 passes, the solve and the prices were still a tenth of it).
+    REPRICE_EVERY = 32
     UNION_ALPHA = 0.1  # the per-size mean unions: ~10 passes of memory
     RIDGE = 1e-4  # on the coefficients of the scaled features: a direction no pass varies stays near 0
 
@@ -82,7 +82,7 @@ class PassCost:
     # -- the fit ------------------------------------------------------------------------------------
     def observe(self, positions: int, union_per_layer: float, seconds: float) -> None:
         """One verify pass: its positions, mean distinct experts per layer (0 when not counted), seconds."""
-        if positions < 1 or not math.isfinite(seconds) or seconds <= 0:
+        if not 0 < seconds < math.inf or positions < 1:  # (NaN fails the comparison too)
             return
         if union_per_layer > 0:
             seen = self.unions.get(positions, union_per_layer)
@@ -107,11 +107,16 @@ class PassCost:
         if self._weight > 1e150:  # rescale long before overflow (after ~70,000 passes)
             self._rescale(1 / self._weight)
         self.passes += 1
-        if positions > self.longest or self.passes % self.REPRICE_EVERY == 0:
-            self._correlate()
-            self._solve()
-            self.version += 1
-        self.longest = max(self.longest, positions)
+        if positions > self.longest:
+            self.longest = positions
+            self._resolve()
+        elif self.passes % self.REPRICE_EVERY == 0:
+            self._resolve()
+
+    def _resolve(self) -> None:
+        self._correlate()
+        self._solve()
+        self.version += 1
 
     def _rescale(self, factor: float) -> None:
         self._xx = [v * factor for v in self._xx]
@@ -145,19 +150,25 @@ class PassCost:
         return t0 + t1 * n / 16 + t2 * self.union(n) / self.E
 
     def marginal(self, n: int) -> float:
-        """Extra seconds of position n + 1 in a pass that has n (never below 0: a fit may tilt).
-        Where no pass was ever that long, the fit extrapolates along a direction the data may not
-        pin down (passes of one or two positions cannot tell c1 from c2, and a tilted fit made
-        eight-token drafts look free to sampled requests): it is never cheaper there than the
-        last position the passes seen cover, and with no pass of two positions yet it costs a
-        whole one-position pass. (Callers cache it with the prices: `AdaptiveState.step_prices`.)"""
-        marginal = max(0.0, self.seconds(n + 1) - self.seconds(n))
+        """Extra seconds of position n + 1 in a pass that has n: `marginals(n, 1)`."""
+        return self.marginals(n, 1)[0]
+
+    def marginals(self, n: int, count: int) -> list[float]:
+        """Extra seconds of positions n + 1 ... n + count in a pass that has n, each over the one before
+        (never below 0: a fit may tilt). Where no pass was ever that long, the fit extrapolates along a
+        direction the data may not pin down (passes of one or two positions cannot tell c1 from c2,
+        and a tilted fit made eight-token drafts look free to sampled requests): a position there is
+        never cheaper than the last position the passes seen cover, and with no pass of two
+        positions yet it costs a whole one-position pass. (One walk over the sizes: the prices of
+        every position are recomputed at each solve.)"""
+        seconds = [self.seconds(i) for i in range(n, n + count + 1)]
         if self.longest < 2:
-            return max(marginal, self.seconds(1))
-        if n + 1 > self.longest:
-            covered = self.longest - 1
-            return max(marginal, self.seconds(covered + 1) - self.seconds(covered))
-        return marginal
+            beyond, covered = self.seconds(1), 0
+        else:
+            covered = self.longest  # positions up to this one are covered by a pass seen
+            beyond = self.seconds(covered) - self.seconds(covered - 1)
+        return [max(0.0, seconds[i + 1] - seconds[i], beyond if n + i + 1 > covered else 0.0)
+                for i in range(count)]
 
 
 class AcceptanceByPosition:
@@ -179,6 +190,18 @@ class AcceptanceByPosition:
         for i in range(min(drafted, accepted + 1)):
             reached[i] = decay * reached[i] + 1
             hits[i] = decay * hits[i] + (i < accepted)
+
+    def observe_with(self, shared: AcceptanceByPosition, drafted: int, accepted: int) -> None:
+        """`observe` on this estimate and on `shared` (its kind's, of the same length), in one loop:
+        every drafting step of every request updates both."""
+        reached, hits, decay = self.reached, self.accepted, self.decay
+        shared_reached, shared_hits, shared_decay = shared.reached, shared.accepted, shared.decay
+        for i in range(min(drafted, accepted + 1)):
+            hit = i < accepted
+            reached[i] = decay * reached[i] + 1
+            hits[i] = decay * hits[i] + hit
+            shared_reached[i] = shared_decay * shared_reached[i] + 1
+            shared_hits[i] = shared_decay * shared_hits[i] + hit
 
 
 class ConfidenceCalibration:

@@ -65,6 +65,7 @@ PROBE_LENGTH = 2  # drafts a probe verifies (fewer where the step's limit is low
 RECHECK_EVERY = 4  # after a plain decision, steps until the positions are priced again (same batch size)
 MAX_RECHECK = 16  # ... doubling after each plain decision in a row, up to this
 OWN_DECAY = 0.9  # a request's own acceptance: ~10 steps of memory (its text changes)
+KIND_PRIOR = 0.5  # a position's acceptance before any request of the kind reached it
 
 
 class MoespecRule(StepController):
@@ -89,7 +90,7 @@ class MoespecRule(StepController):
 
     def rate(self, i: int) -> float:
         """This request's conditional acceptance of position i, before its draft is seen."""
-        return self.own.rate(i, self._kind_acceptance.rate(i, 0.5))
+        return self.own.rate(i, self._kind_acceptance.rate(i, KIND_PRIOR))
 
     def plan(self, ctx: StepContext, limit: int) -> int:
         left, batch = self._quiet
@@ -100,7 +101,7 @@ class MoespecRule(StepController):
         # the pass holds this request's last committed token at least
         self._plain, self._costs = s.step_prices(ctx.other_positions + 1, self.drafter, self.sampled)
         self._first = s.first_draft_seconds(self.drafter, ctx.draft_lag)
-        k = self._keep(self.rate, limit)
+        k = self._keep(limit)
         if k == 0 and limit > 0:
             self._quiet = (self._recheck - 1, ctx.batch_size)
             self._recheck = min(MAX_RECHECK, 2 * self._recheck)
@@ -121,15 +122,24 @@ class MoespecRule(StepController):
         self._rates = [self.rate(i) for i in range(k)]
         return k
 
-    def _keep(self, rate_of, limit: int) -> int:
-        """Positions that pay, walked in order (rate_of(i): position i's conditional acceptance): while
-        P_i * S / T exceeds position i's weighted cost, S and T growing with each position kept. The
-        kept positions' rates stay in `_rates`. Positions are priced one at a time: the plan runs on
-        every request's step, and no position past the first that does not pay is ever priced."""
+    def _keep(self, limit: int, rates: list[float] | None = None) -> int:
+        """Positions that pay, walked in order: while P_i * S / T exceeds position i's weighted cost,
+        S and T growing with each position kept. Position i's conditional acceptance is rates[i], or
+        without `rates` this request's `rate(i)` (written out here: the walk runs on every request's
+        step, and three calls per position were most of its cost). The kept positions' rates stay
+        in `_rates`. No position past the first that does not pay is priced."""
         seconds, tokens, p, weight, costs = self._plain, 1.0, 1.0, self.weight, self._costs
+        own, kind = self.own, self._kind_acceptance
+        hits, reached, strength = own.accepted, own.reached, own.strength
+        kind_hits, kind_reached, kind_strength = kind.accepted, kind.reached, kind.strength
+        kind_shrink = kind.strength * KIND_PRIOR
         kept = self._rates = []
         for i in range(limit):
-            rate = rate_of(i)
+            if rates is None:
+                prior = (kind_hits[i] + kind_shrink) / (kind_reached[i] + kind_strength)
+                rate = (hits[i] + strength * prior) / (reached[i] + strength)
+            else:
+                rate = rates[i]
             p *= rate
             cost = weight * (costs[i] + self._first if i == 0 else costs[i])
             if p * seconds <= cost * tokens:
@@ -143,7 +153,7 @@ class MoespecRule(StepController):
         if self._probing:
             self._rates = rates
             return len(rates)
-        return self._keep(rates.__getitem__, len(rates))
+        return self._keep(len(rates), rates)
 
     def expected_accepted(self, drafted: int) -> float:
         p, total = 1.0, 0.0
@@ -156,8 +166,7 @@ class MoespecRule(StepController):
         d, a = outcome.drafted, outcome.accepted
         if self._probing and d > 0:  # a rejected probe: the next one waits twice as long
             self._probe_every = PROBE_EVERY if a > 0 else min(MAX_PROBE_EVERY, 2 * self._probe_every)
-        self.own.observe(d, a)
-        self._kind_acceptance.observe(d, a)
+        self.own.observe_with(self._kind_acceptance, d, a)
         reached = min(d, a + 1)  # the positions verification reached
         if outcome.confidence is not None:
             for i, top in enumerate(outcome.confidence.top[:reached]):

@@ -81,14 +81,15 @@ class AdaptiveState:
         if prices is None:
             extra = self.draft_seconds(drafter) + self.row_seconds(sampled)
             prices = (self.plain_step_share(positions, sampled),
-                      [self.marginal_seconds(positions + i) + extra for i in range(MAX_DRAFT_LENGTH)])
+                      [m + extra for m in self.marginals(positions, MAX_DRAFT_LENGTH)])
             self._prices[key] = prices
         return prices
 
-    def marginal_seconds(self, positions: int) -> float:
-        """One more position in a pass of that many: the fit's marginal, or before any pass a whole
-        calibrated plain step (nothing is known of longer passes yet: drafting waits for a probe)."""
-        return self.cost.marginal(positions) if self.cost.passes else self.plain_step_seconds
+    def marginals(self, positions: int, count: int) -> list[float]:
+        """Each of `count` more positions in a pass of that many: the fit's marginals, or before any
+        pass a whole calibrated plain step (nothing is known of longer passes yet: drafting waits for
+        a probe)."""
+        return self.cost.marginals(positions, count) if self.cost.passes else [self.plain_step_seconds] * count
 
     def row_seconds(self, sampled: bool) -> float:
         """What one more verified row costs a request beyond the pass: its sampled acceptance."""
@@ -145,9 +146,12 @@ class AdaptiveState:
     def observe_predictions(self, predicted: list[float], accepted: int) -> None:
         """The rates the verified drafts were sent with, of the positions verification reached; the
         first `accepted` of them were accepted."""
-        bias = self.calibration_bias
+        bias = self.calibration_bias  # its EMA updates inline: one per verified draft of every step
+        value, alpha = bias.value, bias.alpha
         for i, rate in enumerate(predicted):
-            bias.update(rate - (i < accepted))
+            error = rate - (i < accepted)
+            value = error if value is None else value + alpha * (error - value)
+        bias.value = value
 
     # -- controllers ---------------------------------------------------------------------------
     def controller_for(self, policy: DraftPolicy, cell: str = "", greedy: bool = True) -> StepController:
