@@ -11,8 +11,9 @@ rounds), and per-round paired ratios against plain, the best static policy and e
 
 The rule's own overhead is timed in-process: plan + observe of the moespec controller and the
 pass bookkeeping on a fitted state, per step (drafting every step), against the server's plain
-decode step: its calibrated forward alone, and what plain serves one client per token (seconds per
-token of plain's one-client phases: the whole step a user waits for, prefill and RPC shared out).
+decode step: its calibrated forward alone, and the whole step as the server ran it in plain's
+one-client phases (the replies' seconds after the first token over their steps after it: the
+forward, the acceptance, the records and the streaming of every step).
 
 Writes adaptive.json, adaptive.md and adaptive.png to --out.
 """
@@ -65,6 +66,7 @@ class PhaseResult:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     empty_drafts: int = 0  # steps that asked the drafter and got nothing (an n-gram lookup without a match)
+    decode_seconds: float = 0.0  # the server's seconds after each request's first token, summed: its steps'
 
     @property
     def tokens_per_second(self) -> float:
@@ -97,7 +99,8 @@ class Workload:
 def run_phase(client: MoespecClient, workload: Workload, clients: int, seconds: float) -> PhaseResult:
     """`clients` callers back to back until the deadline; the requests in flight then finish and count."""
     deadline = time.perf_counter() + seconds
-    counts, lock = [0] * 6, threading.Lock()  # tokens, requests, verify steps, drafted, accepted, empty drafts
+    # tokens, requests, verify steps, drafted, accepted, empty drafts, decode seconds
+    counts, lock = [0] * 7, threading.Lock()
 
     def caller() -> None:
         while time.perf_counter() < deadline:
@@ -105,7 +108,8 @@ def run_phase(client: MoespecClient, workload: Workload, clients: int, seconds: 
             spec = reply.spec
             with lock:
                 for i, n in enumerate((reply.completion_tokens, 1, spec.verify_steps, spec.drafted_tokens,
-                                       spec.accepted_tokens, spec.empty_drafts)):
+                                       spec.accepted_tokens, spec.empty_drafts,
+                                       reply.seconds - reply.time_to_first_token)):
                     counts[i] += n
 
     t0 = time.perf_counter()
@@ -234,8 +238,9 @@ def measure(args, client: MoespecClient, admin: MoespecClient, workload: Workloa
                       for m, pl in zip(phases[Controller.MOESPEC.value], phases[plain_name], strict=True)]
     overhead = rule_overhead(info.decode_step_seconds)
     alone = [i for i, c in enumerate(args.phases) if c == 1]
-    if alone:  # what a step costs a user: plain's seconds per token with one client, through the server
-        served = statistics.median(1 / r[i] for r in phases[plain_name] for i in alone)
+    if alone:  # a plain step as the server ran it for one client (a request's first step is its first token's)
+        served = statistics.median(r[i]["decode_seconds"] / max(1, r[i]["verify_steps"] - r[i]["requests"])
+                                   for r in drafting[plain_name] for i in alone)
         overhead |= {"served_step_seconds": served, "share_of_served_step": overhead["seconds_per_step"] / served}
     return {
         "settings": {k: str(v) for k, v in vars(args).items() if not k.startswith("_")},
@@ -278,8 +283,8 @@ def markdown(result: dict) -> str:
     lines += ["", f"moespec's worst phase against plain, per round: {', '.join(f'{x:.3f}' for x in worst)}",
               f"Rule overhead: {o['seconds_per_step'] * 1e6:.1f} us per step, {o['share_of_plain_step'] * 100:.2f}% "
               f"of a plain step's forward ({o['plain_step_seconds'] * 1e3:.3f} ms)"
-              + (f", {o['share_of_served_step'] * 100:.2f}% of a plain step served to one client "
-                 f"({o['served_step_seconds'] * 1e3:.3f} ms a token)." if "served_step_seconds" in o else "."), ""]
+              + (f", {o['share_of_served_step'] * 100:.2f}% of a whole plain step as the server ran it for one "
+                 f"client ({o['served_step_seconds'] * 1e3:.3f} ms)." if "served_step_seconds" in o else "."), ""]
     return "\n".join(lines)
 
 
