@@ -146,7 +146,7 @@ def rule_overhead(plain_step_seconds: float, steps: int = 20000) -> dict[str, fl
     for i in range(steps):
         k = rule.plan(context, 8)
         accepted = i % (k + 1)
-        rule.observe(StepOutcome(k, accepted, plain_step_seconds, accepted + 1, None))
+        rule.observe(StepOutcome(k, accepted, plain_step_seconds, accepted + 1, None, planned=k))
         state.observe_pass(k + 1, 8.0 + 4 * k, plain_step_seconds * (1 + 0.1 * k))
     per_step = (time.perf_counter() - t0) / steps
     return {"seconds_per_step": per_step, "plain_step_seconds": plain_step_seconds,

@@ -319,8 +319,8 @@ class Scheduler:
         shared = []  # the controllers a policy's requests share: each hears the pass's end once
         for seq, proposal, (n_ok, _, _), w in zip(seqs, proposals, verdicts, lengths, strict=True):
             controller = seq.controller
-            if adaptive and (w > 1 or controller.hears_plain_steps):
-                controller.observe(StepOutcome(w - 1, n_ok, t2 - t0, n_ok + 1, proposal.confidence))
+            if adaptive and (w > 1 or proposal.planned > 0 or controller.hears_plain_steps):
+                controller.observe(StepOutcome(w - 1, n_ok, t2 - t0, n_ok + 1, proposal.confidence, proposal.planned))
             if controller.shared:
                 shared.append(controller)
             seq.last_window = w

@@ -320,6 +320,37 @@ def calibration_error_after(rule: MoespecRule, state: AdaptiveState, acceptance:
     return state.calibration_error
 
 
+def drafting_steps_with_a_lookup_that_finds(rule: MoespecRule, every: int, steps: int = 400) -> list[int]:
+    """Each step's plan, where one lookup of `every` finds the drafts asked for (all of them
+    accepted) and the others find nothing; the rule hears a step as the scheduler tells it (one
+    that asked for drafts, found or not)."""
+    planned, lookups = [], 0
+    for _ in range(steps):
+        k = rule.plan(StepContext(1, 0), 8)
+        planned.append(k)
+        if k:
+            found = k if lookups % every == 0 else 0
+            lookups += 1
+            rule.observe(StepOutcome(found, found, 1e-3, found + 1, None, planned=k))
+    return planned
+
+
+def test_a_lookup_that_seldom_finds_a_draft_is_not_asked_for():
+    """Found drafts are always accepted, and a lookup costs two plain steps. Finding drafts in one
+    lookup of ten, the eight tokens found do not pay for ten lookups, so the rule stops asking (but
+    for its probes); finding them every time, they do. Priced as if every lookup found its drafts,
+    it kept asking."""
+    def rule() -> MoespecRule:
+        state = fitted_state()
+        state.observe_lookup(2 * state.plain_step_share(1, sampled=False))
+        return with_known_acceptance(MoespecRule(state, Drafter.NGRAM, 1.0), [1.0] * 8)
+
+    seldom = drafting_steps_with_a_lookup_that_finds(rule(), every=10)
+    assert sum(k > 0 for k in seldom[-200:]) <= 200 / PROBE_EVERY + 1
+    always = drafting_steps_with_a_lookup_that_finds(rule(), every=1)
+    assert sum(k > 0 for k in always[-200:]) == 200
+
+
 def test_the_rules_calibration_error_goes_to_zero_on_a_stationary_drafter():
     state = fitted_state()
     rule = MoespecRule(state, Drafter.NGRAM, 0.05)  # cheap costs: it drafts and so keeps learning

@@ -41,6 +41,9 @@ class StepOutcome(NamedTuple):
     seconds: float  # the step's draft + verify seconds (the whole pass's, when batched)
     committed: int  # accepted + the target's token
     confidence: DraftConfidence | None  # of the verified drafts, where the drafter gives them
+    # drafts the controller asked for (after its cut): more than `drafted` where the n-gram drafter
+    # found fewer, or no match at all (a lookup paid for, nothing to verify)
+    planned: int = 0
 
 
 class StepController:

@@ -9,6 +9,7 @@
 - `Ema`: an exponential moving average that knows whether it has seen anything.
 - `AcceptanceByPosition`: P(draft i accepted | drafts before it accepted), per position, as decayed
   counts shrunk towards a prior.
+- `DecayedRate`: the same for a single event (an n-gram lookup finding drafts).
 - `ConfidenceCalibration`: the same probability as a function of the draft distribution's own
   confidence (its largest probability), in bins, learned from verify outcomes.
 
@@ -202,6 +203,24 @@ class AcceptanceByPosition:
             hits[i] = decay * hits[i] + hit
             shared_reached[i] = shared_decay * shared_reached[i] + 1
             shared_hits[i] = shared_decay * shared_hits[i] + hit
+
+
+class DecayedRate:
+    """P(hit) from decayed counts of hits among trials, shrunk towards a prior with the weight of
+    `strength` trials (AcceptanceByPosition's estimate for one event, e.g. a lookup finding drafts)."""
+
+    __slots__ = ("decay", "hits", "strength", "trials")
+
+    def __init__(self, decay: float, strength: float = 4.0):
+        self.decay, self.strength = decay, strength
+        self.hits = self.trials = 0.0
+
+    def observe(self, hit: bool) -> None:
+        self.hits = self.decay * self.hits + hit
+        self.trials = self.decay * self.trials + 1
+
+    def rate(self, prior: float) -> float:
+        return (self.hits + self.strength * prior) / (self.trials + self.strength)
 
 
 class ConfidenceCalibration:

@@ -32,6 +32,9 @@ Where a_j comes from:
   was that high (estimates.ConfidenceCalibration, per request kind too), and the drafts are cut
   where the condition fails. Both are calibrated online: every verify outcome updates them, and
   the state tracks the mean predicted-minus-observed acceptance (the calibration error).
+  For the n-gram drafter these rates are of the drafts a lookup finds; whether it finds any is its
+  own rate (per request, shrunk towards its kind's), and the lookup is asked for only where the
+  positions it would find pay for it (`_lookup_pays`).
 After 16 plain steps in a row the rule verifies two drafts, so estimates that went stale while it
 was not drafting can recover, the acceptance past the first position included, and the pass-cost
 fit sees windows of three positions (probes of one draft showed it windows of one and two only, and
@@ -53,7 +56,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from service.engine.adaptive.controller import DraftConfidence, StepContext, StepController, StepOutcome
-from service.engine.adaptive.estimates import AcceptanceByPosition
+from service.engine.adaptive.estimates import AcceptanceByPosition, DecayedRate
 from service.types import MAX_DRAFT_LENGTH, Drafter
 
 if TYPE_CHECKING:
@@ -75,13 +78,16 @@ class MoespecRule(StepController):
     def __init__(self, state: AdaptiveState, drafter: Drafter, cost_weight: float, sampled: bool = False):
         self.state, self.drafter, self.weight, self.sampled = state, drafter, cost_weight, sampled
         self.own = AcceptanceByPosition(MAX_DRAFT_LENGTH, decay=OWN_DECAY)
+        self.own_found = DecayedRate(OWN_DECAY)  # n-gram: its lookups that found a draft
         # what every request of this kind feeds and reads (looked up once: a step asks for them per position)
         self._kind_acceptance = state.acceptance[drafter, sampled]
         self._calibration = state.calibration[drafter, sampled]
+        self._kind_found = state.lookup_found[sampled]
         self._costs: list[float] = []  # this step's marginal cost of each position, seconds (unweighted)
         self._first = 0.0  # ... and what drafting at all adds to the first position's
         self._plain = 0.0  # what this step costs this request without drafts: S for one token
         self._rates: list[float] = []  # the conditional acceptance the verified drafts were sent with
+        self._walked = (0.0, 1.0)  # the last walk's S_k and T_k: seconds and expected tokens of its positions
         self._plain_run = 0
         self._probing = False  # this step verifies one draft to measure, whatever the estimates say
         self._probe_every = PROBE_EVERY  # plain steps in a row before the next probe
@@ -100,14 +106,30 @@ class MoespecRule(StepController):
         s = self.state
         # the pass holds this request's last committed token at least
         self._plain, self._costs = s.step_prices(ctx.other_positions + 1, self.drafter, self.sampled)
-        self._first = s.first_draft_seconds(self.drafter, ctx.draft_lag)
-        k = self._keep(limit)
+        if self.drafter is Drafter.NGRAM:  # the walk prices the drafts a lookup finds; then the lookup
+            self._first = 0.0
+            k = self._keep(limit)
+            if k and not self._lookup_pays(s.first_draft_seconds(Drafter.NGRAM)):
+                k = 0
+        else:
+            self._first = s.first_draft_seconds(self.drafter, ctx.draft_lag)
+            k = self._keep(limit)
         if k == 0 and limit > 0:
             self._quiet = (self._recheck - 1, ctx.batch_size)
             self._recheck = min(MAX_RECHECK, 2 * self._recheck)
             return self._plain_or_probe(ctx.batch_size, limit)
         self._plain_run, self._probing, self._recheck, self._probe_every = 0, False, RECHECK_EVERY, PROBE_EVERY
         return k
+
+    def _lookup_pays(self, lookup: float) -> bool:
+        """An n-gram lookup finds drafts with probability q (this request's rate, shrunk towards its
+        kind's); the walk's positions are verified and paid only then (seconds S_k, tokens T_k), the
+        lookup L always. Asking lowers this request's seconds per token iff
+        (S + L + q (S_k - S)) / (1 + q (T_k - 1)) < S, that is L < q (S (T_k - 1) - (S_k - S)).
+        (Priced as if every lookup found drafts, a text where most find none drafted at a loss.)"""
+        seconds, tokens = self._walked
+        q = self.own_found.rate(self._kind_found.rate(KIND_PRIOR))
+        return self.weight * lookup < q * (self._plain * (tokens - 1) - (seconds - self._plain))
 
     def _plain_or_probe(self, batch_size: int, limit: int) -> int:
         """A step the rule keeps plain, except the probe after `_probe_every` x the pass's requests
@@ -143,9 +165,11 @@ class MoespecRule(StepController):
             p *= rate
             cost = weight * (costs[i] + self._first if i == 0 else costs[i])
             if p * seconds <= cost * tokens:
+                self._walked = (seconds, tokens)
                 return i
             kept.append(rate)
             seconds, tokens = seconds + cost, tokens + p
+        self._walked = (seconds, tokens)
         return limit
 
     def cut(self, confidence: DraftConfidence) -> int:
@@ -164,8 +188,11 @@ class MoespecRule(StepController):
 
     def observe(self, outcome: StepOutcome) -> None:
         d, a = outcome.drafted, outcome.accepted
-        if self._probing and d > 0:  # a rejected probe: the next one waits twice as long
+        if self._probing:  # a rejected (or empty) probe: the next one waits twice as long
             self._probe_every = PROBE_EVERY if a > 0 else min(MAX_PROBE_EVERY, 2 * self._probe_every)
+        if outcome.planned > 0 and self.drafter is Drafter.NGRAM:  # whether the lookup found a draft
+            self.own_found.observe(d > 0)
+            self._kind_found.observe(d > 0)
         self.own.observe_with(self._kind_acceptance, d, a)
         reached = min(d, a + 1)  # the positions verification reached
         if outcome.confidence is not None:

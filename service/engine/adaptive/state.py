@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from service.engine.adaptive.baselines import CascadeUtility, SglangEmaTiers, TransformersHeuristic
 from service.engine.adaptive.controller import StepContext, StepController
-from service.engine.adaptive.estimates import AcceptanceByPosition, ConfidenceCalibration, Ema, PassCost
+from service.engine.adaptive.estimates import AcceptanceByPosition, ConfidenceCalibration, DecayedRate, Ema, PassCost
 from service.engine.adaptive.rule import MoespecRule
 from service.types import MAX_DRAFT_LENGTH, Controller, Drafter, DraftPolicy
 
@@ -37,6 +37,8 @@ class AdaptiveState:
         self.acceptance = {(d, s): AcceptanceByPosition(MAX_DRAFT_LENGTH, decay=0.999)
                            for d in Drafter for s in (False, True)}
         self.calibration = {(d, s): ConfidenceCalibration() for d in Drafter for s in (False, True)}
+        # Per kind (sampled or not): the n-gram lookups that found a draft (a new request's prior).
+        self.lookup_found = {s: DecayedRate(0.999) for s in (False, True)}
         self.calibration_bias = Ema(0.002)  # predicted - observed acceptance, per verified draft (~500 of them)
         self._plain_passes = 0  # passes without drafts since the last one the fit saw (mod PLAIN_FIT_EVERY)
         self.last_positions = 0  # the last verify pass's positions
