@@ -5,9 +5,10 @@ each), requests drawn in turn from the held-out code prompts and the repeat prom
 half sampled (T=0.8, top-p 0.95). One server at its default flags; each contender is set with
 SetPolicy and runs the whole phase schedule. First an exhaustive static grid runs the schedule
 once each, and its best (highest tokens/s over the schedule) joins the contenders; then
---rounds rounds run every contender, the order rotated each round (interleaved, so drift hits all
-alike). Reported per contender: tokens/s over the schedule and per phase (median and spread over
-rounds), and per-round paired ratios against plain, the best static policy and each baseline.
+--rounds rounds run every contender, each round in another order (interleaved, so drift hits all
+alike; a Williams design, so no contender always follows the same one). Reported per contender:
+tokens/s over the schedule and per phase (median and spread over rounds), what it drafted per
+phase, and per-round paired ratios against plain, the best static policy and each baseline.
 
 The rule's own overhead is timed in-process: plan + observe of the moespec controller and the
 pass bookkeeping on a fitted state, per step (drafting every step), against the server's plain
@@ -128,6 +129,23 @@ def run_schedule(client: MoespecClient, admin: MoespecClient, policy: DraftPolic
     return [run_phase(client, workload, clients, seconds) for clients in phases]
 
 
+def round_order(n: int, r: int) -> list[int]:
+    """Round r's order of n contenders: a Williams design, so that no contender always runs after the
+    same one (a plain rotation keeps every neighbour, and what a run leaves behind, e.g. a heavily
+    drafting contender's garbage and caches, then weighs on one contender only). The base sequence
+    0, 1, n-1, 2, n-2, ... shifted by r; from round n on, mirrored (for odd n the two squares
+    together balance each ordered pair of neighbours)."""
+    base, low, high = [0], 1, n - 1
+    while len(base) < n:
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    order = [(b + r) % n for b in base]
+    return order[::-1] if (r // n) % 2 else order
+
+
 def overall(results: list[PhaseResult]) -> float:
     """Tokens/s over the schedule: each phase weighs by its time, as a service's clock does."""
     return sum(r.tokens for r in results) / sum(r.seconds for r in results)
@@ -207,7 +225,7 @@ def measure(args, client: MoespecClient, admin: MoespecClient, workload: Workloa
     names = list(contenders)
     rounds, phases, drafting = [], {n: [] for n in names}, {n: [] for n in names}
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = [names[i] for i in round_order(len(names), r)]
         this = {}
         for name in order:
             results = run_schedule(client, admin, contenders[name], workload, *schedule)
