@@ -35,6 +35,9 @@ from tuner.drivers.loadgen import DEFAULT_PROMPTS, REPEAT_PROMPTS, load_prompts
 from tuner.drivers.server_proc import start_server
 
 ADMIN_TOKEN = "bench-adaptive-admin-token"
+# Plain decoding again, as its own contender: how far two runs of one policy land apart per phase on
+# this machine (the noise floor the per-phase ratios are read against).
+PLAIN_AGAIN = "plain, run twice"
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.95)
 
@@ -171,9 +174,12 @@ def rule_overhead(plain_step_seconds: float, steps: int = 20000) -> dict[str, fl
             "share_of_plain_step": per_step / plain_step_seconds}
 
 
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def paired(rounds: list[dict[str, float]], a: str, b: str) -> dict[str, float]:
-    ratios = [r[a] / r[b] for r in rounds if r.get(b)]
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    return spread([r[a] / r[b] for r in rounds if r.get(b)])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -222,6 +228,7 @@ def measure(args, client: MoespecClient, admin: MoespecClient, workload: Workloa
     contenders = {"plain": DraftPolicy(draft_length=0)} if best != "plain" else {}
     contenders[best_name] = grid(args.max_draft_length)[best]
     contenders.update(controllers(Drafter(args.drafter), args.max_draft_length))
+    contenders[PLAIN_AGAIN] = DraftPolicy(draft_length=0)
     names = list(contenders)
     rounds, phases, drafting = [], {n: [] for n in names}, {n: [] for n in names}
     for r in range(args.rounds):
@@ -240,20 +247,24 @@ def measure(args, client: MoespecClient, admin: MoespecClient, workload: Workloa
         values = [r[name] for r in rounds]
         per_phase = list(zip(*phases[name], strict=True))
         summary[name] = {
-            "tokens_per_second": {"median": statistics.median(values), "min": min(values), "max": max(values)},
+            "tokens_per_second": spread(values),
             "per_phase_median": [statistics.median(p) for p in per_phase],
             "drafts_per_step_per_phase_median": [statistics.median(r["drafted_tokens"] / max(1, r["verify_steps"])
                                                          for r in p)
                                                  for p in zip(*drafting[name], strict=True)],
             "vs_plain": paired(rounds, name, plain_name),
+            "per_phase_vs_plain": [spread([x / p for x, p in zip(mine, plains, strict=True)])
+                                   for mine, plains in zip(per_phase, zip(*phases[plain_name], strict=True),
+                                                           strict=True)],
             "vs_best_static": paired(rounds, name, best_name),
             "policy": {k: str(v) for k, v in asdict(contenders[name]).items()},
         }
     baselines = [c.value for c in (Controller.SGLANG, Controller.TRANSFORMERS, Controller.CASCADE)]
     summary[Controller.MOESPEC.value]["vs_baselines"] = {b: paired(rounds, Controller.MOESPEC.value, b)
                                                         for b in baselines}
-    phase_vs_plain = [min(x / p for x, p in zip(m, pl, strict=True))
-                      for m, pl in zip(phases[Controller.MOESPEC.value], phases[plain_name], strict=True)]
+    def worst_phase(name: str) -> list[float]:  # per round: the contender's lowest phase ratio against plain
+        return [min(x / p for x, p in zip(m, pl, strict=True))
+                for m, pl in zip(phases[name], phases[plain_name], strict=True)]
     overhead = rule_overhead(info.decode_step_seconds)
     alone = [i for i, c in enumerate(args.phases) if c == 1]
     if alone:  # a plain step as the server ran it for one client (a request's first step is its first token's)
@@ -266,7 +277,8 @@ def measure(args, client: MoespecClient, admin: MoespecClient, workload: Workloa
         "phases": args.phases, "phase_seconds": args.phase_seconds,
         "grid": grid_runs, "best_static": best, "rounds": rounds, "per_phase": phases, "phase_counts": drafting,
         "summary": summary,
-        "moespec_worst_phase_vs_plain_per_round": phase_vs_plain,
+        "moespec_worst_phase_vs_plain_per_round": worst_phase(Controller.MOESPEC.value),
+        "plain_again_worst_phase_vs_plain_per_round": worst_phase(PLAIN_AGAIN),
         "rule_overhead": overhead,
     }
 
@@ -296,9 +308,17 @@ def markdown(result: dict) -> str:
     lines += ["", "moespec's rule against each baseline (per-round ratio):", ""]
     for b, d in s[Controller.MOESPEC.value]["vs_baselines"].items():
         lines.append(f"- {b}: {ratio(d)}")
+    lines += ["", "Each phase against plain (per-round ratio), moespec's rule and plain's second run (the noise "
+              "floor):", ""]
+    for name in (Controller.MOESPEC.value, PLAIN_AGAIN):
+        by_phase = "; ".join(f"{c} client{'s' if c > 1 else ''} {ratio(d)}"
+                             for c, d in zip(result["phases"], s[name]["per_phase_vs_plain"], strict=True))
+        lines.append(f"- {name}: {by_phase}")
     worst = result["moespec_worst_phase_vs_plain_per_round"]
+    again = result["plain_again_worst_phase_vs_plain_per_round"]
     o = result["rule_overhead"]
     lines += ["", f"moespec's worst phase against plain, per round: {', '.join(f'{x:.3f}' for x in worst)}",
+              f"plain's second run, its worst phase against plain, per round: {', '.join(f'{x:.3f}' for x in again)}",
               f"Rule overhead: {o['seconds_per_step'] * 1e6:.1f} us per step, {o['share_of_plain_step'] * 100:.2f}% "
               f"of a plain step's forward ({o['plain_step_seconds'] * 1e3:.3f} ms)"
               + (f", {o['share_of_served_step'] * 100:.2f}% of a whole plain step as the server ran it for one "
