@@ -8,8 +8,8 @@ pass) plus, for a sampled request, its own acceptance of the row (state.plain_st
 position costs m_i, its marginal step seconds at the size the pass will have (the verify pass and
 what the step's bookkeeping pays per position), which on an MoE target follows how many new experts
 one more position brings (estimates.PassCost), plus one more position the model drafter feeds
-(the first also pays the catch-up on the tokens its cache lacks, all of a plain stretch's; for the
-n-gram drafter, the first position pays its lookup), plus, for a sampled request, its own
+(the first also pays the catch-up on the tokens its cache lacks, all of a plain stretch's; the
+n-gram drafter's lookup is priced apart, below), plus, for a sampled request, its own
 acceptance of one more row (target probabilities and the accept test, paid beside the pass and only
 by sampled requests: state.row_seconds). Adding it lowers this request's seconds per token S / T iff
 
