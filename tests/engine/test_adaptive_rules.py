@@ -290,13 +290,14 @@ def test_the_cut_keeps_the_prefix_the_calibrated_confidences_pay_for():
 # ------------------------------------------------------------------------------- calibration
 def test_acceptance_by_position_converges_on_a_drafter_of_known_acceptance():
     rng, truth = random.Random(1), [0.9, 0.7, 0.5, 0.3]
-    acc = AcceptanceByPosition(4, decay=0.999)
+    own, kind = AcceptanceByPosition(4, decay=0.999), AcceptanceByPosition(4, decay=0.999)
     for _ in range(5000):
         accepted = 0
         while accepted < 4 and rng.random() < truth[accepted]:
             accepted += 1
-        acc.observe(4, accepted)
-    assert [acc.rate(i, 0.5) for i in range(4)] == pytest.approx(truth, abs=0.04)
+        own.observe(4, accepted, kind)  # a request's own estimate and its kind's hear it together
+    for acc in (own, kind):
+        assert [acc.rate(i, 0.5) for i in range(4)] == pytest.approx(truth, abs=0.04)
 
 
 def test_confidence_calibration_converges_on_a_drafter_of_known_calibration():

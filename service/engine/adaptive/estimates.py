@@ -184,17 +184,11 @@ class AcceptanceByPosition:
     def rate(self, i: int, prior: float) -> float:
         return (self.accepted[i] + self.strength * prior) / (self.reached[i] + self.strength)
 
-    def observe(self, drafted: int, accepted: int) -> None:
+    def observe(self, drafted: int, accepted: int, shared: AcceptanceByPosition) -> None:
         """A step verified `drafted` drafts and accepted the first `accepted`: positions 0..accepted
-        were reached (the one after the last accepted was rejected, if there is one)."""
-        reached, hits, decay = self.reached, self.accepted, self.decay
-        for i in range(min(drafted, accepted + 1)):
-            reached[i] = decay * reached[i] + 1
-            hits[i] = decay * hits[i] + (i < accepted)
-
-    def observe_with(self, shared: AcceptanceByPosition, drafted: int, accepted: int) -> None:
-        """`observe` on this estimate and on `shared` (its kind's, of the same length), in one loop:
-        every drafting step of every request updates both."""
+        were reached (the one after the last accepted was rejected, if there is one). This estimate
+        (a request's own) and `shared` (its kind's, as long) hear it together, in one loop: every
+        drafting step of every request updates both."""
         reached, hits, decay = self.reached, self.accepted, self.decay
         shared_reached, shared_hits, shared_decay = shared.reached, shared.accepted, shared.decay
         for i in range(min(drafted, accepted + 1)):
@@ -207,7 +201,8 @@ class AcceptanceByPosition:
 
 class DecayedRate:
     """P(hit) from decayed counts of hits among trials, shrunk towards a prior with the weight of
-    `strength` trials (AcceptanceByPosition's estimate for one event, e.g. a lookup finding drafts)."""
+    `strength` trials: AcceptanceByPosition's estimate for a single event (an n-gram lookup finding
+    drafts), as two floats (a one-position AcceptanceByPosition cost the rule 0.25 us a step more)."""
 
     __slots__ = ("decay", "hits", "strength", "trials")
 

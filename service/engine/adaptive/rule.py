@@ -193,7 +193,7 @@ class MoespecRule(StepController):
         if outcome.planned > 0 and self.drafter is Drafter.NGRAM:  # whether the lookup found a draft
             self.own_found.observe(d > 0)
             self._kind_found.observe(d > 0)
-        self.own.observe_with(self._kind_acceptance, d, a)
+        self.own.observe(d, a, self._kind_acceptance)
         reached = min(d, a + 1)  # the positions verification reached
         if outcome.confidence is not None:
             for i, top in enumerate(outcome.confidence.top[:reached]):
