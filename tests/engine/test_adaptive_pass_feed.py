@@ -67,3 +67,15 @@ def test_the_pass_after_a_request_finished_is_disturbed_and_the_next_is_not(engi
     alone = passes[last_pair + 1:]
     assert len(alone) >= 3 and all(n == 1 for n, _ in alone)
     assert alone[0][1] and not any(d for _, d in alone[1:])
+
+
+def test_a_lookup_that_found_nothing_reaches_the_rule(engine_and_passes):
+    """The scheduler tells the rule of a step that asked for drafts and verified none: the n-gram
+    lookups the rule's kind has seen include the empty ones, not only those that found drafts."""
+    engine, _ = engine_and_passes
+    eager = DraftPolicy(Drafter.NGRAM, 4, controller=Controller.MOESPEC, cost_weight=1e-3)  # drafts nearly always
+    result = engine.generate(request(heldout_prompts(1)[0], 24), eager)
+    found = engine.adaptive.lookup_found[False]  # greedy requests'
+    assert result.spec.empty_drafts > 0
+    assert found.trials - found.hits > 0.5  # at least one empty lookup counted
+    assert found.hits > 0.5  # and the ones that found drafts
