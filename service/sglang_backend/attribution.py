@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from service.sglang_backend.records import ForwardMode, ForwardPass
+from service.types import BatchPassRecord
 
 NGRAM_FILLER = 0  # the token SGLang's NGRAM pads short matches with (0.5.23, observed on the real thing)
 
@@ -57,12 +58,14 @@ class Window:
     start: int  # position of the window's first token (the last committed token)
     input_ids: tuple[int, ...]  # [w]
     positions: tuple[int, ...]  # [w]
-    topk_ids: torch.Tensor  # [L, w, 8] logical ids, -1 = none
-    physical_ids: torch.Tensor  # [L, w, 8] physical slot ids as recorded, -1 = none
+    topk_ids: torch.Tensor | None  # [L, w, 8] logical ids, -1 = none (None: not captured)
+    physical_ids: torch.Tensor | None  # [L, w, 8] physical slot ids as recorded, -1 = none
     physical_to_logical: torch.Tensor | None  # [L, S] the map SGLang ran the pass with (None: identity)
     accepted: int  # drafts the target accepted
     committed: int  # tokens this step added to the output (accepted + 1, less what the end cut)
     padding: int = 0  # NGRAM filler drafts in the window (verified, never drafted)
+    unique: tuple[int, ...] | None = None  # [L] distinct routed experts per layer, when measured in SGLang
+    batch: BatchPassRecord | None = None  # the pass this window was verified in (plugin records only)
 
     @property
     def width(self) -> int:
@@ -148,12 +151,16 @@ def _is_step_pass(p: ForwardPass, speculative: bool) -> bool:
 
 
 def _leading_matches(p: ForwardPass, offset: int, length: int, seq: tuple[int, ...]) -> int:
-    """Drafts 1.. that sit on the chain (next position) and equal the committed token there."""
-    start = p.positions[offset]
+    return leading_matches(p.input_ids[offset:offset + length], p.positions[offset:offset + length], seq)
+
+
+def leading_matches(input_ids, positions, seq: tuple[int, ...]) -> int:
+    """Drafts 1.. of a window that sit on the chain (next position) and equal the committed token there."""
+    start = positions[0]
     accepted = 0
-    for j in range(1, length):
+    for j in range(1, len(input_ids)):
         pos = start + j
-        if p.positions[offset + j] != pos or pos >= len(seq) or p.input_ids[offset + j] != seq[pos]:
+        if positions[j] != pos or pos >= len(seq) or input_ids[j] != seq[pos]:
             break
         accepted += 1
     return accepted

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from service import expert_parallel
@@ -23,6 +22,7 @@ from service.sglang_backend.model_config import ModelDirError
 from service.sglang_backend.policy import MODEL_ALGORITHMS, NEEDS_DRAFT_PATH, SpecConfig
 from service.sglang_backend.preflight import (
     check_draft,
+    check_plugin_hooks,
     check_target,
     import_sglang,
     require_cpu_kernels,
@@ -54,12 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "sizes its buffer from it)")
     group.add_argument("--sglang-ngram-max-trie-depth", type=int, help="speculative_ngram_max_trie_depth")
     group.add_argument("--sglang-no-expert-record", action="store_true",
-                       help="run without the per_token expert recorder (counts only, no expert unions)")
-    group.add_argument("--sglang-record-dir", type=Path, help="where the recorder dumps (default: a temp dir)")
-    group.add_argument("--sglang-keep-records", action="store_true",
-                       help="keep every dump read, in --sglang-record-dir/read/NNNNN/ with request.json (the "
-                            "request's policy, prompt and output ids and SGLang's meta_info): raw evidence for "
-                            "offline checks; grows without bound")
+                       help="run without moespec's routing statistics in SGLang's scheduler (counts only, no "
+                            "expert unions)")
+    group.add_argument("--sglang-record-dir", type=Path,
+                       help="cross-check: also run SGLang's own per_token expert recorder and have it dump there "
+                            "whenever an engine stops (raw evidence for offline checks; grows with traffic)")
     group.add_argument("--sglang-capture-topk", action="store_true", help="keep [L, w, m] routed ids per step")
     group.add_argument("--sglang-no-calibrate", action="store_true",
                        help="skip the plain-decoding start-up run that calibrates the decode step")
@@ -84,11 +83,8 @@ def create_backend(args: argparse.Namespace):
         ngram=algorithm == "NGRAM" or not args.sglang_no_ngram,
         ngram_max_trie_depth=args.sglang_ngram_max_trie_depth,
     )
-    base = base_kwargs(args, record=not args.sglang_no_expert_record)
+    base = base_kwargs(args)
     policy = initial_policy(args, spec)
-    if args.sglang_keep_records and (args.sglang_record_dir is None or args.sglang_no_expert_record):
-        raise UsageError("--sglang-keep-records needs --sglang-record-dir (the default temp dir is removed at exit) "
-                         "and the recorder on")
     # SGLang reads its CPU switch when its modules are imported: set before the import.
     os.environ.update(devices.environment(args.device, dict(os.environ)))
     sglang = import_sglang()
@@ -96,6 +92,8 @@ def create_backend(args: argparse.Namespace):
         require_cuda()
     else:
         require_cpu_kernels()
+    if not args.sglang_no_expert_record:
+        check_plugin_hooks()
     cleanup = []
     try:
         served, is_view = sglang_model_dir(args.model_path)
@@ -104,13 +102,9 @@ def create_backend(args: argparse.Namespace):
     if is_view:
         cleanup.append(served)
     base["model_path"] = str(served)
-    record_dir = None
-    if not args.sglang_no_expert_record:
-        record_dir = args.sglang_record_dir
-        if record_dir is None:
-            record_dir = Path(tempfile.mkdtemp(prefix="moespec-sglang-records-"))
-            cleanup.append(record_dir)
-        try:  # the dumps are unpickled (weights-only) and hold token ids: a private folder only
+    record_dir = args.sglang_record_dir
+    if record_dir is not None:
+        try:  # the dumps hold token ids: a private folder only
             private_dir(record_dir)
         except OSError as e:
             raise UsageError(f"--sglang-record-dir: {e}") from None
@@ -120,8 +114,8 @@ def create_backend(args: argparse.Namespace):
         info=build_info(target, draft_name, spec, max_context, device=args.device),
         spec=spec,
         base_kwargs=base,
-        record_dir=record_dir,
-        keep_records=args.sglang_keep_records,
+        stats=not args.sglang_no_expert_record,
+        recorder_dir=record_dir,
         tokenizer_path=args.model_path / "tokenizer.json",
         capture_topk=args.sglang_capture_topk,
         calibrate=not args.sglang_no_calibrate,
@@ -142,7 +136,7 @@ def ep_from_args(args: argparse.Namespace, target) -> EPConfig | None:
     if spec is None:
         return None
     if args.sglang_no_expert_record:
-        raise UsageError("--ep-size needs the expert recorder (drop --sglang-no-expert-record)")
+        raise UsageError("--ep-size needs the routing statistics (drop --sglang-no-expert-record)")
     try:
         return ep_config(spec, target)
     except expert_parallel.PlacementError as e:
@@ -155,7 +149,7 @@ def record_steps_path(args: argparse.Namespace) -> Path | None:
     if path is None:
         return None
     if args.sglang_no_expert_record:
-        raise UsageError("--record-steps needs the expert recorder (drop --sglang-no-expert-record)")
+        raise UsageError("--record-steps needs the routing statistics (drop --sglang-no-expert-record)")
     try:
         with Path(path).open("a"):  # creates it if missing; appends nothing
             pass
@@ -164,7 +158,7 @@ def record_steps_path(args: argparse.Namespace) -> Path | None:
     return Path(path)
 
 
-def base_kwargs(args: argparse.Namespace, record: bool) -> dict:
+def base_kwargs(args: argparse.Namespace) -> dict:
     """sglang.Engine arguments every policy shares."""
     chunked = args.sglang_chunked_prefill or devices.chunked_prefill(args.device)
     if args.sglang_tp < 1 or chunked < 1:
@@ -177,8 +171,6 @@ def base_kwargs(args: argparse.Namespace, record: bool) -> dict:
         # A fused shared expert would occupy a routed-id slot and break the per-layer unions.
         "disable_shared_experts_fusion": True,
     }
-    if record:
-        out["expert_distribution_recorder_mode"] = "per_token"
     if args.sglang_mem_fraction is not None:
         out["mem_fraction_static"] = args.sglang_mem_fraction
     if args.sglang_context_length is not None:

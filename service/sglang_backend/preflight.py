@@ -87,3 +87,14 @@ def check_draft(path: Path | None, algorithm: str | None, needs_path: tuple[str,
         return dense_name(path)
     except ModelDirError as e:
         raise UsageError(f"--draft-model-path {e}") from None
+
+
+def check_plugin_hooks() -> None:
+    """The SGLang names moespec's plugin hooks exist in this install (the scheduler runs the same one)."""
+    from service.sglang_plugin.hook_points import HookPointError, check_hook_points
+
+    try:
+        check_hook_points()
+    except HookPointError as e:
+        raise SGLangUnavailable(f"--backend sglang: {e}; run with --sglang-no-expert-record to serve without "
+                                "routing statistics") from None

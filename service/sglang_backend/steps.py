@@ -22,7 +22,7 @@ from service.sglang_backend.attribution import Window, unique_experts
 from service.sglang_backend.ep import EPConfig, window_view
 from service.sglang_backend.meta_info import SpecMeta
 from service.sglang_backend.model_config import MoeGeometry
-from service.types import DraftPolicy, SpecStats, StepRecord, accepted_positions
+from service.types import BatchPassRecord, DraftPolicy, SpecStats, StepRecord, accepted_positions
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +43,15 @@ def steps_from_windows(
     for w, view in zip(windows, views, strict=True):
         drafted = w.drafted  # NGRAM filler excluded; the window (and its unions) keeps it
         topk = None
-        if capture_topk:
+        if capture_topk and w.topk_ids is not None:
             # [L, w, m] over the MoE layers, the recorder's -1 padding columns dropped.
             topk = tuple(tuple(tuple(row[:target.top_k]) for row in w.topk_ids[layer].tolist())
                          for layer in target.moe_layers)
         out.append(_record(policy, target, drafted, w.accepted, w.committed, w.width,
-                           unique_experts(w.topk_ids, target.moe_layers, target.num_experts),
-                           share, decode_step_seconds, topk, w.input_ids if capture_topk else None,
-                           {} if view is None else expert_parallel.step_fields(view)))
+                           w.unique if w.unique is not None else unique_experts(w.topk_ids, target.moe_layers,
+                                                                                target.num_experts),
+                           share, decode_step_seconds, topk, w.input_ids if topk is not None else None,
+                           {} if view is None else expert_parallel.step_fields(view), w.batch))
     return out
 
 
@@ -81,7 +82,7 @@ def steps_from_meta(
         accepted = [a for a, count in enumerate(meta.histogram) for _ in range(count)]
     share = decode_seconds / len(accepted) if accepted else 0.0
     k = policy.draft_length if meta is not None else 0
-    return [_record(policy, target, k, a, a + 1, k + 1, zeros, share, decode_step_seconds, None, None, {})
+    return [_record(policy, target, k, a, a + 1, k + 1, zeros, share, decode_step_seconds, None, None, {}, None)
             for a in accepted]
 
 
@@ -96,7 +97,8 @@ def spec_stats(steps: list[StepRecord], policy: DraftPolicy, target: MoeGeometry
 
 def _record(policy: DraftPolicy, target: MoeGeometry, drafted: int, accepted: int, committed: int, window: int,
             unique: tuple[int, ...], seconds: float, decode_step_seconds: float,
-            topk: tuple | None, window_ids: tuple[int, ...] | None, ep_fields: dict) -> StepRecord:
+            topk: tuple | None, window_ids: tuple[int, ...] | None, ep_fields: dict,
+            batch: BatchPassRecord | None) -> StepRecord:
     return StepRecord.of_policy(
         policy,
         drafted=drafted,
@@ -113,5 +115,6 @@ def _record(policy: DraftPolicy, target: MoeGeometry, drafted: int, accepted: in
         decode_step_equivalents=seconds / decode_step_seconds if decode_step_seconds > 0 else 0.0,
         topk_ids=topk,
         window_ids=window_ids,
+        batch=batch,
         **ep_fields,
     )

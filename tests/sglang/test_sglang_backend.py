@@ -1,76 +1,22 @@
-"""SGLangBackend on CPU against a stand-in for sglang.Engine that replays the fixture run: the
-engine's public calls (generate stream, start/dump recorder, shutdown, abort) and the dump files
-it leaves in SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR are as 0.5.23 has them; the backend's own
-code (swap, streaming, recorder reading, adaptation, calibration) runs for real."""
+"""SGLangBackend on CPU against tests/sglang/fake_sglang.py: a stand-in for sglang.Engine and its
+scheduler that replays a real SGLang 0.5.23 run's routing through moespec's real plugin code. The
+backend's own code (swap gate, engine thread, stats channel, joining, calibration) runs for real."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import time
+import threading
 import types
 
 import pytest
 
 from service.sglang_backend import add_arguments, create_backend
 from service.sglang_backend import cli as sglang_cli
-from service.sglang_backend.engine_slot import RECORDER_DIR_ENV
-from service.sglang_backend.records import dump_files
+from service.sglang_backend.backend import RECORDER_DIR_ENV
+from service.sglang_plugin.wire import TAP_ENV
 from service.types import Drafter, DraftPolicy, FinishReason, GenerationRequest, SamplingParams
-from tests.fixtures.sglang.scenario import load
-
-SCENARIO = load("speculative")
-
-
-class FakeEngine:
-    def __init__(self, journal: list, **kwargs):
-        self.kwargs, self.journal = kwargs, journal
-        self.recording = self.closed = False
-        self.last_prompt: tuple[int, ...] = ()
-        self.aborted: list[str] = []
-        self.tokenizer_manager = types.SimpleNamespace(abort_request=lambda rid: self.aborted.append(rid))
-        journal.append(self)
-
-    def start_expert_distribution_record(self):
-        self.recording = True
-
-    def generate(self, input_ids, sampling_params, stream, rid):
-        assert stream and not self.closed
-        # Finding 5 (sglang-cpu-notes): a forward pass with recorder mode on but recording not yet
-        # started kills SGLang's scheduler on a CPU, so nothing may run before the recorder starts.
-        assert self.recording or "expert_distribution_recorder_mode" not in self.kwargs
-        self.last_prompt = tuple(input_ids)
-        name = next((n for n, e in SCENARIO.expected.items() if tuple(e["prompt_ids"]) == self.last_prompt), None)
-        if name is None:  # the warm-up request
-            output = list(range(100, 100 + sampling_params["max_new_tokens"]))
-            meta = {"finish_reason": {"type": "length"}, "completion_tokens": len(output)}
-        else:
-            output, meta = SCENARIO.expected[name]["output_ids"], SCENARIO.meta[name]
-        for end in (1, len(output) // 2, len(output)):
-            time.sleep(0.002)
-            done = end == len(output) or bool(self.aborted)
-            yield {"text": " ".join(map(str, output[:end])), "output_ids": output[:end],
-                   "meta_info": meta if done else {"finish_reason": None}}
-            if done:
-                return
-
-    def dump_expert_distribution_record(self):
-        assert self.recording  # SGLang raises without a per_token recorder started
-        out = os.environ[RECORDER_DIR_ENV]
-        name = f"expert_distribution_recorder_{time.time()}_0.pt"
-        known = any(tuple(e["prompt_ids"]) == self.last_prompt for e in SCENARIO.expected.values())
-        if known:
-            shutil.copy(dump_files(SCENARIO.folder)[0], os.path.join(out, name))
-        else:
-            import torch
-
-            torch.save({"records": [], "last_physical_to_logical_map": torch.arange(64).repeat(4, 1)},
-                       os.path.join(out, name))
-
-    def shutdown(self):
-        self.closed = True
+from tests.sglang.fake_sglang import SCENARIO, FakeEngine
 
 
 @pytest.fixture
@@ -79,8 +25,10 @@ def journal(monkeypatch):
     fake = types.SimpleNamespace(__version__="0.5.23", Engine=lambda **kw: FakeEngine(engines, **kw))
     monkeypatch.setattr(sglang_cli, "import_sglang", lambda: fake)
     monkeypatch.setattr(sglang_cli, "require_cuda", lambda: None)
-    # The backend sets this for SGLang's subprocesses; setenv here makes the test undo it.
+    monkeypatch.setattr(sglang_cli, "check_plugin_hooks", lambda: None)  # the fake has the hook points
+    # The backend sets these for SGLang's subprocesses; setenv here makes the test undo them.
     monkeypatch.setenv(RECORDER_DIR_ENV, "unset-by-test")
+    monkeypatch.setenv(TAP_ENV, "")
     return engines
 
 
@@ -121,7 +69,7 @@ def test_a_policy_change_swaps_the_engine_and_publishes_the_measured_cost(tmp_pa
     result = backend.generate(request("A"), K3)
     assert len(journal) == 2 and journal[0].closed
     assert journal[1].kwargs["speculative_num_steps"] == 3 and journal[1].kwargs["speculative_num_draft_tokens"] == 4
-    assert journal[1].kwargs["expert_distribution_recorder_mode"] == "per_token"
+    assert "expert_distribution_recorder_mode" not in journal[1].kwargs  # the plugin measures; no recorder
     assert backend.info.policy_switches == 1 and backend.info.policy_switch_seconds > 0
     backend.generate(request("A"), DraftPolicy(Drafter.MODEL, 3, 0.5, policy_id="same-engine"))
     assert len(journal) == 2  # policy_id / draft_temperature need no other engine
@@ -129,17 +77,41 @@ def test_a_policy_change_swaps_the_engine_and_publishes_the_measured_cost(tmp_pa
     backend.close()
 
 
-def test_steps_come_from_the_recorder_dump(tmp_path, journal):
+def test_steps_come_from_the_plugins_records(tmp_path, journal):
     backend = make_backend(tmp_path)
     result = backend.generate(request("B"), K3)
     want = SCENARIO.expected["B"]
     assert result.token_ids == tuple(want["output_ids"]) and result.completion_tokens == len(want["output_ids"])
     assert [s.accepted for s in result.steps] == [s["accepted"] for s in want["steps"]]
+    assert [s.committed for s in result.steps] == [s["committed"] for s in want["steps"]]
     assert [s.unique_experts for s in result.steps] == [tuple(s["unique_experts"]) for s in want["steps"]]
     assert result.spec.verify_steps == 4 and result.spec.policy_id == "k3"
     assert result.spec.draft_temperature == 0.0  # SGLang drafts the argmax
     assert result.time_to_first_token > 0 and result.seconds >= result.time_to_first_token
-    assert not list(backend.config.record_dir.glob("*.pt"))  # read and removed
+    # Every step knows its pass: the fixture's passes served A and B together (B alone at the end).
+    assert [s.batch.batch_size for s in result.steps] == [2, 2, 2, 1]
+    assert all(s.batch.unique_experts_bound == min(64, s.batch.positions * 8) for s in result.steps)
+    backend.close()
+
+
+def test_concurrent_requests_each_get_their_own_windows(tmp_path, journal):
+    backend = make_backend(tmp_path)
+    backend.prepare(K3)
+    results = {}
+
+    def run(name):
+        results[name] = backend.generate(request(name), K3)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in ("A", "B")]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    for name in ("A", "B"):
+        want = SCENARIO.expected[name]["steps"]
+        assert [(s.accepted, s.unique_experts) for s in results[name].steps] == [
+            (w["accepted"], tuple(w["unique_experts"])) for w in want]
+    # A pass both requests were in reports one batch record to each: the same pass id and batch union.
+    shared = {s.batch.pass_id: s.batch for s in results["A"].steps}
+    assert any(s.batch.pass_id in shared and s.batch == shared[s.batch.pass_id] for s in results["B"].steps)
     backend.close()
 
 
@@ -154,8 +126,10 @@ def test_stream_deltas_add_up_to_the_result(tmp_path, journal):
 
 def test_should_stop_aborts_the_sglang_request(tmp_path, journal):
     backend = make_backend(tmp_path)
-    result = backend.generate(request("A"), DraftPolicy(), should_stop=lambda: True)
+    backend.prepare(K3)
+    result = backend.generate(request("A"), K3, should_stop=lambda: True)
     assert journal[-1].aborted and result.finish_reason is FinishReason.CANCELLED
+    assert len(result.steps) < 3  # it stopped before its last pass
     backend.close()
 
 
@@ -163,14 +137,12 @@ def test_a_speculative_start_calibrates_plain_first(tmp_path, journal):
     backend = make_backend(tmp_path, "--draft-length", "2")
     assert len(journal) == 2 and journal[1].kwargs["speculative_num_steps"] == 2
     assert backend.info.decode_step_seconds > 0 and backend.info.policy_switches == 1
-    record_dir = backend.config.record_dir
     backend.close()
-    assert not record_dir.exists()  # the temp dir it made is gone
 
 
 def test_without_the_recorder_counts_still_come_from_meta_info(tmp_path, journal):
     backend = make_backend(tmp_path, "--sglang-no-expert-record")
-    assert "expert_distribution_recorder_mode" not in journal[0].kwargs
+    assert journal[0].tap is None  # the plugin stays inert: no switch in the scheduler's environment
     result = backend.generate(request("A"), K3)
     assert result.spec.verify_steps == 3 and result.spec.unique_experts_max == (0, 0, 0, 0)
     backend.close()
@@ -258,8 +230,8 @@ def test_ep_fields_and_the_step_recording_agree_with_a_recount(tmp_path, journal
 
 @pytest.mark.parametrize(("extra", "reason"), [
     (("--ep-size", "3"), "--ep-size: 64 experts per layer do not split into 3 equal ranks"),
-    (("--ep-size", "2", "--sglang-no-expert-record"), "--ep-size needs the expert recorder"),
-    (("--record-steps", "steps.jsonl", "--sglang-no-expert-record"), "--record-steps needs the expert recorder"),
+    (("--ep-size", "2", "--sglang-no-expert-record"), "--ep-size needs the routing statistics"),
+    (("--record-steps", "steps.jsonl", "--sglang-no-expert-record"), "--record-steps needs the routing statistics"),
     (("--record-steps", "/nonexistent/folder/steps.jsonl"), "--record-steps: cannot write"),
 ], ids=["size-does-not-split", "ep-without-recorder", "record-without-recorder", "unwritable"])
 def test_bad_ep_and_recording_flags_fail_before_any_engine_starts(tmp_path, journal, extra, reason):

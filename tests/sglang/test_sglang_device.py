@@ -11,8 +11,9 @@ import pytest
 
 from service.server import convert
 from service.sglang_backend import cli as sglang_cli
-from service.sglang_backend.engine_slot import RECORDER_DIR_ENV
-from tests.sglang.test_sglang_backend import FakeEngine, make_backend
+from service.sglang_backend.backend import RECORDER_DIR_ENV
+from tests.sglang.fake_sglang import FakeEngine
+from tests.sglang.test_sglang_backend import make_backend
 
 
 @pytest.fixture
@@ -31,6 +32,7 @@ def cpu_journal(monkeypatch):
     monkeypatch.setattr(sglang_cli, "import_sglang", import_sglang)
     monkeypatch.setattr(sglang_cli, "require_cuda", no_cuda_check)
     monkeypatch.setattr(sglang_cli, "require_cpu_kernels", lambda: None)  # the fake SGLang has its CPU ops
+    monkeypatch.setattr(sglang_cli, "check_plugin_hooks", lambda: None)  # and the hook points
     for name in ("SGLANG_USE_CPU_ENGINE", "TORCHDYNAMO_DISABLE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(RECORDER_DIR_ENV, "unset-by-test")

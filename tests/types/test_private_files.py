@@ -14,7 +14,6 @@ import pytest
 from service.private_files import UnsafePath, private_dir
 from service.recording import StepRecorder
 from service.redact import redact_url
-from service.sglang_backend.engine_slot import archive_read
 from service.types import Drafter, ModelInfo
 from tuner.cli import dashboard_hint
 from tuner.loop.study import StorageError, open_storage
@@ -66,16 +65,6 @@ def test_moespec_serve_refuses_a_symlinked_recording_with_exit_2(tmp_path):
     assert "--record-steps" in result.stderr and "symlink" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "elsewhere").exists()
-
-
-def test_kept_sglang_records_are_0600_in_0700_folders(tmp_path, wide_umask):
-    record_dir = private_dir(tmp_path / "records")
-    dump = record_dir / "expert_distribution_recorder_1.0_0.pt"
-    dump.write_bytes(b"dump")  # as SGLang writes it: under the process umask
-    dump.chmod(0o664)
-    archive = archive_read(record_dir, 0, {"prompt_ids": [1, 2]}, [dump])
-    assert mode(record_dir) == 0o700 and mode(record_dir / "read") == 0o700 and mode(archive) == 0o700
-    assert mode(archive / "request.json") == 0o600 and mode(archive / dump.name) == 0o600
 
 
 def test_a_record_folder_others_may_write_is_refused(tmp_path):

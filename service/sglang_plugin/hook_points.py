@@ -1,0 +1,48 @@
+"""The SGLang names the plugin hooks, and the start-up check that they are there.
+
+The plugin changes SGLang only through its hook registry at these dotted paths. The moespec server
+checks them in its own process before it starts an engine (same SGLang install as the scheduler's),
+so another SGLang version fails in one line instead of measuring nothing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pkgutil
+
+SGLANG_VERSION = "0.5.23"  # the release these hook points were read in
+
+RECORDER_FACTORY = "sglang.srt.eplb.expert_distribution.ExpertDistributionRecorder.init_new"
+MODEL_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+# The recorder methods the models call, which the tap forwards and listens to.
+RECORDER_CALLS = ("with_current_layer", "on_select_experts", "with_forward_pass")
+RECORDER_CLASS = "sglang.srt.eplb.expert_distribution.ExpertDistributionRecorder"
+FORWARD_BATCH_FIELDS = ("forward_mode", "rids", "batch_size", "input_ids", "positions")
+FORWARD_BATCH_CLASS = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
+
+
+class HookPointError(RuntimeError):
+    """The installed SGLang lacks a name the plugin hooks (another version)."""
+
+
+def check_hook_points() -> None:
+    """Raises HookPointError naming the first missing hook point."""
+    try:
+        factory = pkgutil.resolve_name(RECORDER_FACTORY)
+        forward = pkgutil.resolve_name(MODEL_FORWARD)
+        recorder = pkgutil.resolve_name(RECORDER_CLASS)
+        batch = pkgutil.resolve_name(FORWARD_BATCH_CLASS)
+    except (ImportError, AttributeError) as e:
+        raise HookPointError(f"{e} (the moespec plugin hooks SGLang {SGLANG_VERSION})") from None
+    checks = [
+        (list(inspect.signature(factory).parameters)[:2] == ["expert_location_metadata", "rank"],
+         f"{RECORDER_FACTORY}(expert_location_metadata, rank)"),
+        ("forward_batch" in inspect.signature(forward).parameters, f"{MODEL_FORWARD}(self, forward_batch, ...)"),
+        *((hasattr(recorder, name), f"{RECORDER_CLASS}.{name}") for name in RECORDER_CALLS),
+        *((name in getattr(batch, "__dataclass_fields__", {}), f"{FORWARD_BATCH_CLASS}.{name}")
+          for name in FORWARD_BATCH_FIELDS),
+    ]
+    for ok, name in checks:
+        if not ok:
+            raise HookPointError(f"SGLang has no {name} as the moespec plugin expects "
+                                 f"(it hooks SGLang {SGLANG_VERSION})")
