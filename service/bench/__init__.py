@@ -12,6 +12,7 @@
     moespec bench threads     `moespec serve` over gRPC at each --threads count and at the measured default
     moespec bench whatif      what-if predictions of shorter draft lengths vs running them for real
     moespec bench sglang      the SGLang backend by policy beside the embedded engine (SGLang venv)
+    moespec bench sglang-batching  the SGLang backend's batching gain beside SGLang alone's (SGLang venv)
     moespec bench adaptive    draft-length controllers (moespec's rule, SGLang's, transformers', Cascade's) vs
                               plain and the best static policy on a 1 / 16 client workload, interleaved
     moespec bench llamacpp    llama.cpp beside the embedded engine on the shipped checkpoints, interleaved
@@ -34,6 +35,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "threads": ("service.bench.threads", "moespec serve at each --threads count vs its measured default"),
     "whatif": ("service.bench.whatif", "what-if predictions of shorter draft lengths vs measured runs"),
     "sglang": ("service.bench.sglang", "the SGLang backend by policy, the embedded engine beside it"),
+    "sglang-batching": ("service.bench.sglang_batching", "the SGLang backend's batching gain beside SGLang alone's"),
     "adaptive": ("service.bench.adaptive", "draft-length controllers vs static policies on a mixed workload"),
     "llamacpp": ("service.bench.llama_cpp", "llama.cpp beside the embedded engine on the shipped checkpoints"),
 }

@@ -36,6 +36,7 @@ from pathlib import Path
 from types import ModuleType
 
 from service.limits import PromptLimits, tokenizer_prompt_bytes
+from service.private_files import make_private
 from service.recording import StepRecorder
 from service.sglang_backend.attribution import RequestTokens
 from service.sglang_backend.engine_thread import EngineThread
@@ -215,6 +216,8 @@ class SGLangBackend:
             return
         if self.config.recorder_dir is not None:
             engine.dump_recorder()  # the cross-check's evidence for everything this engine ran
+            for path in self.config.recorder_dir.glob("expert_distribution_recorder_*.pt"):
+                make_private(path)  # written under SGLang's umask; they hold the requests' token ids
         engine.shutdown()
 
     @property

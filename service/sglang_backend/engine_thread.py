@@ -26,7 +26,7 @@ TICK_SECONDS = 0.05  # how often a waiting reader wakes to poll its cancellation
 class EngineThread:
     def __init__(self, sglang: ModuleType, kwargs: dict, recorder: bool = False):
         """Blocks until the engine is up (or raises what its start-up raised)."""
-        self._sglang, self._kwargs, self._recorder = sglang, dict(kwargs), recorder
+        self._sglang, self._kwargs = sglang, dict(kwargs)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self.engine = None
@@ -39,6 +39,12 @@ class EngineThread:
         if self._error is not None:
             self._thread.join()
             raise self._error
+        if recorder:
+            # Before any forward pass: on CPU, a pass with recording mode on but not started asks the
+            # CUDA module whether it is capturing, and the scheduler dies. On the running loop: driven
+            # by run_until_complete before it, SGLang's tokenizer manager binds its loop wrong and
+            # no request reaches the scheduler afterwards.
+            self._call(self.engine.tokenizer_manager.start_expert_distribution_record())
         log.info("sglang engine up in %.1f s", time.perf_counter() - t0)
 
     def _main(self) -> None:
@@ -46,10 +52,6 @@ class EngineThread:
         asyncio.set_event_loop(loop)
         try:
             self.engine = self._sglang.Engine(**self._kwargs)
-            if self._recorder:
-                # Before any forward pass: on CPU, a pass with recording mode on but not started asks the
-                # CUDA module whether it is capturing, and the scheduler dies.
-                self.engine.start_expert_distribution_record()
         except BaseException as e:  # handed to the thread that asked for the engine
             self._error = e
             self._ready.set()
@@ -100,9 +102,10 @@ class EngineThread:
 
     def dump_recorder(self) -> None:
         """SGLang's per_token recorder writes what it holds to its directory (cross-check mode only)."""
-        future = asyncio.run_coroutine_threadsafe(self.engine.tokenizer_manager.dump_expert_distribution_record(),
-                                                  self.loop)
-        future.result()
+        self._call(self.engine.tokenizer_manager.dump_expert_distribution_record())
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     def shutdown(self) -> None:
         """Stop the loop, then the engine (which blocks until the scheduler released its device)."""

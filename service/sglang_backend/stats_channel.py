@@ -66,6 +66,11 @@ class StatsChannel:
         with self._cond:
             return len(self._hellos)
 
+    @property
+    def passes_received(self) -> int:
+        with self._cond:
+            return self._passes
+
     def register(self, rid: str) -> None:
         with self._cond:
             self._by_rid[rid] = []
