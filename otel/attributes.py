@@ -69,6 +69,11 @@ MOE_UNIQUE_EXPERTS_BOUND = "moespec.moe.unique_experts_bound"  # min(E, w*m)
 MOE_SHARED_EXPERTS = "moespec.moe.shared_experts"
 MOE_WIDEST_LAYER = "moespec.moe.widest_layer"
 COST_DECODE_STEP_EQUIVALENTS = "moespec.cost.decode_step_equivalents"
+# Beside the union, per layer: the mean and the smallest size of the pairwise intersections of the
+# window positions' expert sets (one position: its own set's size); absent where the routing is not
+# counted (an SGLang backend without its statistics).
+MOE_PAIRWISE_OVERLAP_MEAN = "moespec.moe.pairwise_overlap_mean"  # double[L]
+MOE_PAIRWISE_OVERLAP_MIN = "moespec.moe.pairwise_overlap_min"  # int[L]
 # Expert-parallel estimate (issue 13; only when the server runs with --ep-size): per layer, the EP
 # ranks a pass's routed pairs run on and the most distinct experts one rank runs; the bytes of the
 # token-expert pairs dispatched off their home rank (all layers). See service/expert_parallel.py.
@@ -112,7 +117,7 @@ VERIFY_SPAN_KEYS = (
     SPEC_DRAFTER, SPEC_DRAFT_LENGTH, SPEC_CONTROLLER, SPEC_DRAFTED_TOKENS, SPEC_ACCEPTED_TOKENS,
     SPEC_COMMITTED_TOKENS, MOE_UNIQUE_EXPERTS,
     MOE_UNIQUE_EXPERTS_BOUND, MOE_SHARED_EXPERTS, MOE_WIDEST_LAYER, COST_VERIFY_SECONDS,
-    COST_DECODE_STEP_EQUIVALENTS,
+    COST_DECODE_STEP_EQUIVALENTS, MOE_PAIRWISE_OVERLAP_MEAN, MOE_PAIRWISE_OVERLAP_MIN,
 )
 VERIFY_BATCH_SPAN_KEYS = (
     BATCH_PASS_ID, BATCH_SIZE, BATCH_POSITIONS, BATCH_WINDOWS, MOE_BATCH_UNIQUE_EXPERTS,

@@ -86,6 +86,10 @@ def verify_attributes(step: StepRecord) -> dict:
         a.COST_VERIFY_SECONDS: float(step.verify_seconds),
         a.COST_DECODE_STEP_EQUIVALENTS: float(step.decode_step_equivalents),
         **({a.SPEC_CELL: step.cell} if step.cell else {}),
+        **({} if not step.pairwise_overlap_mean else {
+            a.MOE_PAIRWISE_OVERLAP_MEAN: tuple(float(x) for x in step.pairwise_overlap_mean),
+            a.MOE_PAIRWISE_OVERLAP_MIN: tuple(int(x) for x in step.pairwise_overlap_min),
+        }),
         **({} if step.ep_ranks_touched is None else {
             a.MOE_EP_RANKS_TOUCHED: tuple(int(x) for x in step.ep_ranks_touched),
             a.MOE_EP_MAX_RANK_EXPERTS: tuple(int(x) for x in step.ep_max_rank_experts),

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from service.expert_sets import pairwise_overlap
 from service.private_files import open_private
 from service.types import Drafter, ModelInfo, StepRecord, accepted_positions
 
@@ -147,6 +148,7 @@ def _step(row: dict, header: dict, where: str) -> StepRecord:
     try:
         w = int(row["w"])
         ids = np.frombuffer(base64.b64decode(row["topk"]), dtype=_id_dtype(E)).reshape(L, w, m)
+        overlap_mean, overlap_min = pairwise_overlap(ids.astype(np.int64), E)
         return StepRecord(
             drafter=Drafter(row["drafter"]), draft_length=int(row["k"]), draft_temperature=float(row["temp"]),
             policy_id=str(row["policy"]), drafted=int(row["drafted"]), accepted=int(row["accepted"]),
@@ -158,6 +160,7 @@ def _step(row: dict, header: dict, where: str) -> StepRecord:
             decode_step_equivalents=float(row["dse"]),
             topk_ids=tuple(tuple(tuple(p) for p in layer) for layer in ids.tolist()),
             window_ids=tuple(int(t) for t in row["tokens"]),
+            pairwise_overlap_mean=overlap_mean, pairwise_overlap_min=overlap_min,
         )
     except (KeyError, ValueError, TypeError) as e:
         raise RecordingError(f"{where}: malformed step ({e})") from None

@@ -278,6 +278,10 @@ class StepRecord:
     decode_step_equivalents: float  # verify_seconds / the engine's recent plain decode step time
     topk_ids: tuple[tuple[tuple[int, ...], ...], ...] | None = None  # [L, w, m] when captured
     window_ids: tuple[int, ...] | None = None  # [w] the verified tokens, captured with topk_ids
+    # [L] mean and smallest |S_i ∩ S_j| over the window's position pairs (service/expert_sets.py);
+    # () where the routing was not counted.
+    pairwise_overlap_mean: tuple[float, ...] = ()
+    pairwise_overlap_min: tuple[int, ...] = ()
     # Expert-parallel estimate of this pass (service.expert_parallel), when an EP size is configured.
     ep_ranks_touched: tuple[int, ...] | None = None  # [L] ranks running at least one routed pair
     ep_max_rank_experts: tuple[int, ...] | None = None  # [L] most distinct experts on one rank

@@ -274,6 +274,7 @@ class Scheduler:
         if len(seqs) == 1 and lengths[0] == 1:
             e.observe_plain_step(t2 - t1)
         own_unique, batch_unique = step_records.unions(e, routed, lengths)
+        own_overlap = step_records.overlaps(e, routed, lengths)
         pass_record = step_records.pass_record(e, pass_id, lengths, routed, batch_unique, prefilled, start_ns,
                                                t1 - t0, t2 - t1)
         step_unit = e.current_decode_step_seconds()
@@ -282,8 +283,8 @@ class Scheduler:
         window_ids = routed.split(lengths, dim=1) if step_records.records_ids(e) else [None] * len(seqs)
         adaptive = self._observe_controllers(seqs, proposals, verdicts, lengths, t0, t2)
         finished = []
-        for seq, proposal, window, ids, unique, (n_ok, _, bonus) in zip(
-                seqs, proposals, windows, window_ids, own_unique, verdicts, strict=True):
+        for seq, proposal, window, ids, unique, overlap, (n_ok, _, bonus) in zip(
+                seqs, proposals, windows, window_ids, own_unique, own_overlap, verdicts, strict=True):
             drafts, draft_s = proposal.drafts, proposal.seconds
             k = len(drafts)
             if seq.step_policy.drafter is Drafter.MODEL and k > 0:
@@ -291,7 +292,7 @@ class Scheduler:
                 # accepted drafts stay valid; a head's read its own feature estimates, so they are redone.
                 seq.draft_valid = len(seq.ids) + (0 if e.draft_is_head else min(n_ok, k - 1))
             record = step_records.step_record(e, seq, k, n_ok, window, ids, unique, draft_s, t2 - t1, step_unit,
-                                              pass_record, proposal.planned)
+                                              pass_record, proposal.planned, overlap)
             try:
                 finish = seq.commit([*drafts[:n_ok], bonus], record, e.eos_id, e.decode)
             except Exception as error:  # e.g. the caller's on_delta raised: only this request fails

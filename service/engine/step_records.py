@@ -22,6 +22,7 @@ import torch
 from service import expert_parallel
 from service.engine.adaptive.controller import StepController, adapts
 from service.engine.sequence import Sequence
+from service.expert_sets import pairwise_overlap
 from service.types import BatchPassRecord, StepRecord, accepted_positions
 
 if TYPE_CHECKING:
@@ -67,6 +68,47 @@ def unions(e: Engine, routed: torch.Tensor, lengths: list[int]) -> tuple[list[tu
     return unique_experts_per_window(routed, lengths, E)
 
 
+def overlaps(e: Engine, routed: torch.Tensor, lengths: list[int]) -> list[dict]:
+    """Each window's pairwise overlap per layer (service/expert_sets.py), as StepRecord fields; {} each
+    when routing is not counted. All windows of the pass in one matmul: the Gram matrix of the pass's
+    positions' expert sets, read within each window."""
+    if not e.config.capture_routing:
+        return [{}] * len(lengths)
+    E, m = e.target.cfg.num_experts, e.target.cfg.num_experts_per_tok
+    L = routed.shape[0]
+    one = {"pairwise_overlap_mean": (float(m),) * L, "pairwise_overlap_min": (m,) * L}  # a lone position
+    if max(lengths) == 1:
+        return [one] * len(lengths)
+    if len(lengths) == 1:
+        mean, low = pairwise_overlap(routed.numpy(), E)
+        return [{"pairwise_overlap_mean": mean, "pairwise_overlap_min": low}]
+    starts = np.cumsum([0, *lengths[:-1]])
+    pair_i, pair_j, segment = [], [], []  # pairs i < j inside each window, window by window
+    for start, w in zip(starts, lengths, strict=True):
+        i, j = np.triu_indices(w, 1)
+        pair_i.append(start + i)
+        pair_j.append(start + j)
+        segment.append(len(i))
+    ids = routed.numpy()
+    sets = np.zeros((L, ids.shape[1], E), dtype=np.float32)  # [L, N, E]
+    np.put_along_axis(sets, ids, 1.0, axis=2)
+    gram = sets @ sets.transpose(0, 2, 1)  # [L, N, N]
+    values = gram[:, np.concatenate(pair_i), np.concatenate(pair_j)]  # [L, P]
+    bounds = np.cumsum([0, *segment[:-1]])
+    has_pairs = np.array(segment) > 0
+    sums = np.add.reduceat(values, bounds[has_pairs], axis=1)  # [L, windows with pairs]
+    lows = np.minimum.reduceat(values, bounds[has_pairs], axis=1)
+    out, k = [], 0
+    for count in segment:
+        if not count:
+            out.append(one)
+            continue
+        out.append({"pairwise_overlap_mean": tuple(float(x) for x in sums[:, k] / count),
+                    "pairwise_overlap_min": tuple(int(x) for x in lows[:, k])})
+        k += 1
+    return out
+
+
 def pass_record(e: Engine, pass_id: int, lengths: list[int], routed: torch.Tensor, unique: tuple[int, ...],
                 prefill_tokens: int, start_ns: int, draft_s: float, verify_s: float) -> BatchPassRecord:
     cfg = e.target.cfg
@@ -91,9 +133,10 @@ def records_ids(e: Engine) -> bool:
 
 def step_record(e: Engine, seq: Sequence, drafted: int, accepted: int, window: list[int],
                 routed: torch.Tensor | None, unique: tuple[int, ...], draft_s: float, verify_s: float,
-                step_unit: float, batch: BatchPassRecord, planned: int) -> StepRecord:
+                step_unit: float, batch: BatchPassRecord, planned: int, overlap: dict) -> StepRecord:
     """routed: the window's ids [L, w, m] (None unless `records_ids`); planned: the drafts the
-    sequence's controller asked for (recorded where a controller adapts the length)."""
+    sequence's controller asked for (recorded where a controller adapts the length); overlap: its
+    pairwise-overlap fields (`overlaps`)."""
     policy = seq.step_policy
     cfg, capture = e.target.cfg, captures_topk(e)
     E, m = cfg.num_experts, cfg.num_experts_per_tok
@@ -119,6 +162,7 @@ def step_record(e: Engine, seq: Sequence, drafted: int, accepted: int, window: l
         batch=batch,
         cell=seq.cell,
         **adaptive_fields(seq.controller, planned, drafted),
+        **overlap,
         **ep,
     )
 

@@ -65,6 +65,7 @@ class Window:
     committed: int  # tokens this step added to the output (accepted + 1, less what the end cut)
     padding: int = 0  # NGRAM filler drafts in the window (verified, never drafted)
     unique: tuple[int, ...] | None = None  # [L] distinct routed experts per layer, when measured in SGLang
+    overlap: dict | None = None  # the StepRecord's pairwise-overlap fields, when measured in SGLang
     batch: BatchPassRecord | None = None  # the pass this window was verified in (plugin records only)
 
     @property

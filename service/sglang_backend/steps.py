@@ -51,7 +51,8 @@ def steps_from_windows(
                            w.unique if w.unique is not None else unique_experts(w.topk_ids, target.moe_layers,
                                                                                 target.num_experts),
                            share, decode_step_seconds, topk, w.input_ids if topk is not None else None,
-                           {} if view is None else expert_parallel.step_fields(view), w.batch))
+                           {**(w.overlap or {}), **({} if view is None else expert_parallel.step_fields(view))},
+                           w.batch))
     return out
 
 
@@ -97,8 +98,9 @@ def spec_stats(steps: list[StepRecord], policy: DraftPolicy, target: MoeGeometry
 
 def _record(policy: DraftPolicy, target: MoeGeometry, drafted: int, accepted: int, committed: int, window: int,
             unique: tuple[int, ...], seconds: float, decode_step_seconds: float,
-            topk: tuple | None, window_ids: tuple[int, ...] | None, ep_fields: dict,
+            topk: tuple | None, window_ids: tuple[int, ...] | None, optional: dict,
             batch: BatchPassRecord | None) -> StepRecord:
+    """optional: the pairwise-overlap and EP fields, where known."""
     return StepRecord.of_policy(
         policy,
         drafted=drafted,
@@ -116,5 +118,5 @@ def _record(policy: DraftPolicy, target: MoeGeometry, drafted: int, accepted: in
         topk_ids=topk,
         window_ids=window_ids,
         batch=batch,
-        **ep_fields,
+        **optional,
     )

@@ -37,6 +37,8 @@ def windows_from_tap(records: list[RequestPass], request: RequestTokens, target:
             physical_ids=physical, physical_to_logical=physical_to_logical,
             accepted=accepted, committed=committed, padding=padding(ids, positions, accepted),
             unique=tuple(int(p.unions[record.index, layer]) for layer in moe),
+            overlap={"pairwise_overlap_mean": tuple(float(p.pair_mean[record.index, layer]) for layer in moe),
+                     "pairwise_overlap_min": tuple(int(p.pair_min[record.index, layer]) for layer in moe)},
             batch=batch_record(record, target),
         ))
     return out

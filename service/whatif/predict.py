@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from service.expert_sets import pairwise_overlap
 from service.types import StepRecord
 from service.whatif.fit import (
     CostCurve,
@@ -66,6 +67,10 @@ class LengthPrediction:
     acceptance_per_position: tuple[float, ...]  # [k'] P(draft i accepted | drafted i)
     window_mean: float  # recorded steps truncated to k'
     unique_experts_mean: tuple[float, ...]  # [L] recorded windows truncated to k' positions + 1
+    # [L] the same windows' pairwise overlap (service/expert_sets.py): mean over steps of each window's
+    # mean and of its smallest pairwise intersection
+    pairwise_overlap_mean: tuple[float, ...]
+    pairwise_overlap_min_mean: tuple[float, ...]
     draft_seconds_per_step: float  # replayed steps
     verify_seconds_per_step: float  # replayed steps, from the window means / cost curve
     draft_seconds_per_step_truncated: float  # recorded steps truncated to k'
@@ -114,6 +119,7 @@ class _Pricer:
     nothing_found_seconds: float  # draft seconds of a step whose drafter offered nothing (n-gram: a lookup)
     union_by_window: dict[int, float]  # window size -> mean union of recorded windows cut to that size
     ids: list[np.ndarray]  # [L, w, m] per recorded step
+    num_experts: int  # at least the largest recorded id + 1: enough columns for the overlap's expert sets
     _unions: dict[tuple[int, int, int], float] = field(default_factory=dict)
 
     def union(self, g: int, i: int, w: int) -> float:
@@ -162,7 +168,7 @@ def predict(requests: Sequence[Sequence[StepRecord]], top_k: int,
                        for w in range(1, max(r.shape[1] for r in ids) + 1)}
     # A step whose drafter offered nothing still looked (n-gram): its lookup costs what any lookup does.
     pricer = _Pricer(curve, speculative_curve, window_seconds, draft_curve, draft_curve.seconds(0),
-                     union_by_window, ids)
+                     union_by_window, ids, max(int(r.max()) for r in ids) + 1)
     outcomes = [position_outcomes(r) for r in requests]
     offset = 0
     walks = []  # per request: outcomes, offers, (global recorded step, offset), drafter runs, per position
@@ -204,7 +210,7 @@ def _predict_length(kp: int, steps: list[StepRecord], ids: list[np.ndarray], wal
                     pricer: _Pricer, placement: expert_parallel.Placement | None,
                     ep_token_bytes: int, seed: int) -> LengthPrediction:
     L = ids[0].shape[0]
-    windows, unions, drafts, verifies, committed_trunc = [], [], [], [], []
+    windows, unions, overlap_means, overlap_mins, drafts, verifies, committed_trunc = [], [], [], [], [], [], []
     accepted_at, drafted_at = [0] * kp, [0] * kp
     ranks, most, dispatched = np.zeros(L), np.zeros(L), 0
     for g, (s, routed) in enumerate(zip(steps, ids, strict=True)):
@@ -215,6 +221,9 @@ def _predict_length(kp: int, steps: list[StepRecord], ids: list[np.ndarray], wal
         union = [len(np.unique(layer)) for layer in window_ids]
         windows.append(w)
         unions.append(union)
+        overlap_mean, overlap_min = pairwise_overlap(window_ids, pricer.num_experts)
+        overlap_means.append(overlap_mean)
+        overlap_mins.append(overlap_min)
         # k' = 0 drafts nothing; a step whose drafter found nothing (n-gram) costs what it cost.
         drafts.append(0.0 if kp == 0 else s.draft_seconds if s.drafted == 0 else pricer.draft_curve.seconds(d))
         verifies.append(pricer.verify(g, 0, w))
@@ -239,6 +248,8 @@ def _predict_length(kp: int, steps: list[StepRecord], ids: list[np.ndarray], wal
         acceptance_per_position=tuple(acc / max(1, dr) for acc, dr in zip(accepted_at, drafted_at, strict=True)),
         window_mean=statistics.fmean(windows),
         unique_experts_mean=tuple(float(x) for x in np.mean(np.array(unions), axis=0)),
+        pairwise_overlap_mean=tuple(float(x) for x in np.mean(np.array(overlap_means), axis=0)),
+        pairwise_overlap_min_mean=tuple(float(x) for x in np.mean(np.array(overlap_mins), axis=0)),
         draft_seconds_per_step=walked["draft"] / max(1, walked["steps"]),
         verify_seconds_per_step=walked["verify"] / max(1, walked["steps"]),
         draft_seconds_per_step_truncated=statistics.fmean(drafts),

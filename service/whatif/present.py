@@ -8,14 +8,17 @@ from service.whatif.predict import WhatIf
 def format_table(result: WhatIf) -> str:
     ep = result.predictions[0].ep_ranks_touched_mean is not None
     head = ["k'", "accept/pos", "committed/step", "(truncated)", "window", "unique experts / layer",
-            "verify ms", "draft ms", "ms/token", "(truncated)"]
+            "pair overlap mean/min", "verify ms", "draft ms", "ms/token", "(truncated)"]
     if ep:
         head += ["EP ranks / layer", "dispatch B/token"]
     rows = [head]
     for p in result.predictions:
         row = [str(p.draft_length), " ".join(f"{x:.2f}" for x in p.acceptance_per_position) or "-",
                f"{p.committed_per_step:.2f}", f"{p.committed_per_step_truncated:.2f}", f"{p.window_mean:.2f}",
-               " / ".join(f"{u:.1f}" for u in p.unique_experts_mean), f"{p.verify_seconds_per_step * 1e3:.2f}",
+               " / ".join(f"{u:.1f}" for u in p.unique_experts_mean),
+               f"{sum(p.pairwise_overlap_mean) / len(p.pairwise_overlap_mean):.1f}/"
+               f"{sum(p.pairwise_overlap_min_mean) / len(p.pairwise_overlap_min_mean):.1f}",
+               f"{p.verify_seconds_per_step * 1e3:.2f}",
                f"{p.draft_seconds_per_step * 1e3:.2f}", f"{p.seconds_per_committed_token * 1e3:.3f}",
                f"{p.seconds_per_committed_token_truncated * 1e3:.3f}"]
         if ep:

@@ -43,6 +43,11 @@ def test_unique_experts_match_the_oracle_router_for_every_window(engine, oracle,
             assert step.unique_experts[layer] == expected_ids.unique().numel()
             got = torch.tensor(step.topk_ids[layer])
             assert torch.equal(got.sort(-1).values, expected_ids.sort(-1).values)
+            # The pairwise overlap of the oracle's per-position sets, by plain Python sets.
+            sets = [set(row.tolist()) for row in expected_ids]
+            pairs = [len(a & b) for i, a in enumerate(sets) for b in sets[i + 1:]] or [len(sets[0])]
+            assert step.pairwise_overlap_mean[layer] == pytest.approx(sum(pairs) / len(pairs))
+            assert step.pairwise_overlap_min[layer] == min(pairs)
         start += step.committed
 
 

@@ -140,6 +140,16 @@ def test_the_servicer_gets_telemetry_only_through_otel_api(graph):
     assert otel_imports == {"otel.api"}
 
 
+def test_the_sglang_plugin_imports_nothing_of_the_server_side(graph):
+    """It runs inside SGLang's scheduler process: only its own modules, and the server side reaches it
+    through its wire format and the start-up check of its hook points alone."""
+    plugin = {m for m in graph if m.startswith("service.sglang_plugin")}
+    assert plugin and all(m.startswith("service.sglang_plugin") for p in plugin for m in graph[p])
+    reached = {m for server in graph if server.startswith("service.sglang_backend") for m in graph[server]
+               if m.startswith("service.sglang_plugin")}
+    assert reached == {"service.sglang_plugin.wire", "service.sglang_plugin.hook_points"}
+
+
 # -- the checker itself, on a small package written here: it must see what it claims to ------------
 
 def write(root: Path, files: dict[str, str]) -> dict[str, Path]:

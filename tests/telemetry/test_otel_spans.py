@@ -134,6 +134,10 @@ def test_request_and_verify_spans_match_the_engine_step_records(engine, receiver
         w = step.drafted + 1
         unique = attrs[a.MOE_UNIQUE_EXPERTS]
         assert len(unique) == L and unique == step.unique_experts
+        assert attrs[a.MOE_PAIRWISE_OVERLAP_MIN] == step.pairwise_overlap_min
+        assert attrs[a.MOE_PAIRWISE_OVERLAP_MEAN] == pytest.approx(step.pairwise_overlap_mean)
+        assert all(0 <= low <= mean <= m for low, mean in zip(step.pairwise_overlap_min, step.pairwise_overlap_mean,
+                                                              strict=True))
         assert all(m <= u <= min(E, w * m) for u in unique)
         assert attrs[a.MOE_UNIQUE_EXPERTS_BOUND] == min(E, w * m)
         assert attrs[a.MOE_WIDEST_LAYER] == max(range(L), key=unique.__getitem__)

@@ -38,6 +38,9 @@ def synthetic_step(k: int, drafted: int, accepted: int, layer1: tuple[int, int] 
     w = drafted + 1
     topk = (tuple((2 * p, 2 * p + 1) if p < 2 else (0, 1) for p in range(w)), tuple(layer1 for _ in range(w)))
     union = (union0(w), 2)
+    # The recording keeps routed ids, and a loaded step's pairwise overlap is recounted from them.
+    pairs = [[len(set(a) & set(b)) for i, a in enumerate(layer) for b in layer[i + 1:]] or [len(layer[0])]
+             for layer in topk]
     plain = curve(1, M)
     verify = curve(w, sum(union) / L)
     return StepRecord(
@@ -46,6 +49,7 @@ def synthetic_step(k: int, drafted: int, accepted: int, layer1: tuple[int, int] 
         accepted_per_position=tuple(i < accepted for i in range(drafted)), window=w, unique_experts=union,
         shared_experts=1, unique_experts_bound=min(E, w * M), draft_seconds=DRAFT_PER_TOKEN * drafted,
         verify_seconds=verify, decode_step_equivalents=verify / plain, topk_ids=topk, window_ids=tuple(range(w)),
+        pairwise_overlap_mean=tuple(sum(p) / len(p) for p in pairs), pairwise_overlap_min=tuple(min(p) for p in pairs),
     )
 
 
