@@ -10,7 +10,7 @@ The server also runs SGLang's own per_token recorder as a cross-check (--sglang-
 every engine stop), so the tests compare four independent things: what moespec reports over gRPC /
 OTLP (the plugin's statistics), what SGLang's recorder recorded, what SGLang alone returns, and what
 an oracle (the embedded engine for outputs, transformers' router for experts) recomputes. Tests run
-in file order and walk plain -> model k=3 (swapped under load) -> ngram k=4 -> plain. The server runs
+in file order and walk plain -> model k=3 (swapped under load) -> ngram k=4 -> ngram k=8 -> plain. The server runs
 with --ep-size 4 and --record-steps: verify spans' EP attributes are checked against a recount from
 the recorded physical slots, and `moespec whatif` replays the step recording.
 
@@ -59,6 +59,7 @@ MAX_NEW = 32
 TARGET_VERIFY = 5  # sglang ForwardMode.TARGET_VERIFY
 K3 = DraftPolicy(Drafter.MODEL, draft_length=3, policy_id="model-k3")
 NGRAM4 = DraftPolicy(Drafter.NGRAM, draft_length=4, policy_id="ngram-k4")
+NGRAM8 = DraftPolicy(Drafter.NGRAM, draft_length=8, policy_id="ngram-k8")
 PLAIN = DraftPolicy(draft_length=0, policy_id="plain-again")
 EP_SIZE = 4
 
@@ -434,12 +435,13 @@ def test_a_swap_under_load_loses_nothing_and_speculation_is_lossless(client, pla
     assert len(entries) == 10
 
 
-def test_ngram_is_lossless_under_8_clients(client, plain_outputs, replies):
+@pytest.mark.parametrize(("policy", "switches"), [(NGRAM4, 2), (NGRAM8, 3)], ids=["ngram-k4", "ngram-k8"])
+def test_ngram_is_lossless_under_8_clients(client, plain_outputs, replies, policy, switches):
     before = client.model_info()
-    client.set_policy(NGRAM4)
-    run_concurrently(client, NGRAM4, replies, plain_outputs)
+    client.set_policy(policy)
+    run_concurrently(client, policy, replies, plain_outputs)
     info = client.model_info()
-    assert info.policy_switches == before.policy_switches + 1 == 2
+    assert info.policy_switches == before.policy_switches + 1 == switches
     assert info.policy_switch_seconds != before.policy_switch_seconds
 
 
@@ -449,15 +451,15 @@ def test_back_to_plain_is_a_switch_too(client, plain_outputs):
     got = concurrently([lambda p=p: client.generate(greedy(p), timeout=600) for p in PROMPTS])
     assert [r.token_ids for r in got] == [plain_outputs[p] for p in PROMPTS]
     info = client.model_info()
-    assert info.policy_switches == before.policy_switches + 1 == 3
+    assert info.policy_switches == before.policy_switches + 1 == 4
     assert info.policy_switch_seconds != before.policy_switch_seconds
     assert all(r.spec.draft_length == 0 and r.spec.verify_steps == len(r.token_ids) - 1 for r in got)
 
 
-@pytest.mark.parametrize("policy", [K3, NGRAM4], ids=["model-k3", "ngram-k4"])
+@pytest.mark.parametrize("policy", [K3, NGRAM4, NGRAM8], ids=["model-k3", "ngram-k4", "ngram-k8"])
 def test_the_plugins_unions_equal_the_recorders_recount_and_the_oracle(client, record_dir, receiver, oracle,
                                                                       replies, span_means, policy):
-    """Both engines have stopped by now, so SGLang's recorder has dumped everything they ran."""
+    """Their engines have stopped by now, so SGLang's recorder has dumped everything they ran."""
     paddings = check_against_the_recorder(record_dir, receiver, oracle, replies[policy.policy_id], policy,
                                           client.model_info(), span_means)
     if policy.drafter is Drafter.NGRAM:  # windows with a full match and windows padded where it found less
@@ -471,8 +473,7 @@ def test_whatif_replays_the_step_recording(steps_file, span_means, replies, tmp_
     recording = read_recording(steps_file)
     # Every request so far (plain, k=3, ngram k=4, plain again), none rebuilt from counts alone.
     recorded = Counter(s.policy_id for r in recording.requests for s in r[:1])
-    assert recorded[K3.policy_id] == len(replies[K3.policy_id]) and recorded[NGRAM4.policy_id] == len(
-        replies[NGRAM4.policy_id])
+    assert all(recorded[p.policy_id] == len(replies[p.policy_id]) for p in (K3, NGRAM4, NGRAM8))
     assert recorded["plain"] > 0 and recorded[PLAIN.policy_id] == len(PROMPTS)
     done = subprocess.run([*MOESPEC, "whatif", str(steps_file), "--policy", policy.policy_id, "--ep-size",
                            str(EP_SIZE), "--out", str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True,
