@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
     def follow_restart() -> None:  # a restarted server may come back under a new instance id
         admission.expect(admin.model_info().instance_id)
 
-    admin = PolicyAdmin(client, args.server, retry_seconds=args.connect_timeout, on_reapplied=follow_restart)
+    admin = PolicyAdmin(client, args.server, retry_seconds=args.connect_timeout, on_server_changed=follow_restart)
     printer = ProgressPrinter(err, settings.objective.value)
     fleet = Fleet(claims, settings.tuner_id)
     built = None

@@ -187,3 +187,21 @@ def test_server_gone_mid_run_fails_the_trial_and_raises(tmp_path):
     trials = built.study.trials
     assert trials[0].state is TrialState.COMPLETE
     assert trials[1].state is TrialState.FAIL and trials[1].user_attrs["fail_reason"].startswith("server unreachable")
+
+
+def test_a_server_that_answers_again_after_being_unreachable_is_followed_as_restarted():
+    """A restart caught by a challenge's own SetTrafficSplit (no `ensure` finds our policy missing
+    afterwards) must still reach `on_server_changed`: the new instance id is whose spans count."""
+    server = FakeServer()
+    changed = []
+
+    def back_up(seconds):
+        server.down = False  # the server restarts while the call retries
+
+    admin = PolicyAdmin(server, "fake:0", retry_seconds=5, sleep=back_up, on_server_changed=lambda: changed.append(1))
+    admin.current()
+    assert changed == []  # reachable all along: nothing to follow
+    server.down = True
+    admin.apply(DraftPolicy(Drafter.NGRAM, 4, policy_id="ours"))
+    assert changed == [1]
+    assert not admin.ensure(DraftPolicy(Drafter.NGRAM, 4, policy_id="ours")) and changed == [1]

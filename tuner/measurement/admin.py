@@ -2,8 +2,11 @@
 
 Contract: gRPC failures become two exceptions the tuner acts on: `ServerUnavailable` (cannot reach
 the server within `retry_seconds`: exit with a clear error, or wait out a restart mid-trial) and
-`AdminRejected` (missing or wrong admin token: retrying cannot help). `ensure` detects a restarted
-server by its policy id: a fresh server comes up with its own default id, never ours.
+`AdminRejected` (missing or wrong admin token: retrying cannot help). A restarted server is noticed
+two ways, and either calls `on_server_changed`: `ensure*` finds another policy there (a fresh server
+comes up with its own default id, never ours), or a call answers after calls had found the server
+unreachable (it may have come back under a new instance id, and the first call to reach it may be a
+challenge's own SetTrafficSplit, which `ensure*` would then find in place).
 """
 
 from __future__ import annotations
@@ -51,10 +54,11 @@ class PolicyAdmin:
         call_timeout: float = 5.0,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
-        on_reapplied: Callable[[], None] = lambda: None,
+        on_server_changed: Callable[[], None] = lambda: None,
     ):
         self._client = client
-        self._on_reapplied = on_reapplied  # after `ensure*` found the server lost our policy (restarted)
+        self._on_server_changed = on_server_changed  # the server restarted (or may have): follow it
+        self._was_unreachable = False
         self._address = address
         self._retry_seconds = retry_seconds
         self._timeout = call_timeout  # one RPC; a hung server must not hang the tuner
@@ -67,7 +71,7 @@ class PolicyAdmin:
         delay = 0.1
         while True:
             try:
-                return fn()
+                answer = fn()
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
                 if code in _AUTH:
@@ -75,12 +79,18 @@ class PolicyAdmin:
                                         f"(pass --admin-token or set MOESPEC_ADMIN_TOKEN)") from e
                 if code not in _RETRYABLE:
                     raise
+                self._was_unreachable = True
                 if self._clock() >= deadline:
                     raise ServerUnavailable(
                         f"{what}: no answer from {self._address} for {budget:.0f} s ({code.name})"
                     ) from e
                 self._sleep(delay)
                 delay = min(1.0, delay * 2)
+                continue
+            if self._was_unreachable:
+                self._was_unreachable = False  # first: the callback makes calls of its own
+                self._on_server_changed()
+            return answer
 
     @property
     def call_timeout(self) -> float:
@@ -100,7 +110,7 @@ class PolicyAdmin:
         if self.current(retry_seconds=0).policy_id == policy.policy_id:
             return False
         self.apply(policy)
-        self._on_reapplied()
+        self._on_server_changed()
         return True
 
     def apply_split(self, split: TrafficSplit) -> TrafficSplit:
@@ -112,5 +122,5 @@ class PolicyAdmin:
         if [a.policy.policy_id for a in running.arms] == [a.policy.policy_id for a in split.arms]:
             return False
         self.apply_split(split)
-        self._on_reapplied()
+        self._on_server_changed()
         return True
