@@ -7,11 +7,15 @@ The 0.5.23 recorder stores no request ids (the `rids` line is commented out in
   (topk 1) they are [the last committed token, draft 1..k] at positions [s, s+1, .., s+k].
 - DECODE (speculation off): one token per request, the last committed token at its position.
 - MIXED: segments by extend_seq_lens; only length-1 segments are decode steps.
-A segment belongs to the request whose next step starts at that position with that token: a
+A segment belongs to the request whose next step may start at that position with that token: a
 request's first step starts at len(prompt) with its first output token (the prefill produced it),
-and a step that accepted a drafts moves the start by a + 1. Accepted drafts are the leading drafts
-that equal the committed tokens at their positions (a rejected draft never equals the token the
-target put there: greedy picks another argmax, rejection sampling resamples without it).
+and a step that accepted a drafts moves the start by a + 1. The recorder stores no tree links, so a
+window's acceptance is bracketed while it is open: at least the leading drafts of a chain prefix
+that carry the committed tokens (draft_tree.py: a rejected draft never carries the token the target
+put there), at most the depth to which every position holds some node with the committed token. The
+request's next window settles it exactly (its start is this start + a + 1); its last window commits
+what is left of the output (all drafts when the bracket reaches that far; a cousin carrying the same
+token on another branch could fool that one case).
 
 NGRAM padding: SGLang's NGRAM always verifies k + 1 tokens. When its trie matches j < k tokens
 it fills the window with filler drafts (token 0) hung off the root as siblings, e.g. no match:
@@ -29,7 +33,7 @@ identical prefixes route identically.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -105,7 +109,8 @@ def attribute(
 ) -> list[list[Window]]:
     """Windows of each request (same order as `requests`), in run order."""
     tokens = [r.tokens for r in requests]
-    next_start = [len(r.prompt_ids) for r in requests]
+    earliest = [len(r.prompt_ids) for r in requests]  # where each request's next step may start
+    latest = list(earliest)
     out: list[list[Window]] = [[] for _ in requests]
     for p in passes:
         if not _is_step_pass(p, speculative) or not p.has_routing(moe_layers):
@@ -114,35 +119,43 @@ def attribute(
         for offset, length in segments(p, verify_width):
             if not speculative and length != 1:
                 continue  # a prefill chunk inside a MIXED pass
-            start, first = p.positions[offset], p.input_ids[offset]
-            best, best_accepted = None, -1
+            ids, positions = p.input_ids[offset:offset + length], p.positions[offset:offset + length]
+            start, best, best_accepted = positions[0], None, -1
             for r, seq in enumerate(tokens):
                 # The pass must still add a token: the request's last token is never an input.
-                if r in taken or next_start[r] != start or start >= len(seq) - 1 or seq[start] != first:
+                if r in taken or not earliest[r] <= start <= latest[r] or start >= len(seq) - 1 or seq[start] != ids[0]:
                     continue
-                accepted = _leading_matches(p, offset, length, seq)
+                accepted = leading_matches(ids, positions, seq)
                 if accepted > best_accepted:
                     best, best_accepted = r, accepted
             if best is None:
                 continue
-            committed = min(best_accepted + 1, len(tokens[best]) - 1 - start)
-            accepted = min(best_accepted, committed)
+            if out[best]:
+                previous = out[best][-1]
+                out[best][-1] = _settled(previous, start - previous.start - 1, tokens[best])
             out[best].append(Window(
-                pass_index=p.index,
-                mode=p.mode,
-                start=start,
-                input_ids=p.input_ids[offset:offset + length],
-                positions=p.positions[offset:offset + length],
+                pass_index=p.index, mode=p.mode, start=start, input_ids=ids, positions=positions,
                 topk_ids=p.topk_ids[:, offset:offset + length],
                 physical_ids=p.physical_ids[:, offset:offset + length],
                 physical_to_logical=p.physical_to_logical,
-                accepted=accepted,
-                committed=committed,
-                padding=padding(p.input_ids[offset:offset + length], p.positions[offset:offset + length], accepted),
+                accepted=best_accepted, committed=best_accepted + 1,  # settled by the next window
             ))
             taken.add(best)
-            next_start[best] = start + accepted + 1
+            earliest[best] = start + best_accepted + 1
+            latest[best] = start + reach(ids, positions, tokens[best]) + 1
+    for r, found in enumerate(out):
+        if found:
+            last = found[-1]
+            left = len(tokens[r]) - 1 - last.start
+            found[-1] = _settled(last, min(reach(last.input_ids, last.positions, tokens[r]), left), tokens[r], left)
     return out
+
+
+def _settled(w: Window, accepted: int, seq: tuple[int, ...], committed: int | None = None) -> Window:
+    committed = accepted + 1 if committed is None else committed
+    on_path = {j for j in range(1, w.width)
+               if 1 <= w.positions[j] - w.start <= accepted and w.input_ids[j] == seq[w.positions[j]]}
+    return replace(w, accepted=accepted, committed=committed, padding=padding(w.input_ids, w.positions, on_path))
 
 
 def _is_step_pass(p: ForwardPass, speculative: bool) -> bool:
@@ -151,12 +164,9 @@ def _is_step_pass(p: ForwardPass, speculative: bool) -> bool:
     return p.mode in (ForwardMode.DECODE, ForwardMode.MIXED)
 
 
-def _leading_matches(p: ForwardPass, offset: int, length: int, seq: tuple[int, ...]) -> int:
-    return leading_matches(p.input_ids[offset:offset + length], p.positions[offset:offset + length], seq)
-
-
 def leading_matches(input_ids, positions, seq: tuple[int, ...]) -> int:
-    """Drafts 1.. of a window that sit on the chain (next position) and equal the committed token there."""
+    """Drafts 1.. of a window that sit on the chain (next position) and equal the committed token there.
+    Exact for a chain; for a tree a lower bound (in BFS order a chain prefix is a path)."""
     start = positions[0]
     accepted = 0
     for j in range(1, len(input_ids)):
@@ -167,11 +177,21 @@ def leading_matches(input_ids, positions, seq: tuple[int, ...]) -> int:
     return accepted
 
 
-def padding(input_ids: tuple[int, ...], positions: tuple[int, ...], accepted: int) -> int:
+def reach(input_ids, positions, seq: tuple[int, ...]) -> int:
+    """Depth to which every position of the window holds some node with the committed token: an upper
+    bound on the accepted drafts of any tree with these nodes."""
+    start, depth = positions[0], 0
+    while start + depth + 1 < len(seq) and any(
+            p == start + depth + 1 and t == seq[p] for t, p in zip(input_ids, positions, strict=True)):
+        depth += 1
+    return depth
+
+
+def padding(input_ids: tuple[int, ...], positions: tuple[int, ...], accepted_nodes: set[int]) -> int:
     """NGRAM filler drafts of one window: filler token, a shared position, not accepted."""
     shared = {p for p in positions if positions.count(p) > 1}
-    return sum(1 for j in range(accepted + 1, len(input_ids))
-               if input_ids[j] == NGRAM_FILLER and positions[j] in shared)
+    return sum(1 for j in range(1, len(input_ids))
+               if j not in accepted_nodes and input_ids[j] == NGRAM_FILLER and positions[j] in shared)
 
 
 def unique_experts(topk_ids: torch.Tensor, moe_layers: tuple[int, ...], num_experts: int) -> tuple[int, ...]:

@@ -6,14 +6,15 @@ Mapping (server-argument names from python/sglang/srt/arg_groups/fields/spec.py 
   speculative_num_steps = k, speculative_eagle_topk = 1, speculative_num_draft_tokens = k + 1
   (a chain: one verify window of k + 1 positions per request).
 - n-gram drafter, k > 0: speculative_algorithm = NGRAM, speculative_num_draft_tokens = k + 1 and
-  min/max BFS breadth 1, which makes SGLang's `_handle_ngram` set eagle_topk 1 and num_steps k + 1:
-  a chain as well. SGLang's NGRAM always verifies all k + 1 positions (it pads when the cache
-  finds no match), so empty drafts cost a full window there and are not counted as empty.
+  min/max BFS breadth 1: each match the corpus finds continues as one branch, but matches of
+  different lengths that continue differently still branch off the root, so an NGRAM window is a
+  small tree (draft_tree.py). SGLang's NGRAM always verifies all k + 1 positions (it pads when the
+  cache finds too little), so empty drafts cost a full window there and are not counted as empty.
 - draft_temperature: no SGLang knob. Chain drafts are the draft model's argmax; with
   speculative_use_rejection_sampling (EAGLE/EAGLE3/NEXTN only) the draft samples at the request's own
   temperature. So it is never listed as tunable and StepRecords carry 0.0 (argmax).
 All of these are start-up arguments, so a policy whose arguments differ needs another engine
-(`engine_slot.py` swaps it and measures the cost). policy_id and draft_temperature changes are free.
+(`swap_gate.py` drains and swaps it; backend.py measures the cost). policy_id and draft_temperature changes are free.
 """
 
 from __future__ import annotations

@@ -1,21 +1,26 @@
 """The plugin's per-pass records of one request -> its Windows (attribution.Window), with acceptance.
 
 The records come keyed by request id and in pass order (stats_channel.py), each with the window's
-tokens and positions, its per-layer unions measured in SGLang's scheduler and, when asked for, the
-routed slot ids. What SGLang does not send per pass is acceptance; it follows from the request's
-final tokens exactly as for the recorder (attribution.leading_matches: a rejected draft never equals
-the token the target put there), and NGRAM filler drafts are told apart the same way.
+tokens, positions and draft tree, its per-layer unions measured in SGLang's scheduler and, when asked
+for, the routed slot ids. What SGLang does not send per pass is acceptance; it follows from the
+request's final tokens and the tree (draft_tree.accepted_path), and NGRAM filler drafts are the filler
+nodes off that path (attribution.padding).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from service.sglang_backend.attribution import RequestTokens, Window, leading_matches, padding
+from service.sglang_backend.attribution import RequestTokens, Window, padding
+from service.sglang_backend.draft_tree import accepted_path, chain_parents, parents_from_links
 from service.sglang_backend.model_config import MoeGeometry
 from service.sglang_backend.records import to_logical
 from service.sglang_backend.stats_channel import RequestPass
 from service.types import BatchPassRecord
+
+log = logging.getLogger(__name__)
 
 
 def windows_from_tap(records: list[RequestPass], request: RequestTokens, target: MoeGeometry,
@@ -27,21 +32,33 @@ def windows_from_tap(records: list[RequestPass], request: RequestTokens, target:
         p, span = record.stats, record.stats.window(record.index)
         ids, positions = tuple(int(t) for t in p.input_ids[span]), tuple(int(t) for t in p.positions[span])
         start = positions[0]
-        accepted = leading_matches(ids, positions, seq)
-        committed = min(accepted + 1, len(seq) - 1 - start)
-        accepted = min(accepted, committed)
+        path = accepted_path(ids, window_parents(p, span), start, seq)
+        committed = min(len(path) + 1, len(seq) - 1 - start)
+        accepted = min(len(path), committed)
         physical = None if p.topk is None else torch.from_numpy(p.topk[:, span].astype("int32"))  # [L, w, 8]
         out.append(Window(
             pass_index=record.pass_number, mode=p.mode, start=start, input_ids=ids, positions=positions,
             topk_ids=None if physical is None else to_logical(physical, physical_to_logical),
             physical_ids=physical, physical_to_logical=physical_to_logical,
-            accepted=accepted, committed=committed, padding=padding(ids, positions, accepted),
+            accepted=accepted, committed=committed, padding=padding(ids, positions, set(path[:accepted])),
             unique=tuple(int(p.unions[record.index, layer]) for layer in moe),
             overlap={"pairwise_overlap_mean": tuple(float(p.pair_mean[record.index, layer]) for layer in moe),
                      "pairwise_overlap_min": tuple(int(p.pair_min[record.index, layer]) for layer in moe)},
             batch=batch_record(record, target),
         ))
     return out
+
+
+def window_parents(p, span: slice) -> tuple[int, ...]:
+    """The window's tree (a chain where the pass carried no links, or links that are not a tree)."""
+    width = span.stop - span.start
+    if p.next_token is None:
+        return chain_parents(width)
+    try:
+        return parents_from_links(p.next_token[span].tolist(), p.next_sibling[span].tolist())
+    except ValueError as e:
+        log.warning("moespec: pass %d: %s; its windows read as chains", p.pass_id, e)
+        return chain_parents(width)
 
 
 def batch_record(record: RequestPass, target: MoeGeometry) -> BatchPassRecord:

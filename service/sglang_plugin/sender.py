@@ -13,7 +13,6 @@ import logging
 import queue
 import threading
 
-import numpy as np
 import torch
 
 from service.sglang_plugin import wire
@@ -53,9 +52,7 @@ class Sender:
                     if ready is not None:
                         ready.synchronize()  # this thread waits, not the scheduler
                     arrays = {k: v.numpy() for k, v in tensors.items()}
-                    topk = arrays.pop("topk", None)
-                    frames = wire.encode_pass(wire.PassStats(**header, **arrays,
-                                                             topk=None if topk is None else np.asarray(topk)))
+                    frames = wire.encode_pass(wire.PassStats(**header, **arrays))
                 self._socket.send_multipart(frames, flags=self._zmq.NOBLOCK, copy=False)
             except self._zmq.Again:
                 self._dropped += 1

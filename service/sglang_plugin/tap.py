@@ -82,6 +82,7 @@ class TapState:
         n = batch * width
         device_tensors["input_ids"] = forward_batch.input_ids[:n].to(torch.int32)
         device_tensors["positions"] = forward_batch.positions[:n].to(torch.int32)
+        device_tensors.update(_tree_links(forward_batch.spec_info, batch, width))
         if statistics.device.type == "cuda":
             host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
                     for k, v in device_tensors.items()}
@@ -120,6 +121,19 @@ class RecorderTap:
         self._inner.on_select_experts(topk_ids=topk_ids)
         if self._layer is not None and (self.measuring or _capturing(topk_ids)):
             self.statistics.on_routed(self._layer, topk_ids)
+
+
+def _tree_links(spec_info, batch: int, width: int) -> dict[str, torch.Tensor]:
+    """A verify pass's draft trees as SGLang links them ([B, w] first child / next sibling, NGRAM and
+    EAGLE alike); {} where the pass carries none (plain decode), and the server reads chains."""
+    first = getattr(spec_info, "retrieve_next_token", None)
+    sibling = getattr(spec_info, "retrieve_next_sibling", None)
+    if not isinstance(first, torch.Tensor) or not isinstance(sibling, torch.Tensor) or width < 2:
+        return {}
+    if first.numel() < batch * width or sibling.numel() < batch * width:
+        return {}
+    return {"next_token": first.reshape(-1)[:batch * width].to(torch.int16),
+            "next_sibling": sibling.reshape(-1)[:batch * width].to(torch.int16)}
 
 
 def _capturing(tensor: torch.Tensor) -> bool:

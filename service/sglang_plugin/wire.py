@@ -9,18 +9,21 @@ order per connection. The endpoint and options reach the scheduler in one enviro
 (`TAP_ENV`), set by the backend just before it starts the engine; without it the plugin is inert.
 
 Messages are multipart: frame 0 a small JSON header, the rest raw little-endian arrays (no pickle:
-nothing the server reads can run code). Version 1:
+nothing the server reads can run code). Version 2:
 
-hello  {"v": 1, "kind": "hello", "pid", "layers": L, "experts": E}  once per tap, when SGLang made
+hello  {"v": 2, "kind": "hello", "pid", "layers": L, "experts": E}  once per tap, when SGLang made
        its expert recorder (model loaded, before any pass): proof the plugin runs in that scheduler.
-pass   {"v": 1, "kind": "pass", "pass": id, "mode": SGLang ForwardMode value, "rids": [B request ids
-       in batch order], "width": w tokens per request, "layers": L, "topk": m or 0,
+pass   {"v": 2, "kind": "pass", "pass": id, "mode": SGLang ForwardMode value, "rids": [B request ids
+       in batch order], "width": w tokens per request, "layers": L, "topk": m or 0, "tree": 0 or 1,
        "start_ns", "end_ns": wall clock around the target's forward}
        frames: input_ids int32 [B*w], positions int32 [B*w],
                unions int16 [B, L]: distinct routed experts of each request's window per layer,
                batch_union int16 [L]: distinct routed experts of the whole pass per layer,
                pair_mean float32 [B, L], pair_min int16 [B, L]: mean and smallest size of the
                  pairwise intersections of the window positions' expert sets (w = 1: the one set's size),
+               (only when tree) next_token int16 [B*w], next_sibling int16 [B*w]: each window's draft
+                 tree as SGLang's verify input links it (first child, next sibling; window-local node
+                 indices, -1 = none); without them a window is a chain,
                (only when topk > 0) topk int16 [L, B*w, m]: the routed *physical* slot ids, -1 = none.
        One per DECODE or TARGET_VERIFY pass of the target model; the drafter's passes and prefills
        send none. Tokens are request-major: request b owns tokens [b*w, (b+1)*w).
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-VERSION = 1
+VERSION = 2
 TAP_ENV = "MOESPEC_SGLANG_TAP"  # JSON {"endpoint": "ipc://...", "capture_topk": bool}; absent: plugin inert
 
 
@@ -81,6 +84,8 @@ class PassStats:
     pair_mean: np.ndarray  # [B, L] float32
     pair_min: np.ndarray  # [B, L] int16
     topk: np.ndarray | None = None  # [L, B*w, m] int16 physical slot ids
+    next_token: np.ndarray | None = None  # [B*w] int16 first child of each node (None: chains)
+    next_sibling: np.ndarray | None = None  # [B*w] int16 next sibling of each node
 
     @property
     def batch_size(self) -> int:
@@ -98,11 +103,15 @@ def encode_hello(hello: Hello) -> list[bytes]:
 def encode_pass(p: PassStats) -> list[bytes]:
     header = {"v": VERSION, "kind": "pass", "pass": p.pass_id, "mode": p.mode, "rids": list(p.rids),
               "width": p.width, "layers": int(p.batch_union.shape[0]),
-              "topk": 0 if p.topk is None else int(p.topk.shape[-1]), "start_ns": p.start_ns, "end_ns": p.end_ns}
+              "topk": 0 if p.topk is None else int(p.topk.shape[-1]), "tree": int(p.next_token is not None),
+              "start_ns": p.start_ns, "end_ns": p.end_ns}
     frames = [json.dumps(header).encode()]
     for array, dtype in ((p.input_ids, "<i4"), (p.positions, "<i4"), (p.unions, "<i2"), (p.batch_union, "<i2"),
                          (p.pair_mean, "<f4"), (p.pair_min, "<i2")):
         frames.append(np.ascontiguousarray(array, dtype=dtype).tobytes())
+    if p.next_token is not None:
+        frames += [np.ascontiguousarray(p.next_token, dtype="<i2").tobytes(),
+                   np.ascontiguousarray(p.next_sibling, dtype="<i2").tobytes()]
     if p.topk is not None:
         frames.append(np.ascontiguousarray(p.topk, dtype="<i2").tobytes())
     return frames
@@ -121,8 +130,8 @@ def decode(frames: list[bytes]) -> Hello | PassStats:
     if header["kind"] != "pass":
         raise WireError(f"unknown tap message kind {header['kind']!r}")
     rids, w, layers, m = tuple(header["rids"]), int(header["width"]), int(header["layers"]), int(header["topk"])
-    b, n = len(rids), len(rids) * int(header["width"])
-    expected = 7 + (1 if m else 0)
+    b, n, tree = len(rids), len(rids) * int(header["width"]), bool(header.get("tree"))
+    expected = 7 + (2 if tree else 0) + (1 if m else 0)
     if len(frames) != expected:
         raise WireError(f"pass message with {len(frames)} frames, expected {expected}")
 
@@ -138,5 +147,7 @@ def decode(frames: list[bytes]) -> Hello | PassStats:
         input_ids=array(frames[1], "<i4", (n,)), positions=array(frames[2], "<i4", (n,)),
         unions=array(frames[3], "<i2", (b, layers)), batch_union=array(frames[4], "<i2", (layers,)),
         pair_mean=array(frames[5], "<f4", (b, layers)), pair_min=array(frames[6], "<i2", (b, layers)),
-        topk=array(frames[7], "<i2", (layers, n, m)) if m else None,
+        next_token=array(frames[7], "<i2", (n,)) if tree else None,
+        next_sibling=array(frames[8], "<i2", (n,)) if tree else None,
+        topk=array(frames[-1], "<i2", (layers, n, m)) if m else None,
     )

@@ -78,6 +78,13 @@ class _nothing:
         return False
 
 
+def _chain_links(batch: int, width: int) -> types.SimpleNamespace:
+    """The verify input's tree links as SGLang fills them for chains (STANDALONE/EAGLE, topk 1)."""
+    first_child = torch.arange(1, width + 1).masked_fill(torch.arange(width) == width - 1, -1)
+    return types.SimpleNamespace(retrieve_next_token=first_child.repeat(batch, 1),
+                                 retrieve_next_sibling=torch.full((batch, width), -1))
+
+
 class FakeEngine:
     def __init__(self, journal: list, **kwargs):
         self.kwargs, self.journal = kwargs, journal
@@ -112,7 +119,8 @@ class FakeEngine:
         batch = types.SimpleNamespace(
             forward_mode=_Mode(ForwardMode.TARGET_VERIFY), batch_size=len(owners),
             input_ids=torch.tensor(p.input_ids), positions=torch.tensor(p.positions),
-            rids=[self.in_flight.get(name, f"someone-else-{i}") for i, name in enumerate(owners)])
+            rids=[self.in_flight.get(name, f"someone-else-{i}") for i, name in enumerate(owners)],
+            spec_info=_chain_links(len(owners), WIDTH))
 
         def model(runner, forward_batch):
             for layer in range(p.topk_ids.shape[0]):

@@ -43,6 +43,7 @@ from service.engine.weights import MODELS_DIR
 from service.expert_sets import pairwise_overlap
 from service.server.client import MoespecClient
 from service.sglang_backend.attribution import RequestTokens, attribute, unique_experts
+from service.sglang_backend.draft_tree import accepted_path
 from service.sglang_backend.records import dump_files, load_dump
 from service.types import Drafter, DraftPolicy, FinishReason, GenerationRequest, SamplingParams
 from tests.sglang.test_sglang_ep import recount_physical
@@ -209,40 +210,40 @@ def verify_spans(receiver: OtlpTraceReceiver, trace_id: str, count: int) -> list
     return sorted(mine, key=lambda s: s["start_ns"])
 
 
-def window_paths(positions: list[int]) -> list[list[int]]:
-    """Nodes each window node attends to among the window (itself last): for a node at position p,
-    the latest earlier node at every position from the window's start up to p - 1. A chain gives
-    [0..j]; NGRAM's sibling padding (several nodes at one position) hangs each pad off the chain."""
-    paths = []
-    for j, p in enumerate(positions):
-        path = []
-        for depth in range(positions[0], p):
-            path.append(max(i for i in range(j) if positions[i] == depth))
-        paths.append(path + [j])
-    return paths
-
-
-def oracle_topk(oracle, committed: list[int], ids: tuple[int, ...], positions: tuple[int, ...],
-                top_k: int) -> torch.Tensor:
-    """Routed ids [L, w, m] the oracle picks for every node of a verify window, each node seeing the
-    committed prefix and its own path through the window."""
+def oracle_tree(oracle, committed: list[int], ids: tuple[int, ...], positions: tuple[int, ...],
+                recorded: torch.Tensor, top_k: int) -> tuple[int, ...]:
+    """The window's tree as the oracle explains SGLang's routing: each node's parent is an earlier node
+    one position up such that the oracle, fed the committed prefix and the path down to the node, routes
+    the node to the experts SGLang's recorder saw ([L, w, m] `recorded`). A node no parent explains
+    fails the test: the recorded routing is then not the target's on any tree of these nodes."""
     start = positions[0]
     assert ids[0] == committed[start]  # the window starts at the last committed token
-    per_node = []
-    cache: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    for path in window_paths(list(positions)):
+    cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def routes(path: list[int], node: int) -> bool:
         sequence = tuple(committed[:start] + [ids[i] for i in path])
         if sequence not in cache:
             with torch.no_grad():
-                cache[sequence] = oracle(torch.tensor(sequence)[None], output_router_logits=True).router_logits
-        per_node.append(torch.stack([logits[-1].topk(top_k).indices for logits in cache[sequence]]))  # [L, m]
-    return torch.stack(per_node, dim=1)  # [L, w, m]
+                logits = oracle(torch.tensor(sequence)[None], output_router_logits=True).router_logits
+            cache[sequence] = torch.stack([x[-1].topk(top_k).indices for x in logits]).sort(-1).values  # [L, m]
+        return torch.equal(cache[sequence], recorded[:, node].sort(-1).values)
+
+    assert routes([0], 0)
+    parents, paths = [-1], {0: [0]}
+    for j in range(1, len(ids)):
+        candidates = [i for i in range(j) if positions[i] == positions[j] - 1]
+        parent = next((i for i in candidates if routes(paths[i] + [j], j)), None)
+        assert parent is not None, f"window at {start}: no parent among {candidates} explains node {j}'s routing"
+        parents.append(parent)
+        paths[j] = paths[parent] + [j]
+    return tuple(parents)
 
 
 def check_against_the_recorder(record_dir, receiver, oracle, entries, policy, info, span_means) -> Counter:
     """Each reply of this policy: the plugin's verify spans, SGLang's recorder (recounted here by plain
-    sets) and, for greedy replies, the oracle all tell the same story, in 100% of verify steps; the
-    spans' EP view is a recount of the recorded slots. Returns windows by NGRAM padding (0 = a full match)."""
+    sets; acceptance from where each window starts) and, for greedy replies, the oracle all tell the
+    same story, in 100% of verify steps; the spans' EP view is a recount of the recorded slots. Returns
+    windows by NGRAM padding (0 = a full match)."""
     E, m, moe = info.num_experts, info.top_k, tuple(range(info.num_layers))
     tokens = [RequestTokens(tuple(prompt_ids), reply.token_ids) for prompt_ids, reply, _ in entries]
     windows = recorder_windows(record_dir, tokens, policy.draft_length + 1, moe)
@@ -264,10 +265,9 @@ def check_against_the_recorder(record_dir, receiver, oracle, entries, policy, in
             assert list(span["attributes"][a.MOE_PAIRWISE_OVERLAP_MEAN]) == pytest.approx(overlap_mean)
             assert all(m <= u <= min(E, w.width * m) for u in recount)
             assert span["attributes"][a.SPEC_ACCEPTED_TOKENS] == w.accepted
-            if is_greedy:
-                expected = oracle_topk(oracle, committed, w.input_ids, w.positions, m)
-                recorded = w.topk_ids[:, :, :m].long()
-                assert torch.equal(recorded.sort(-1).values, expected.sort(-1).values)
+            if is_greedy:  # the tree that explains the routing also explains the acceptance
+                tree = oracle_tree(oracle, committed, w.input_ids, w.positions, w.topk_ids[:, :, :m].long(), m)
+                assert len(accepted_path(w.input_ids, tree, w.start, committed)) == w.accepted
             ep = (list(span["attributes"][a.MOE_EP_RANKS_TOUCHED]), list(span["attributes"][a.MOE_EP_MAX_RANK_EXPERTS]),
                   span["attributes"][a.MOE_EP_DISPATCH_BYTES])
             assert ep == recount_physical(w.physical_ids.tolist(), w.physical_to_logical.tolist(), EP_SIZE)
@@ -417,8 +417,8 @@ def test_a_swap_under_load_loses_nothing_and_speculation_is_lossless(client, pla
     [t.start() for t in threads]
     time.sleep(2)
     before = client.model_info()
-    set_at = time.monotonic()
     client.set_policy(K3)
+    set_at = time.monotonic()  # a request sent before SetPolicy returned may have reached the server first
     entries = run_concurrently(client, K3, replies, plain_outputs)
     time.sleep(1)
     stop.set()

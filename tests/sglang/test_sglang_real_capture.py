@@ -10,7 +10,7 @@ import pytest
 
 from service.engine.weights import MODELS_DIR
 from service.sglang_backend.adapter import FinishedRequest, adapt
-from service.sglang_backend.attribution import RequestTokens
+from service.sglang_backend.attribution import RequestTokens, attribute, leading_matches
 from service.sglang_backend.model_config import moe_geometry
 from service.sglang_backend.policy import effective_policy
 from service.sglang_backend.records import load_dump
@@ -30,7 +30,7 @@ def adapted(name: str):
     return result, request["meta_info"], policy
 
 
-@pytest.mark.parametrize("name", ["model_k3", "ngram_k4"])
+@pytest.mark.parametrize("name", ["model_k3", "ngram_k4", "ngram_k8"])
 def test_steps_from_a_real_dump_agree_with_sglangs_meta_info(name):
     result, meta, policy = adapted(name)
     assert result.from_records  # every verify pass found, none rebuilt from the histogram
@@ -61,3 +61,15 @@ def test_ngram_filler_padding_is_verified_but_not_drafted():
     assert result.spec.empty_drafts == drafted.count(0) == 8  # and two later misses
     assert all(s.accepted <= s.drafted and len(s.accepted_per_position) == s.drafted for s in result.steps)
     assert result.spec.drafted_tokens == sum(drafted)
+
+
+def test_ngram_trees_are_accepted_off_the_chain_prefix():
+    # NGRAM k = 8: matches of different lengths branch off the root. This request's last window
+    # accepted 3 drafts of which the chain prefix holds none (SGLang's histogram says 3); read as
+    # chains it counted 0, and a window in mid-request would have lost every later window.
+    request = json.loads((FIXTURES / "ngram_k8.json").read_text())
+    tokens = RequestTokens(tuple(request["prompt_ids"]), tuple(request["output_ids"]))
+    windows, = attribute(load_dump(FIXTURES / "ngram_k8.pt"), [tokens], speculative=True, verify_width=9,
+                         moe_layers=GEOMETRY.moe_layers)
+    off_chain = [w for w in windows if w.accepted > leading_matches(w.input_ids, w.positions, tokens.tokens)]
+    assert off_chain and len(windows) == request["meta_info"]["spec_verify_ct"]

@@ -9,7 +9,7 @@ import pytest
 from service.sglang_plugin import wire
 
 
-def a_pass(topk: bool) -> wire.PassStats:
+def a_pass(topk: bool, tree: bool = False) -> wire.PassStats:
     rng = np.random.default_rng(0)
     b, w, layers = 3, 4, 2
     return wire.PassStats(
@@ -17,18 +17,23 @@ def a_pass(topk: bool) -> wire.PassStats:
         input_ids=rng.integers(0, 1000, b * w).astype(np.int32), positions=np.arange(b * w, dtype=np.int32),
         unions=rng.integers(8, 32, (b, layers)).astype(np.int16), batch_union=np.array([30, 31], np.int16),
         pair_mean=rng.random((b, layers)).astype(np.float32), pair_min=np.ones((b, layers), np.int16),
-        topk=rng.integers(-1, 64, (layers, b * w, 8)).astype(np.int16) if topk else None)
+        topk=rng.integers(-1, 64, (layers, b * w, 8)).astype(np.int16) if topk else None,
+        next_token=np.tile(np.array([1, 3, -1, -1], np.int16), b) if tree else None,
+        next_sibling=np.tile(np.array([-1, 2, -1, -1], np.int16), b) if tree else None)
 
 
-@pytest.mark.parametrize("topk", [False, True])
-def test_a_pass_survives_the_wire(topk):
-    sent = a_pass(topk)
+@pytest.mark.parametrize(("topk", "tree"), [(False, False), (True, False), (False, True), (True, True)])
+def test_a_pass_survives_the_wire(topk, tree):
+    sent = a_pass(topk, tree)
     got = wire.decode(wire.encode_pass(sent))
     for field in ("pass_id", "mode", "rids", "width", "start_ns", "end_ns"):
         assert getattr(got, field) == getattr(sent, field)
     for field in ("input_ids", "positions", "unions", "batch_union", "pair_mean", "pair_min"):
         assert np.array_equal(getattr(got, field), getattr(sent, field)), field
     assert (got.topk is None) == (not topk) and (not topk or np.array_equal(got.topk, sent.topk))
+    assert (got.next_token is None) == (not tree)
+    assert not tree or (np.array_equal(got.next_token, sent.next_token)
+                        and np.array_equal(got.next_sibling, sent.next_sibling))
 
 
 def test_hello_and_the_config_survive():
@@ -39,8 +44,8 @@ def test_hello_and_the_config_survive():
 
 @pytest.mark.parametrize(("frames", "reason"), [
     ([b"not json"], "not a moespec tap message"),
-    ([b'{"v": 2, "kind": "pass"}'], "version 2"),
-    ([b'{"v": 1, "kind": "gossip"}'], "unknown tap message kind"),
+    ([b'{"v": 1, "kind": "pass"}'], "version 1"),
+    ([b'{"v": 2, "kind": "gossip"}'], "unknown tap message kind"),
 ], ids=["garbage", "other-version", "other-kind"])
 def test_foreign_messages_are_refused_by_name(frames, reason):
     with pytest.raises(wire.WireError, match=reason):
