@@ -4,7 +4,8 @@ the batch-union histograms, recorded once per pass.
 A pass serves many requests, each with its own trace, and the engine never touches telemetry. So
 each finished request reports its steps' pass records with its request span's context; a pass is
 complete when as many requests as it served have reported (`BatchPassRecord.batch_size`). Then,
-once per pass, its metrics are recorded and, for a `ratio` share of passes, a `verify_batch` span
+once per pass, its metrics are recorded (the passes one report completes, in one call per series:
+otel.aggregate) and, for a `ratio` share of passes, a `verify_batch` span
 (a root span of its own trace: it belongs to no single request) is emitted with one OTel link per
 request span, timed exactly from the record's wall-clock start and durations.
 
@@ -78,16 +79,14 @@ class BatchPassReporter:
                     complete.append(self._pending.pop(record.pass_id))
             while len(self._pending) > self._max_pending:
                 complete.append(self._pending.popitem(last=False)[1])
-        for entry in complete:
-            self._emit(entry)
+        self._emit(complete)
         return len(complete)
 
     def flush(self) -> int:
         with self._lock:
             waiting = list(self._pending.values())
             self._pending.clear()
-        for entry in waiting:
-            self._emit(entry)
+        self._emit(waiting)
         return len(waiting)
 
     @property
@@ -95,10 +94,14 @@ class BatchPassReporter:
         with self._lock:
             return len(self._pending)
 
-    def _emit(self, entry: _Pending) -> None:
+    def _emit(self, entries: list[_Pending]) -> None:
+        if entries and self._instruments is not None:
+            self._instruments.record_batch_passes([entry.record for entry in entries])
+        for entry in entries:
+            self._emit_span(entry)
+
+    def _emit_span(self, entry: _Pending) -> None:
         record = entry.record
-        if self._instruments is not None:
-            self._instruments.record_batch_pass(record)
         if self._ratio <= 0 or (self._ratio < 1 and self._rng.random() >= self._ratio):
             return
         links = [Link(ctx) for ctx in entry.links if ctx.is_valid]

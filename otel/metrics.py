@@ -1,16 +1,20 @@
 """The metric instruments and how one finished request is recorded into them.
 
 Recorded after the request from its StepRecords (never from the engine thread). Every verify step
-is counted: metrics are not sampled, only verify spans are.
+is counted: metrics are not sampled, only verify spans are. The per-step and per-pass histograms
+take a request's values per series in one call (otel.aggregate): the same data points as one
+measurement per step, without the SDK's per-measurement cost on the request's path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from otel import attributes as a
+from otel.aggregate import BatchedHistogram
 from service.types import BatchPassRecord, DraftPolicy, GenerationResult, ModelInfo, StepRecord
 
 
@@ -43,32 +47,64 @@ def accepted_token_buckets(info: ModelInfo) -> tuple[float, ...]:
     return tuple(float(k) for k in range(info.max_draft_length + 1))  # one bucket per count
 
 
+def per_layer(rows: Iterable[Sequence[int] | None]) -> list[list[int]]:
+    """Per-step (or per-pass) [L] tuples -> one list of values per layer, in row order; None rows
+    (the EP fields without --ep-size) contribute nothing."""
+    layers: list[list[int]] = []
+    for row in rows:
+        if row is None:
+            continue
+        layers.extend([] for _ in range(len(row) - len(layers)))
+        for layer, value in enumerate(row):
+            layers[layer].append(value)
+    return layers
+
+
+def drafted_by_cell(steps: Iterable[StepRecord]) -> dict[str, list[int]]:
+    """A table policy's steps name their cell on the drafted histogram ("": the base policy)."""
+    cells: defaultdict[str, list[int]] = defaultdict(list)
+    for step in steps:
+        cells[step.cell].append(step.drafted)
+    return cells
+
+
 class Instruments:
-    def __init__(self, meter: Meter, info: ModelInfo, dropped_spans: Callable[[], int] | None = None):
+    """`batched`: the meter provider has otel.aggregate's view and it works (otel.setup decides);
+    the per-step and per-pass histograms then take a whole request's (or report's) values per call."""
+
+    def __init__(self, meter: Meter, info: ModelInfo, dropped_spans: Callable[[], int] | None = None, *,
+                 batched: bool = False):
+        self.batched = batched
+
         def histogram(spec: a.MetricSpec, buckets: tuple[float, ...] | None = None):
             return meter.create_histogram(spec.name, unit=spec.unit, description=spec.description,
                                           explicit_bucket_boundaries_advisory=list(buckets or spec.buckets))
 
+        def many(spec: a.MetricSpec, buckets: tuple[float, ...] | None = None) -> BatchedHistogram:
+            return BatchedHistogram(histogram(spec, buckets), batched)
+
         def counter(spec: a.MetricSpec):
             return meter.create_counter(spec.name, unit=spec.unit, description=spec.description)
 
+        # Once per request: plain instruments.
         self.request_duration = histogram(a.REQUEST_DURATION)
         self.time_to_first_token = histogram(a.TIME_TO_FIRST_TOKEN)
         self.time_per_output_token = histogram(a.TIME_PER_OUTPUT_TOKEN)
-        self.step_accepted = histogram(a.STEP_ACCEPTED_TOKENS, accepted_token_buckets(info))
-        self.step_drafted = histogram(a.STEP_DRAFTED_TOKENS, accepted_token_buckets(info))
         self.rule_calibration = histogram(a.RULE_CALIBRATION_ERROR)
-        self.step_unique = histogram(a.STEP_UNIQUE_EXPERTS, unique_expert_buckets(info))
-        self.step_cost = histogram(a.STEP_DECODE_STEP_EQUIVALENTS)
-        self.step_seconds = histogram(a.STEP_SECONDS)
         self.drafted = counter(a.DRAFTED_TOKENS)
         self.committed = counter(a.COMMITTED_TOKENS)
-        self.step_ep_ranks = histogram(a.STEP_EP_RANKS_TOUCHED, ep_rank_buckets(info))
         self.ep_dispatch_bytes = counter(a.EP_DISPATCH_BYTES)
-        self.batch_unique = histogram(a.BATCH_UNIQUE_EXPERTS, batch_unique_expert_buckets(info))
-        self.batch_size = histogram(a.BATCH_SIZE_METRIC)
-        self.batch_ep_ranks = histogram(a.BATCH_EP_RANKS_TOUCHED, ep_rank_buckets(info))
-        self.batch_ep_max_rank = histogram(a.BATCH_EP_MAX_RANK_EXPERTS, rank_expert_buckets(info))
+        # Once per step or pass (per layer for some): a request's values at a time.
+        self.step_accepted = many(a.STEP_ACCEPTED_TOKENS, accepted_token_buckets(info))
+        self.step_drafted = many(a.STEP_DRAFTED_TOKENS, accepted_token_buckets(info))
+        self.step_unique = many(a.STEP_UNIQUE_EXPERTS, unique_expert_buckets(info))
+        self.step_cost = many(a.STEP_DECODE_STEP_EQUIVALENTS)
+        self.step_seconds = many(a.STEP_SECONDS)
+        self.step_ep_ranks = many(a.STEP_EP_RANKS_TOUCHED, ep_rank_buckets(info))
+        self.batch_unique = many(a.BATCH_UNIQUE_EXPERTS, batch_unique_expert_buckets(info))
+        self.batch_size = many(a.BATCH_SIZE_METRIC)
+        self.batch_ep_ranks = many(a.BATCH_EP_RANKS_TOUCHED, ep_rank_buckets(info))
+        self.batch_ep_max_rank = many(a.BATCH_EP_MAX_RANK_EXPERTS, rank_expert_buckets(info))
         self._batch_layers = [{a.MOE_LAYER: i} for i in range(info.num_layers)]
         if dropped_spans is not None:
             def observe(_: CallbackOptions) -> Iterable[Observation]:
@@ -91,56 +127,46 @@ class Instruments:
             self.time_per_output_token.record(max(0.0, tpot), base)
         self.record_steps(result.steps, policy)
 
-    def record_batch_pass(self, record: BatchPassRecord) -> None:
-        """Once per pass (otel.batch calls it when the pass is complete), not once per request."""
-        self.batch_size.record(record.batch_size)
-        for layer_attrs, unique in zip(self._batch_layers, record.unique_experts, strict=False):
-            self.batch_unique.record(unique, layer_attrs)
-        if record.ep_ranks_touched is not None:  # only with --ep-size
-            for layer_attrs, ranks, most in zip(self._batch_layers, record.ep_ranks_touched,
-                                                record.ep_max_rank_experts, strict=False):
-                self.batch_ep_ranks.record(ranks, layer_attrs)
-                self.batch_ep_max_rank.record(most, layer_attrs)
+    def record_batch_passes(self, records: Sequence[BatchPassRecord]) -> None:
+        """Once per pass (otel.batch calls it with the passes one report completed), not per request."""
+        self.batch_size.record([r.batch_size for r in records], None)
+        for layer_attrs, values in zip(self._batch_layers, per_layer(r.unique_experts for r in records),
+                                       strict=False):
+            self.batch_unique.record(values, layer_attrs)
+        for layer_attrs, values in zip(self._batch_layers, per_layer(r.ep_ranks_touched for r in records),
+                                       strict=False):
+            self.batch_ep_ranks.record(values, layer_attrs)
+        for layer_attrs, values in zip(self._batch_layers, per_layer(r.ep_max_rank_experts for r in records),
+                                       strict=False):
+            self.batch_ep_max_rank.record(values, layer_attrs)
 
     def record_failure(self, duration_s: float, error_type: str) -> None:
         self.request_duration.record(duration_s, {**self.gen_ai_attributes, a.ERROR_TYPE: error_type})
 
-    def record_steps(self, steps: Iterable[StepRecord], policy: DraftPolicy) -> None:
+    def record_steps(self, steps: Sequence[StepRecord], policy: DraftPolicy) -> None:
+        """One call per series for the whole request; each step still counts once in each histogram."""
         attrs = {a.SPEC_POLICY_ID: policy.policy_id, a.SPEC_DRAFTER: policy.drafter.value,
                  a.SPEC_DRAFT_LENGTH: policy.draft_length}
-        # One attribute dict per layer, built once per request rather than once per step.
-        per_layer: list[dict] = []
-        cell_attrs: dict[str, dict] = {"": attrs}  # a table's steps name their cell on the drafted histogram
-        drafted = committed = dispatched = 0
-        predicted, predicted_accepted, predicted_drafted = 0.0, 0, 0  # over the steps the rule predicted
-        ep = False
-        for step in steps:
-            self.step_accepted.record(step.accepted, attrs)
-            if step.cell not in cell_attrs:
-                cell_attrs[step.cell] = {**attrs, a.SPEC_CELL: step.cell}
-            self.step_drafted.record(step.drafted, cell_attrs[step.cell])
-            if step.predicted_accepted is not None and step.drafted:
-                predicted += step.predicted_accepted
-                predicted_accepted += step.accepted
-                predicted_drafted += step.drafted
-            self.step_cost.record(step.decode_step_equivalents, attrs)
-            self.step_seconds.record(step.seconds, attrs)
-            while len(per_layer) < len(step.unique_experts):
-                per_layer.append({**attrs, a.MOE_LAYER: len(per_layer)})
-            for layer_attrs, unique in zip(per_layer, step.unique_experts, strict=False):
-                self.step_unique.record(unique, layer_attrs)
-            drafted += step.drafted
-            committed += step.committed
-            if step.ep_ranks_touched is not None:  # only with --ep-size
-                ep = True
-                dispatched += step.ep_dispatch_bytes
-                for layer_attrs, ranks in zip(per_layer, step.ep_ranks_touched, strict=False):
-                    self.step_ep_ranks.record(ranks, layer_attrs)
+        self.step_accepted.record([s.accepted for s in steps], attrs)
+        for cell, drafted in drafted_by_cell(steps).items():
+            self.step_drafted.record(drafted, {**attrs, a.SPEC_CELL: cell} if cell else attrs)
+        self.step_cost.record([s.decode_step_equivalents for s in steps], attrs)
+        self.step_seconds.record([s.seconds for s in steps], attrs)
+        for layer, values in enumerate(per_layer(s.unique_experts for s in steps)):
+            self.step_unique.record(values, {**attrs, a.MOE_LAYER: layer})
+        for layer, values in enumerate(per_layer(s.ep_ranks_touched for s in steps)):  # only with --ep-size
+            self.step_ep_ranks.record(values, {**attrs, a.MOE_LAYER: layer})
+        self._record_totals(steps, attrs)
+
+    def _record_totals(self, steps: Sequence[StepRecord], attrs: dict) -> None:
         # Added even when 0 so every policy has both series (acceptance = accepted / drafted).
-        self.drafted.add(drafted, attrs)
-        self.committed.add(committed, attrs)
-        if predicted_drafted:
+        self.drafted.add(sum(s.drafted for s in steps), attrs)
+        self.committed.add(sum(s.committed for s in steps), attrs)
+        predicted = [s for s in steps if s.predicted_accepted is not None and s.drafted]  # the rule's steps
+        if predicted:
             # A histogram takes non-negative values only: the size of the error, its sign in the spans' counts.
-            self.rule_calibration.record(abs(predicted - predicted_accepted) / predicted_drafted, attrs)
+            error = sum(s.predicted_accepted for s in predicted) - sum(s.accepted for s in predicted)
+            self.rule_calibration.record(abs(error) / sum(s.drafted for s in predicted), attrs)
+        ep = [s.ep_dispatch_bytes for s in steps if s.ep_ranks_touched is not None]  # only with --ep-size
         if ep:
-            self.ep_dispatch_bytes.add(dispatched, attrs)
+            self.ep_dispatch_bytes.add(sum(ep), attrs)

@@ -29,10 +29,11 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.sdk.version import __version__ as sdk_version
 
 from otel import attributes as a
+from otel.aggregate import batching_works, histogram_view
 from otel.api import NoTelemetry
 from otel.config import OtlpTarget, TelemetryConfig
 from otel.export import BoundedSpanProcessor, CountingSpanExporter, ExportStats
-from otel.telemetry import OtelTelemetry
+from otel.telemetry import INSTRUMENTATION_SCOPE, OtelTelemetry
 from service.types import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ def build_telemetry_from_config(
 
     meter_provider = None
     prometheus_port = None
+    batched = False
     if config.metrics_exporters or extra_metric_readers:
         readers: list[MetricReader] = list(extra_metric_readers)
         interval = dict(export_interval_millis=config.metric_export_interval_ms,
@@ -172,10 +174,14 @@ def build_telemetry_from_config(
                 logger.info("Prometheus metrics on http://%s:%d/metrics", config.prometheus_host, prometheus_port)
         # No exemplars: the SDK's default offers every measurement to a reservoir (a quarter of the
         # metrics' cost per request here), and the request's trace already links its steps.
+        # A request's per-step histogram values go to the SDK in one call per series (otel.aggregate),
+        # where this SDK aggregates such a batch exactly as it would each value.
+        batched = batching_works()
         meter_provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False,
-                                       exemplar_filter=AlwaysOffExemplarFilter())
+                                       exemplar_filter=AlwaysOffExemplarFilter(),
+                                       views=[histogram_view(INSTRUMENTATION_SCOPE)] if batched else [])
 
     telemetry = OtelTelemetry(info, tracer_provider, meter_provider, verify_span_ratio=config.verify_span_ratio,
-                              export_stats=stats, on_shutdown=closers, seed=seed)
+                              export_stats=stats, on_shutdown=closers, seed=seed, batched_histograms=batched)
     telemetry.prometheus_port = prometheus_port
     return telemetry

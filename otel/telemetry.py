@@ -91,7 +91,9 @@ class OtelTelemetry:
 
     def __init__(self, info: ModelInfo, tracer_provider: TracerProvider | None, meter_provider: MeterProvider | None,
                  *, verify_span_ratio: float, export_stats: Sequence[ExportStats] = (),
-                 on_shutdown: Sequence[Callable[[], None]] = (), seed: int | None = None):
+                 on_shutdown: Sequence[Callable[[], None]] = (), seed: int | None = None,
+                 batched_histograms: bool = False):
+        """`batched_histograms`: `meter_provider` has otel.aggregate's view (otel.setup checks it works)."""
         self.info = info
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
@@ -101,7 +103,7 @@ class OtelTelemetry:
         self.tracer = (tracer_provider.get_tracer(INSTRUMENTATION_SCOPE) if tracer_provider is not None
                        else trace.NoOpTracer())
         self.instruments = (Instruments(meter_provider.get_meter(INSTRUMENTATION_SCOPE), info,
-                                        dropped_spans=lambda: self.dropped_spans)
+                                        dropped_spans=lambda: self.dropped_spans, batched=batched_histograms)
                             if meter_provider is not None else None)
         # verify_batch spans follow the verify spans' ratio: both are per-pass detail, not aggregates.
         self.batch_passes = BatchPassReporter(self.tracer, verify_span_ratio, self.rng, self.instruments)
