@@ -1,6 +1,6 @@
 """`moespec bench sglang-batching`: how much of SGLang's own batching gain the SGLang backend keeps.
 
-    ~/.cache/moespec/sglang-venv/bin/moespec bench sglang-batching [--clients 8 16] [--rounds 3]
+    ~/.cache/moespec/sglang-venv/bin/moespec bench sglang-batching [--clients 8 16] [--rounds 3] [--bursts 1]
         [--max-new-tokens 32] [--device cpu|cuda] [--out docs/benchmarks/sglang-batching]
 
 Run it with the moespec of an environment that has sglang (scripts/setup_sglang_cpu.sh builds one).
@@ -10,7 +10,8 @@ rounds so drift on a shared machine hits all alike:
 - `alone`: a bare `sglang.Engine` with the backend's own engine arguments (service/bench/sglang_alone.py):
   the prompts one after another, then one batch call of the first C prompts for each C of --clients;
 - `moespec`: `moespec serve --backend sglang` at its defaults (routing statistics on) over gRPC: one
-  client sending the prompts one after another, then C client threads sending one prompt each;
+  client sending the prompts one after another, then C client threads sending one prompt each (--bursts
+  times, timed together);
 - `moespec-no-stats`: the same with `--sglang-no-expert-record`.
 Reported per round and as median [min, max] over rounds: tokens/s of each; each contender's gain at C
 clients over its own one-at-a-time tokens/s; moespec's gain as a share of SGLang alone's; and statistics
@@ -43,6 +44,9 @@ CONTENDERS = ("alone", "moespec", "moespec-no-stats")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[8, 16], help="concurrent clients to measure")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--bursts", type=int, default=1,
+                        help="times each server sends its C concurrent prompts, timed together (more work per "
+                             "figure: the statistics on/off ratio compares two servers)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--stand-in", type=Path, default=STAND_IN,
@@ -55,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
     from service.errors import UsageError
 
-    if args.rounds < 1 or args.max_new_tokens < 1 or min(args.clients) < 2:
-        raise UsageError("--rounds and --max-new-tokens must be >= 1, every --clients >= 2")
+    if min(args.rounds, args.bursts, args.max_new_tokens) < 1 or min(args.clients) < 2:
+        raise UsageError("--rounds, --bursts and --max-new-tokens must be >= 1, every --clients >= 2")
     if importlib.util.find_spec("sglang") is None:
         raise UsageError("bench sglang-batching needs sglang in this environment: run the moespec of the SGLang "
                          "venv (bash scripts/setup_sglang_cpu.sh builds ~/.cache/moespec/sglang-venv)")
@@ -70,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         rounds.append({"order": list(order), **figures})
         print(f"round {r + 1}: {json.dumps(summary_of_round(figures, args.clients))}", file=sys.stderr, flush=True)
     result = {"device": args.device, "cpu": cpu_name(), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "clients": args.clients, "rounds": rounds, "summary": summarise(rounds, args.clients)}
+              "clients": args.clients, "bursts": args.bursts, "rounds": rounds,
+              "summary": summarise(rounds, args.clients)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sglang_batching.json").write_text(json.dumps(result, indent=2))
     table = markdown(result)
@@ -139,9 +144,12 @@ def measure_server(prompts: list[str], args: argparse.Namespace, stats: bool) ->
             out = {"1": tokens / (time.perf_counter() - t0)}
             for clients in args.clients:
                 with ThreadPoolExecutor(clients) as pool:
-                    t0 = time.perf_counter()
-                    tokens = sum(pool.map(one, prompts[:clients]))
-                    out[str(clients)] = tokens / (time.perf_counter() - t0)
+                    tokens, seconds = 0, 0.0
+                    for _ in range(args.bursts):
+                        t0 = time.perf_counter()
+                        tokens += sum(pool.map(one, prompts[:clients]))
+                        seconds += time.perf_counter() - t0
+                    out[str(clients)] = tokens / seconds
     finally:
         server.stop(timeout=120)
     return out
@@ -169,9 +177,8 @@ def summarise(rounds: list[dict], clients: list[int]) -> dict:
             values = [r[name][c] for r in rounds]
             out[c][f"{name}_tokens_per_s"] = {"median": statistics.median(values), "min": min(values),
                                               "max": max(values)}
-    one = [r[name]["1"] for r in rounds for name in ("alone", "moespec")]
     out["one_at_a_time_tokens_per_s"] = {name: statistics.median(r[name]["1"] for r in rounds)
-                                         for name in ("alone", "moespec")} if one else {}
+                                         for name in ("alone", "moespec")}
     return out
 
 
@@ -182,7 +189,8 @@ def markdown(result: dict) -> str:
         return f"{figure['median']:.2f}{unit} [{figure['min']:.2f}, {figure['max']:.2f}]"
 
     lines = [f"SGLang backend batching, plain greedy, {result['prompts']} held-out prompts x "
-             f"{result['max_new_tokens']} tokens, {len(result['rounds'])} rounds, device {result['device']} "
+             f"{result['max_new_tokens']} tokens, {len(result['rounds'])} rounds, {result.get('bursts', 1)} burst(s) "
+             f"per server, device {result['device']} "
              f"({result['cpu']}); median [min, max] over rounds", "",
              f"one at a time: SGLang alone {s['one_at_a_time_tokens_per_s']['alone']:.1f} tok/s, through moespec "
              f"{s['one_at_a_time_tokens_per_s']['moespec']:.1f} tok/s", "",
