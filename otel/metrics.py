@@ -15,6 +15,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from otel import attributes as a
 from otel.aggregate import BatchedHistogram
+from otel.deferred import DeferredMeasurements
 from service.types import BatchPassRecord, DraftPolicy, GenerationResult, ModelInfo, StepRecord
 
 
@@ -70,27 +71,33 @@ def drafted_by_cell(steps: Iterable[StepRecord]) -> dict[str, list[int]]:
 
 class Instruments:
     """`batched`: the meter provider has otel.aggregate's view and it works (otel.setup decides);
-    the per-step and per-pass histograms then take a whole request's (or report's) values per call."""
+    the per-step and per-pass histograms then take a whole request's (or report's) values per call.
+    `deferred` (needs `batched`; otel.setup checks it works): every value waits in
+    otel.deferred until the next collection, so the request's thread never calls the SDK."""
 
     def __init__(self, meter: Meter, info: ModelInfo, dropped_spans: Callable[[], int] | None = None, *,
-                 batched: bool = False):
+                 batched: bool = False, deferred: bool = False):
         self.batched = batched
+        pending = DeferredMeasurements(meter) if batched and deferred else None
+        self.deferred = pending is not None
 
         def histogram(spec: a.MetricSpec, buckets: tuple[float, ...] | None = None):
             return meter.create_histogram(spec.name, unit=spec.unit, description=spec.description,
                                           explicit_bucket_boundaries_advisory=list(buckets or spec.buckets))
 
-        def many(spec: a.MetricSpec, buckets: tuple[float, ...] | None = None) -> BatchedHistogram:
-            return BatchedHistogram(histogram(spec, buckets), batched)
+        def many(spec: a.MetricSpec, buckets: tuple[float, ...] | None = None):
+            values = BatchedHistogram(histogram(spec, buckets), batched)
+            return pending.histogram(values) if pending is not None else values
 
         def counter(spec: a.MetricSpec):
-            return meter.create_counter(spec.name, unit=spec.unit, description=spec.description)
+            sdk_counter = meter.create_counter(spec.name, unit=spec.unit, description=spec.description)
+            return pending.counter(sdk_counter) if pending is not None else sdk_counter
 
-        # Once per request: plain instruments.
-        self.request_duration = histogram(a.REQUEST_DURATION)
-        self.time_to_first_token = histogram(a.TIME_TO_FIRST_TOKEN)
-        self.time_per_output_token = histogram(a.TIME_PER_OUTPUT_TOKEN)
-        self.rule_calibration = histogram(a.RULE_CALIBRATION_ERROR)
+        # Once per request (a list of one value, so that they can wait too).
+        self.request_duration = many(a.REQUEST_DURATION)
+        self.time_to_first_token = many(a.TIME_TO_FIRST_TOKEN)
+        self.time_per_output_token = many(a.TIME_PER_OUTPUT_TOKEN)
+        self.rule_calibration = many(a.RULE_CALIBRATION_ERROR)
         self.drafted = counter(a.DRAFTED_TOKENS)
         self.committed = counter(a.COMMITTED_TOKENS)
         self.ep_dispatch_bytes = counter(a.EP_DISPATCH_BYTES)
@@ -120,11 +127,11 @@ class Instruments:
 
     def record_request(self, result: GenerationResult, duration_s: float, policy: DraftPolicy) -> None:
         base = self.gen_ai_attributes
-        self.request_duration.record(duration_s, base)
-        self.time_to_first_token.record(result.time_to_first_token, base)
+        self.request_duration.record([duration_s], base)
+        self.time_to_first_token.record([result.time_to_first_token], base)
         if result.completion_tokens > 1:
             tpot = (result.seconds - result.time_to_first_token) / (result.completion_tokens - 1)
-            self.time_per_output_token.record(max(0.0, tpot), base)
+            self.time_per_output_token.record([max(0.0, tpot)], base)
         self.record_steps(result.steps, policy)
 
     def record_batch_passes(self, records: Sequence[BatchPassRecord]) -> None:
@@ -141,7 +148,7 @@ class Instruments:
             self.batch_ep_max_rank.record(values, layer_attrs)
 
     def record_failure(self, duration_s: float, error_type: str) -> None:
-        self.request_duration.record(duration_s, {**self.gen_ai_attributes, a.ERROR_TYPE: error_type})
+        self.request_duration.record([duration_s], {**self.gen_ai_attributes, a.ERROR_TYPE: error_type})
 
     def record_steps(self, steps: Sequence[StepRecord], policy: DraftPolicy) -> None:
         """One call per series for the whole request; each step still counts once in each histogram."""
@@ -166,7 +173,7 @@ class Instruments:
         if predicted:
             # A histogram takes non-negative values only: the size of the error, its sign in the spans' counts.
             error = sum(s.predicted_accepted for s in predicted) - sum(s.accepted for s in predicted)
-            self.rule_calibration.record(abs(error) / sum(s.drafted for s in predicted), attrs)
+            self.rule_calibration.record([abs(error) / sum(s.drafted for s in predicted)], attrs)
         ep = [s.ep_dispatch_bytes for s in steps if s.ep_ranks_touched is not None]  # only with --ep-size
         if ep:
             self.ep_dispatch_bytes.add(sum(ep), attrs)

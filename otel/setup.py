@@ -32,6 +32,7 @@ from otel import attributes as a
 from otel.aggregate import batching_works, histogram_view
 from otel.api import NoTelemetry
 from otel.config import OtlpTarget, TelemetryConfig
+from otel.deferred import deferral_works
 from otel.export import BoundedSpanProcessor, CountingSpanExporter, ExportStats
 from otel.telemetry import INSTRUMENTATION_SCOPE, OtelTelemetry
 from service.types import ModelInfo
@@ -157,7 +158,7 @@ def build_telemetry_from_config(
 
     meter_provider = None
     prometheus_port = None
-    batched = False
+    batched = deferred = False
     if config.metrics_exporters or extra_metric_readers:
         readers: list[MetricReader] = list(extra_metric_readers)
         interval = dict(export_interval_millis=config.metric_export_interval_ms,
@@ -175,13 +176,16 @@ def build_telemetry_from_config(
         # No exemplars: the SDK's default offers every measurement to a reservoir (a quarter of the
         # metrics' cost per request here), and the request's trace already links its steps.
         # A request's per-step histogram values go to the SDK in one call per series (otel.aggregate),
-        # where this SDK aggregates such a batch exactly as it would each value.
+        # where this SDK aggregates such a batch exactly as it would each value; and those calls wait
+        # for the next collection (otel.deferred), where this SDK lets them.
         batched = batching_works()
+        deferred = batched and deferral_works()
         meter_provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False,
                                        exemplar_filter=AlwaysOffExemplarFilter(),
                                        views=[histogram_view(INSTRUMENTATION_SCOPE)] if batched else [])
 
     telemetry = OtelTelemetry(info, tracer_provider, meter_provider, verify_span_ratio=config.verify_span_ratio,
-                              export_stats=stats, on_shutdown=closers, seed=seed, batched_histograms=batched)
+                              export_stats=stats, on_shutdown=closers, seed=seed, batched_histograms=batched,
+                              deferred_metrics=deferred)
     telemetry.prometheus_port = prometheus_port
     return telemetry

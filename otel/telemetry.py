@@ -92,8 +92,9 @@ class OtelTelemetry:
     def __init__(self, info: ModelInfo, tracer_provider: TracerProvider | None, meter_provider: MeterProvider | None,
                  *, verify_span_ratio: float, export_stats: Sequence[ExportStats] = (),
                  on_shutdown: Sequence[Callable[[], None]] = (), seed: int | None = None,
-                 batched_histograms: bool = False):
-        """`batched_histograms`: `meter_provider` has otel.aggregate's view (otel.setup checks it works)."""
+                 batched_histograms: bool = False, deferred_metrics: bool = False):
+        """`batched_histograms`: `meter_provider` has otel.aggregate's view; `deferred_metrics`: values
+        wait for the next collection (otel.deferred). otel.setup checks that each works."""
         self.info = info
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
@@ -103,7 +104,8 @@ class OtelTelemetry:
         self.tracer = (tracer_provider.get_tracer(INSTRUMENTATION_SCOPE) if tracer_provider is not None
                        else trace.NoOpTracer())
         self.instruments = (Instruments(meter_provider.get_meter(INSTRUMENTATION_SCOPE), info,
-                                        dropped_spans=lambda: self.dropped_spans, batched=batched_histograms)
+                                        dropped_spans=lambda: self.dropped_spans, batched=batched_histograms,
+                                        deferred=deferred_metrics)
                             if meter_provider is not None else None)
         # verify_batch spans follow the verify spans' ratio: both are per-pass detail, not aggregates.
         self.batch_passes = BatchPassReporter(self.tracer, verify_span_ratio, self.rng, self.instruments)

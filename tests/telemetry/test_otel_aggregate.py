@@ -147,8 +147,9 @@ def step_by_step_reference(reader: InMemoryMetricReader, collect_after_first) ->
             collect_after_first()
 
 
-def service_recording(reader: InMemoryMetricReader, collect_after_first) -> bool:
-    """The service's own path: Instruments.record_steps and the batch reporter, request by request."""
+def service_recording(reader: InMemoryMetricReader, collect_after_first) -> tuple[bool, bool]:
+    """The service's own path: Instruments.record_steps and the batch reporter, request by request.
+    -> (batched, deferred): which of otel.aggregate and otel.deferred were in effect."""
     telemetry = build_telemetry_from_config(TelemetryConfig(), INFO, extra_metric_readers=[reader])
     tracer = TracerProvider().get_tracer("t")
     try:
@@ -159,7 +160,7 @@ def service_recording(reader: InMemoryMetricReader, collect_after_first) -> bool
             span.end()
             if n == 0:
                 collect_after_first()
-        return telemetry.instruments.batched
+        return telemetry.instruments.batched, telemetry.instruments.deferred
     finally:
         telemetry.shutdown()
 
@@ -170,25 +171,28 @@ STEP_AND_PASS_METRICS = {s.name for s in (
     a.BATCH_EP_MAX_RANK_EXPERTS, a.DRAFTED_TOKENS, a.COMMITTED_TOKENS, a.EP_DISPATCH_BYTES)}
 
 
-def recorded_both_ways(temporality: AggregationTemporality) -> tuple[list, list, bool]:
+def recorded_both_ways(temporality: AggregationTemporality) -> tuple[list, list, tuple[bool, bool]]:
     """[points after the first request, points at the end] of the service and of the reference."""
     def reader():
         return InMemoryMetricReader(preferred_temporality={Histogram: temporality})
 
     service_reader, reference_reader = reader(), reader()
     got, want = [], []
-    batched = service_recording(service_reader, lambda: got.append(points(service_reader, STEP_AND_PASS_METRICS)))
+    modes = service_recording(service_reader, lambda: got.append(points(service_reader, STEP_AND_PASS_METRICS)))
     got.append(points(service_reader, STEP_AND_PASS_METRICS))
     step_by_step_reference(reference_reader, lambda: want.append(points(reference_reader, STEP_AND_PASS_METRICS)))
     want.append(points(reference_reader, STEP_AND_PASS_METRICS))
-    return got, want, batched
+    return got, want, modes
 
 
 @pytest.mark.parametrize("temporality", [AggregationTemporality.CUMULATIVE, AggregationTemporality.DELTA],
                          ids=["cumulative", "delta"])
 def test_batched_recording_exports_the_points_of_recording_each_step(temporality):
-    got, want, batched = recorded_both_ways(temporality)
+    """Values batched per series and held until the collection: the first collection (after the first
+    request) and the last see exactly what recording each value on the spot gives them."""
+    got, want, (batched, deferred) = recorded_both_ways(temporality)
     assert batched, "this SDK fell back to value-by-value recording: the batched path went untested"
+    assert deferred, "this SDK fell back to recording on the request's thread: deferral went untested"
     assert set(want[-1]) == STEP_AND_PASS_METRICS  # every series the known steps should produce
     for got_points, want_points in zip(got, want, strict=True):
         assert got_points.keys() == want_points.keys()
@@ -236,6 +240,6 @@ def test_an_sdk_whose_aggregation_is_not_the_known_one_falls_back_to_one_measure
     assert batching_works()
     monkeypatch.setattr(otel.aggregate, "_ExplicitBucketHistogramAggregation", type("Unknown", (), {}))
     assert not batching_works()
-    got, want, batched = recorded_both_ways(AggregationTemporality.CUMULATIVE)
-    assert not batched
+    got, want, modes = recorded_both_ways(AggregationTemporality.CUMULATIVE)
+    assert modes == (False, False)  # deferral needs batches
     assert got == want
