@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     parser.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one (printed)")
     parser.add_argument("--backend", choices=("torch", "sglang"), default="torch",
-                        help="torch: the embedded engine on the shipped model (CPU or GPU); sglang: GPU")
+                        help="torch: the embedded engine on the shipped model, CPU only (its C kernels are built for "
+                             "this machine's CPU); sglang: real SGLang on GPUs (--device cpu: on a CPU, for tests)")
     parser.add_argument("--workers", type=int, default=None,
                         help="requests running at once (default: the backend's batch slots, "
                              "the torch engine's --max-batch)")
