@@ -16,7 +16,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# A C compiler: the engine builds its fused CPU kernels (service/engine/kernels.py) for the CPU it
+# A C compiler: the engine builds its fused CPU kernels (service/engine/kernels/library.py) for the CPU it
 # runs on at first start; without one it falls back to the slower eager step.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 

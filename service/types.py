@@ -33,7 +33,7 @@ class Drafter(enum.StrEnum):
 
 
 class Controller(enum.StrEnum):
-    """Who decides how many drafts a step proposes (service/engine/adaptive/)."""
+    """Who decides how many drafts a step proposes (service/engine/spec/adaptive/)."""
 
     STATIC = "static"  # every step drafts draft_length
     MOESPEC = "moespec"  # per step: expected gain of one more draft against its union-aware marginal cost
@@ -77,7 +77,7 @@ class DraftPolicy:
     """How to speculate. draft_length 0 = plain decoding (always valid, often best on MoE).
 
     With an adaptive controller, draft_length is the most a step may draft: the controller chooses
-    each step's length in [0, draft_length] (service/engine/adaptive/).
+    each step's length in [0, draft_length] (service/engine/spec/adaptive/).
 
     With cells, the policy is a table keyed by the step's context: a step runs the policy of the
     cell that matches its pass's occupancy and its request's kind, and the fields above where no

@@ -1,4 +1,4 @@
-"""Train the draft head (service/engine/draft_head.py) on the frozen shipped target.
+"""Train the draft head (service/engine/model/draft_head.py) on the frozen shipped target.
 
 Each batch runs the target once (no gradient) for its normed final hidden states and its
 distribution at every position; the head learns, for every unrolled drafting step, the target's
@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from service.engine.draft_head import DraftHead, head_config, load_head, save_head
-from service.engine.model import Transformer
-from service.engine.model_training import features_train, forward_train
-from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, MODELS_DIR, load_model
+from service.engine.model.draft_head import DraftHead, head_config, load_head, save_head
+from service.engine.model.training import features_train, forward_train
+from service.engine.model.transformer import Transformer
+from service.engine.model.weights import DEFAULT_DRAFT_DIR, DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, MODELS_DIR, load_model
 from training.common import batch, combine, corpus_files, encode, train_for
 
 DRAFT_VOCAB = 1024

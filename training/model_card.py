@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, MODELS_DIR  # noqa: E402
+from service.engine.model.weights import DEFAULT_DRAFT_DIR, DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, MODELS_DIR  # noqa: E402
 
 
 def shape(cfg: dict) -> str:

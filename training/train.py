@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from service.engine.draft_head import load_head  # noqa: E402
-from service.engine.model import Transformer  # noqa: E402
-from service.engine.model_config import ModelConfig  # noqa: E402
-from service.engine.model_training import forward_train, init_weights  # noqa: E402
-from service.engine.weights import (  # noqa: E402
+from service.engine.model.config import ModelConfig  # noqa: E402
+from service.engine.model.draft_head import load_head  # noqa: E402
+from service.engine.model.training import forward_train, init_weights  # noqa: E402
+from service.engine.model.transformer import Transformer  # noqa: E402
+from service.engine.model.weights import (  # noqa: E402
     DEFAULT_DRAFT_DIR,
     DEFAULT_HEAD_DIR,  # noqa: E402
     DEFAULT_TARGET_DIR,

@@ -156,8 +156,8 @@ def overall(results: list[PhaseResult]) -> float:
 
 def rule_overhead(plain_step_seconds: float, steps: int = 20000) -> dict[str, float]:
     """Seconds the moespec controller's per-step work costs (plan, observe, the pass bookkeeping)."""
-    from service.engine.adaptive.controller import StepOutcome
-    from service.engine.adaptive.state import AdaptiveState
+    from service.engine.spec.adaptive.controller import StepOutcome
+    from service.engine.spec.adaptive.state import AdaptiveState
 
     state = AdaptiveState(64, 8, plain_step_seconds)
     policy = DraftPolicy(Drafter.NGRAM, 8, controller=Controller.MOESPEC)

@@ -96,7 +96,7 @@ def transformers_rows(prompts: list[str], max_new: int) -> list[Row]:
     import torch
     import transformers
 
-    from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
+    from service.engine.model.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
 
     tok = transformers.AutoTokenizer.from_pretrained(DEFAULT_TARGET_DIR)
     target = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_TARGET_DIR, dtype=torch.float32).eval()

@@ -53,7 +53,7 @@ def concurrent_tokens_per_second(engine, requests: list[GenerationRequest], poli
 
 def run(args: argparse.Namespace) -> int:
     from service.engine import Engine, EngineConfig
-    from service.engine.layers import UNION_WINDOW_MAX
+    from service.engine.model.layers import UNION_WINDOW_MAX
     from service.engine.threads import default_threads  # torch only when the benchmark really runs
 
     requests = load_workload(args.clients, args.max_new_tokens)  # greedy shipped prompts

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from service.engine.packed import BF16_MATH, F32
+from service.engine.kernels.packed import BF16_MATH, F32
 
 FLOAT32 = 4
 SAMPLES = 5

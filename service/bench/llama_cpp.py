@@ -193,7 +193,7 @@ def _measure(args: argparse.Namespace) -> int:
 def _measure_with(args: argparse.Namespace, servers: contextlib.ExitStack) -> int:
     from service.bench.server import ServeProcess
     from service.engine import Engine, EngineConfig
-    from service.engine.weights import DEFAULT_DRAFT_DIR
+    from service.engine.model.weights import DEFAULT_DRAFT_DIR
     from service.server.client import MoespecClient
 
     t = tools(args.llama_cpp_dir)

@@ -244,8 +244,8 @@ def plot(loads: list[Load], cells: list[Cell], path: Path) -> None:
 
 def _union_info(cells: list[Cell]) -> tuple[int, int] | None:
     """(E, m) recovered from a cell's uniform figure: the cells carry it, the plot needs no engine."""
-    from service.engine.model_config import ModelConfig
-    from service.engine.weights import DEFAULT_TARGET_DIR
+    from service.engine.model.config import ModelConfig
+    from service.engine.model.weights import DEFAULT_TARGET_DIR
 
     cfg = ModelConfig.from_json(DEFAULT_TARGET_DIR / "config.json")
     return (cfg.num_experts, cfg.num_experts_per_tok) if cfg.is_moe else None

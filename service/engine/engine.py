@@ -32,17 +32,17 @@ import torch
 from tokenizers import Tokenizer
 
 from service import expert_parallel
-from service.engine.adaptive.state import AdaptiveState
-from service.engine.draft_head import is_head_dir, load_head
-from service.engine.kernel_pool import ONE_THREAD, KernelPool, KernelThreads
-from service.engine.kernels import build as build_kernels
-from service.engine.layers import KERNEL_WINDOW_MAX
-from service.engine.packed import MATHS
-from service.engine.ragged import KVCache
+from service.engine.kernels.library import build as build_kernels
+from service.engine.kernels.packed import MATHS
+from service.engine.kernels.pool import ONE_THREAD, KernelPool, KernelThreads
+from service.engine.model.draft_head import is_head_dir, load_head
+from service.engine.model.layers import KERNEL_WINDOW_MAX
+from service.engine.model.ragged import KVCache
+from service.engine.model.weights import DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, load_for_inference
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence
+from service.engine.spec.adaptive.state import AdaptiveState
 from service.engine.threads import usable_cores
-from service.engine.weights import DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, load_for_inference
 from service.engine_defaults import MAX_BATCH, PREFILL_CHUNK
 from service.limits import PromptLimits, tokenizer_prompt_bytes
 from service.recording import StepRecorder
@@ -65,7 +65,7 @@ __all__ = ["Engine", "EngineConfig"]
 @dataclass(frozen=True)
 class EngineConfig:
     target_dir: Path = DEFAULT_TARGET_DIR
-    # The model drafter: a draft head (draft_head.py, the default) or a dense draft model directory
+    # The model drafter: a draft head (model/draft_head.py, the default) or a dense draft model directory
     # (models/draft); None: only the n-gram drafter is offered.
     draft_dir: Path | None = DEFAULT_HEAD_DIR
     max_context: int | None = None  # default: the target's max_position_embeddings
@@ -77,7 +77,7 @@ class EngineConfig:
     ngram_max: int = 4
     capture_topk: bool = False  # keep [L, w, m] routed ids in every StepRecord
     capture_routing: bool = True  # count unique experts (off only to measure its overhead)
-    fast_step: bool = True  # fused kernels (kernels.py); False: the eager torch step, to compare against
+    fast_step: bool = True  # fused kernels (kernels/library.py); False: the eager torch step, to compare against
     # The fast step's matrix products: "fp32", or "bf16" (inputs rounded to bf16, float32 sums: the
     # target's logits move a little, less than in transformers' own bf16 run); None: bf16 where the CPU
     # multiplies bf16 pairs natively (Kernels.default_math). Attention, norms, routing and the draft

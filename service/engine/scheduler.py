@@ -3,10 +3,10 @@
 Contract:
 - Callers `submit` a Sequence and block until it is done; the scheduler thread is the only one that
   runs the models. Up to `max_batch` sequences run at once, each in its own KV-cache slot; more wait.
-- One scheduler step = draft for every running sequence (its own policy, drafting.py), then ONE
+- One scheduler step = draft for every running sequence (its own policy, spec/drafting.py), then ONE
   target pass over all their windows `[last committed token, drafts...]` back to back (ragged),
   then per-sequence acceptance with the sequence's own sampling and generator (`accept`,
-  `accept_greedy_ids`, ... looked up in this module, imported from `service.engine.sampling`),
+  `accept_greedy_ids`, ... looked up in this module, imported from `service.engine.spec.sampling`),
   commit, stop rules and streaming.
 - Sequences join and leave between steps. Chunked prefill: each scheduler iteration runs at most
   one prefill pass of at most `prefill_chunk` prompt tokens over the newcomers (first come, first
@@ -46,11 +46,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from service.engine import step_records
-from service.engine.adaptive.controller import StepOutcome, adapts
-from service.engine.drafting import Proposal, draft, uses_head
-from service.engine.ragged import RaggedBatch
-from service.engine.sampling import accept, accept_greedy_ids, target_probs
+from service.engine.model.ragged import RaggedBatch
 from service.engine.sequence import Sequence
+from service.engine.spec.adaptive.controller import StepOutcome, adapts
+from service.engine.spec.drafting import Proposal, draft, uses_head
+from service.engine.spec.sampling import accept, accept_greedy_ids, target_probs
 from service.types import Drafter, FinishReason, GenerationResult
 
 if TYPE_CHECKING:

@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from service.engine.adaptive.controller import StepController
-from service.engine.ngram import NgramIndex
+from service.engine.spec.adaptive.controller import StepController
+from service.engine.spec.ngram import NgramIndex
 from service.types import (
     Drafter,
     DraftPolicy,

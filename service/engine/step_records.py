@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from service import expert_parallel
-from service.engine.adaptive.controller import StepController, adapts
 from service.engine.sequence import Sequence
+from service.engine.spec.adaptive.controller import StepController, adapts
 from service.expert_sets import pairwise_overlap
 from service.types import BatchPassRecord, StepRecord, accepted_positions
 

@@ -95,7 +95,7 @@ def request_timer(model, steps: int = 16, prompt_tokens: int = 96) -> Callable[[
     """A measurement for `choose`: wall seconds of a short request to `model` (an inference
     Transformer) on a scratch cache, with torch set to the given thread count: a prefill (matmuls
     that threads can split) and plain decode steps (small ops they mostly cannot), as served."""
-    from service.engine.ragged import KVCache
+    from service.engine.model.ragged import KVCache
 
     cache = KVCache(model.cfg, prompt_tokens + steps + 1)
     prompt = torch.arange(prompt_tokens) % model.cfg.vocab_size
@@ -122,8 +122,8 @@ def pick_threads(model, cores: int | None = None, reserved: int = 1) -> ThreadCh
 
 def default_threads() -> int:
     """Measure the thread counts worth trying on this machine (engine.threads) and say which won."""
-    from service.engine.kernels import build
-    from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
+    from service.engine.kernels.library import build
+    from service.engine.model.weights import DEFAULT_TARGET_DIR, load_for_inference
 
     choice = pick_threads(load_for_inference(DEFAULT_TARGET_DIR, kernels=build()))
     print(f"moespec: {choice.describe()}", file=sys.stderr, flush=True)

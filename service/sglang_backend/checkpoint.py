@@ -6,7 +6,7 @@ checkpoint without lm_head.weight (transformers' save_pretrained drops a tied he
 with an uninitialised head. For such a directory this module builds a view next to it in a temp dir:
 symlinks to every original file plus `lm_head.safetensors` holding a copy of
 model.embed_tokens.weight. Other checkpoints are served from where they are, and that includes
-moespec's own shipped target: service/engine/weights.py writes lm_head.weight even when tied, so it
+moespec's own shipped target: service/engine/model/weights.py writes lm_head.weight even when tied, so it
 needs no view (checked against the real SGLang on CPU: its greedy output equals the embedded
 engine's).
 """

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from service.bench.llama_cpp import DEFAULT_DIR, TOOLS, summarise
-from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
+from service.engine.model.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
 from tuner.drivers.server_proc import MOESPEC, REPO_ROOT
 
 

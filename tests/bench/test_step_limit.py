@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from service.bench.limit import FLOAT32, decode_step_cost, fused_step_cost, measure_rates
-from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_model
+from service.engine.model.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_model
 from service.types import DraftPolicy, GenerationRequest, SamplingParams
 from tests.support.engine_helpers import heldout_prompts, make_engine
 

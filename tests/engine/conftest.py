@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.engine import kernels
+from service.engine.kernels import library as kernels
 from tests.support.kernel_cases import AD, AH, AHID, AK, IS, E, H, I
 
 

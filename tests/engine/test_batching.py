@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from service.engine.kernels import build as build_kernels
-from service.engine.ragged import KVCache, RaggedBatch
-from service.engine.weights import DEFAULT_TARGET_DIR, load_for_inference
+from service.engine.kernels.library import build as build_kernels
+from service.engine.model.ragged import KVCache, RaggedBatch
+from service.engine.model.weights import DEFAULT_TARGET_DIR, load_for_inference
 from service.types import Drafter, DraftPolicy, FinishReason, GenerationRequest, SamplingParams
 from tests.support.engine_helpers import fit_pvalue, heldout_prompts, make_engine, patch_engine_sampling
 
@@ -172,7 +172,7 @@ def spread_prompt(engine):
     """A held-out prompt whose next token is uncertain, and the target's p for it."""
     sampling = SamplingParams(temperature=0.9, top_p=0.95)
     best = None
-    from service.engine.sampling import target_probs
+    from service.engine.spec.sampling import target_probs
 
     for prompt in (p[-120:] for p in heldout_prompts(24)):
         ids = torch.tensor(engine.tokenizer.encode(prompt).ids)
@@ -229,7 +229,7 @@ def test_sampled_first_tokens_from_a_mixed_batch_follow_the_target_distribution(
 
 def test_a_wrong_acceptance_rule_in_the_batch_path_is_detected(engine, spread_prompt, monkeypatch):
     """Negative control for the test above: accepting every draft makes the output follow q, not p."""
-    from service.engine.sampling import sample
+    from service.engine.spec.sampling import sample
 
     def accept_everything(draft, q, p, generator):
         k = draft.shape[0]

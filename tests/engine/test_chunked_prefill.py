@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from service.engine.ragged import KVCache
-from service.engine.sampling import accept_greedy, accept_greedy_ids, target_probs
+from service.engine.model.ragged import KVCache
+from service.engine.spec.sampling import accept_greedy, accept_greedy_ids, target_probs
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 from tests.engine.test_batching import assert_same_or_near_tie, run_together
 from tests.support.engine_helpers import fit_pvalue, heldout_prompts, make_engine
@@ -239,7 +239,7 @@ def test_a_dense_draft_takes_the_prompt_in_the_prefill_pass_and_its_first_step_f
     """Counted on the real draft model (wrapped, still run): its cache holds the prompt after the
     prefill pass, bitwise what a fresh forward over the prompt writes, so the first step's drafting
     feeds the last prompt token alone, not the whole prompt."""
-    from service.engine.weights import DEFAULT_DRAFT_DIR
+    from service.engine.model.weights import DEFAULT_DRAFT_DIR
 
     engine = make_engine(draft_dir=DEFAULT_DRAFT_DIR)
     fed: list[int] = []

@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenizers import Tokenizer
 
-from service.engine.weights import DEFAULT_TARGET_DIR
+from service.engine.model.weights import DEFAULT_TARGET_DIR
 from service.limits import NORMALIZER_SHRINK, PromptLimits, default_request_limit, tokenizer_prompt_bytes
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from tuner.drivers.server_proc import start_server

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from service.engine.weights import MODELS_DIR
+from service.engine.model.weights import MODELS_DIR
 from service.sglang_backend.adapter import FinishedRequest, adapt
 from service.sglang_backend.attribution import RequestTokens
 from service.sglang_backend.model_config import moe_geometry

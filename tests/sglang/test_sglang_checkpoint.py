@@ -52,7 +52,7 @@ def test_a_sharded_tied_checkpoint_is_refused_with_the_fix(tmp_path):
 
 def test_the_shipped_target_has_its_head_and_needs_no_view():
     # Finding 6 (sglang-cpu-notes): the docs said the shipped target lacked lm_head.weight.
-    from service.engine.weights import MODELS_DIR
+    from service.engine.model.weights import MODELS_DIR
 
     target = MODELS_DIR / "target"
     with safe_open(str(target / "model.safetensors"), framework="pt") as st:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.engine.weights import MODELS_DIR
+from service.engine.model.weights import MODELS_DIR
 from service.sglang_backend.attribution import RequestTokens, attribute
 from service.sglang_backend.draft_tree import accepted_path, chain_parents, depths, parents_from_links
 from service.sglang_backend.model_config import moe_geometry

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.engine.weights import MODELS_DIR
+from service.engine.model.weights import MODELS_DIR
 from service.expert_parallel import ACTIVATION_BYTES, EPSpec, PlacementError
 from service.sglang_backend.adapter import FinishedRequest, adapt
 from service.sglang_backend.attribution import RequestTokens

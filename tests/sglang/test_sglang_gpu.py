@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 import torch
 
-from service.engine.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
+from service.engine.model.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
 pytestmark = [

@@ -12,9 +12,10 @@ from collections.abc import Callable
 import torch
 from scipy.stats import chi2, chisquare, ncx2
 
-from service.engine import Engine, EngineConfig, sampling
-from service.engine.ragged import KVCache, RaggedBatch
-from service.engine.weights import MODELS_DIR
+from service.engine import Engine, EngineConfig
+from service.engine.model.ragged import KVCache, RaggedBatch
+from service.engine.model.weights import MODELS_DIR
+from service.engine.spec import sampling
 from tests.conftest import RecordingBackend
 
 PROMPTS_FILE = MODELS_DIR.parent / "prompts" / "heldout.jsonl"

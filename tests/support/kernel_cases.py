@@ -1,4 +1,4 @@
-"""Sizes, inputs and PyTorch references the fused-kernel tests share (tests/engine/test_kernels.py,
+"""Sizes, inputs and PyTorch references the fused-kernel tests share (tests/engine/kernels/: test_kernels.py,
 test_kernel_pool.py, test_attention_kernel.py)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from service.engine import kernels
-from service.engine.packed import PackedWeight
+from service.engine.kernels import library as kernels
+from service.engine.kernels.packed import PackedWeight
 
 # Sizes that are not multiples of the SIMD width, so the remainder loops run too.
 E, H, I, M = 10, 40, 24, 3

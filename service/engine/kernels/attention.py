@@ -1,0 +1,117 @@
+"""The attention sub-block of one decoder layer in one C call, for the tokens of a ragged pass.
+
+Why: after the MoE block moved into one kernel call, attention was half of a decode step (~1.3-1.5 ms
+of ~2.9 ms CPU on the shipped model): q/k/v, rope (cat, mul), the cache write, the mask, SDPA, the
+transposes and o_proj are ~20 small torch ops per layer, each a few microseconds of dispatch for a
+few microseconds of arithmetic. Here the whole sub-block is one call per layer and needs no padding,
+no mask tensor and no gathers: every token carries its own cache slot and absolute position.
+
+Contract of `attention_block` (C, compiled into the same library as kernels.py's source, whose `dot`,
+`exp512`, `matmul_p` and `rms_norm` it uses):
+- x [N, H]: the tokens of one pass (any mix of windows of any sequences); token t sits at position
+  positions[t] of cache slot slots[t]. For each token:
+  h = rms_norm(x[t]) * norm_w; [q | k | v] = W_qkv h + b_qkv (A query heads, K kv heads of D);
+  q and k rotated by rope at that position (tables [max positions, D], the model's own buffers);
+  k and v written to the cache at (slot, position); query head a attends with kv head a / (A / K)
+  to its slot's keys 0..position, softmax in fp32 with scale 1/sqrt(D);
+  out[t] = x[t] + W_o [heads concatenated].
+- Every token's keys and values are written before any token attends, so a window sees its own
+  earlier positions; entries past a token's position (a rejected draft's) are never read.
+- Each token's row is computed on its own in a fixed order of operations: bitwise the same alone or
+  inside any pass (what keeps greedy speculation == plain decoding exact).
+- The C code trusts its pointers: `AttentionWeights` checks a layer's weights once, `AttentionPass`
+  checks a pass's positions and slots against the cache and the rope tables once for all layers.
+
+Shape legend: N tokens of a pass, H hidden, A query heads, K kv heads, D head dim, R = (A + 2K) D,
+S cache length per slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from service.engine.kernels import csrc
+from service.engine.kernels.packed import PackedWeight, panel_format
+
+SOURCE = csrc.read("attention.c")
+
+
+class AttentionWeights:
+    """One layer's attention weights for `Kernels.attention_block`, checked once (the kernel keeps
+    pointers to them: they must not move or be replaced afterwards)."""
+
+    def __init__(self, norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor,
+                 o_weight: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, bf16: bool | None = None,
+                 math: str = "fp32"):
+        """norm_weight [H]; qkv_weight [(A + 2K) D, H] (q rows, then k, then v), qkv_bias [(A + 2K) D];
+        o_weight [H, A D]. Contiguous float32 CPU. math: the projections' arithmetic (`panel_format`;
+        the attention itself stays float32); bf16: force bf16 (True) or float32 (False) panels for
+        math="fp32"."""
+        H = norm_weight.shape[0]
+        if n_kv < 1 or n_heads % n_kv or head_dim % 2:
+            raise ValueError(f"attention_block: {n_heads} heads over {n_kv} kv heads of dim {head_dim}: need "
+                             "whole groups and an even head dim")
+        R = (n_heads + 2 * n_kv) * head_dim
+        expected = {"norm_weight": (H,), "qkv_weight": (R, H), "qkv_bias": (R,), "o_weight": (H, n_heads * head_dim)}
+        given = dict(norm_weight=norm_weight, qkv_weight=qkv_weight, qkv_bias=qkv_bias, o_weight=o_weight)
+        for name, t in given.items():
+            if tuple(t.shape) != expected[name] or t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
+                raise ValueError(f"attention_block: {name} must be a contiguous float32 CPU tensor {expected[name]}")
+        self.H, self.A, self.K, self.D, self.R = H, n_heads, n_kv, head_dim, R
+        # Packed copies for matmul_p (which streams each weight panel in order); they and the tensors
+        # given stay referenced while the pointers below are in use.
+        # One format for both packed projections (one kernel flag), see panel_format.
+        self.format = panel_format(math, qkv_weight, o_weight, bf16=bf16)
+        qkv_p, o_p = PackedWeight.pack(qkv_weight, self.format), PackedWeight.pack(o_weight, self.format)
+        self.tensors = dict(given, qkv_p=qkv_p, o_p=o_p)
+        self.args = (norm_weight.data_ptr(), float(eps), qkv_p.data_ptr(), qkv_bias.data_ptr(), n_heads, n_kv,
+                     head_dim, self.format)
+        self.o_ptr = o_p.data_ptr()
+
+    def scratch_floats(self, n: int) -> int:
+        return n * (self.H + self.R + self.A * self.D)
+
+
+class AttentionPass:
+    """Where the N tokens of one pass go (position and cache slot of each) and the tensors every
+    layer's call shares, checked once per pass: the kernel writes and reads there unchecked."""
+
+    def __init__(self, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 rope_cos: torch.Tensor, rope_sin: torch.Tensor, position_range: tuple[int, int] | None = None,
+                 slot_range: tuple[int, int] | None = None):
+        """positions, slots [N] int64; k_cache, v_cache [L, slots, K, S, D] float32; rope_cos, rope_sin
+        [max positions, D] float32; all contiguous CPU tensors. position_range / slot_range: the lowest
+        and highest of positions / slots where the caller knows them (a RaggedBatch does; four
+        reductions saved a step), else read from the tensors."""
+        if positions.dtype != torch.int64 or slots.dtype != torch.int64 or positions.dim() != 1 \
+                or positions.shape != slots.shape or not (positions.is_contiguous() and slots.is_contiguous()):
+            raise ValueError("attention_block: positions and slots must be contiguous int64 [N]")
+        for name, t in dict(k_cache=k_cache, v_cache=v_cache, rope_cos=rope_cos, rope_sin=rope_sin).items():
+            if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
+                raise ValueError(f"attention_block: {name} must be a contiguous float32 CPU tensor")
+        if k_cache.dim() != 5 or v_cache.shape != k_cache.shape:
+            raise ValueError("attention_block: k_cache and v_cache must both be [L, slots, K, S, D]")
+        L, num_slots, K, S, D = k_cache.shape
+        if rope_cos.dim() != 2 or rope_cos.shape[1] != D or rope_sin.shape != rope_cos.shape:
+            raise ValueError(f"attention_block: rope tables must be [positions, {D}]")
+        bound = min(S, rope_cos.shape[0])
+        if positions.numel():
+            low, high = position_range or (int(positions.min()), int(positions.max()))
+            if low < 0 or high >= bound:
+                raise ValueError(f"attention_block: positions must lie in [0, {bound})")
+            low, high = slot_range or (int(slots.min()), int(slots.max()))
+            if low < 0 or high >= num_slots:
+                raise ValueError(f"attention_block: cache slots must lie in [0, {num_slots})")
+        self.n, self.layers, self.K, self.S, self.D = positions.numel(), L, K, S, D
+        self.tensors = (positions, slots, k_cache, v_cache, rope_cos, rope_sin)  # alive while in use
+        self.layer_floats = k_cache.stride(0)
+        self._layer_bytes = self.layer_floats * k_cache.element_size()
+        self._k, self._v = k_cache.data_ptr(), v_cache.data_ptr()
+        self._shared = (rope_cos.data_ptr(), rope_sin.data_ptr(), positions.data_ptr(), slots.data_ptr())
+
+    def args(self, layer: int) -> tuple:
+        """The kernel's rope, position, slot and cache arguments for one layer."""
+        if not 0 <= layer < self.layers:
+            raise ValueError(f"attention_block: layer {layer} outside the cache's {self.layers}")
+        offset = layer * self._layer_bytes
+        return (*self._shared, self._k + offset, self._v + offset, self.S)

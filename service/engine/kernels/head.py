@@ -1,0 +1,41 @@
+"""A draft head's drafting chain for one sequence in one C call.
+
+Why: one drafting round of the head is ~15 small torch ops and four kernel calls (norms, the input
+projection, attention, the MLP, the output layer, then softmax and sampling); their dispatch cost
+more than their arithmetic, and a round ran once per drafted token. Here every round after the
+catch-up pass runs inside one call, so a drafted token costs its arithmetic.
+
+Contract of `head_draft` (C, compiled into kernels.py's library; it uses `rms_norm`, `matmul_p`,
+`attention_block` and `swiglu_experts` from there):
+- The catch-up: the m entries a sequence's head cache lacks (committed tokens [m], each with the
+  target's true feature one position back [m, H]) at positions start..start+m-1 of cache slot
+  `slot`, keys and values written; the last one's output gives the logits of draft 0.
+- Then for j = 1..k-1 the head runs on (its own last feature, draft j-1) at position start+m+j-1
+  and draft j is picked from its logits.
+- A pick at temperature 0 is the first maximum of the logits; at temperature T > 0 it is drawn from
+  softmax(logits / T) by inverse CDF with the given uniform u_j in [0, 1), and that distribution is
+  written to q [k, Vd] (what the acceptance rule needs). Picks are draft-vocabulary indices.
+- The arithmetic of each round is the same as `DraftHead.forward_ragged`'s kernel path on one row,
+  so the chain's drafts do not depend on which path ran them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from service.engine.kernels import csrc
+
+SOURCE = csrc.read("head.c")
+
+
+_P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+class HeadWeights(ctypes.Structure):
+    """The C `struct head_weights`: pointers into a loaded head's tensors (which must stay alive)."""
+
+    _fields_ = [*((n, _I64) for n in ("H", "I", "Vd", "A", "K", "D", "S", "V", "slots")), ("eps", _F), ("embed", _P),
+                *((n, _P) for n in ("embed_norm_w", "feature_norm_w", "attn_norm_w", "post_norm_w", "final_norm_w")),
+                ("fc_wt", _P), ("fc_fmt", _INT), ("qkv_wt", _P), ("qkv_b", _P), ("o_wt", _P), ("attn_fmt", _INT),
+                ("gate_up_t", _P), ("down_t", _P), ("mlp_fmt", _INT), ("lm_wt", _P), ("lm_fmt", _INT),
+                ("vocab", _P), ("rope_cos", _P), ("rope_sin", _P), ("k_cache", _P), ("v_cache", _P)]

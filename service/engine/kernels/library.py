@@ -1,0 +1,336 @@
+"""Fused CPU kernels for the passes of the embedded engine, built from C source at first use.
+
+What is here: the C the kernels share (`dot`, `exp512`, `matmul_p`: register tiles of 4 positions x
+64 output columns over a weight packed in 64-column panels, `PackedWeight`: transposed, each panel
+contiguous, so there is no horizontal sum per output, each weight streams in order and the positions
+that share a weight share each loaded vector), `rms_norm` and `linear`; the ctypes wrappers of every
+kernel, with the checks that keep the C code's pointers in bounds; and `build`. Panels hold bf16 where
+every value of the weight is one (the shipped checkpoint), widened exactly on load: the same results
+as fp32 panels for half the bytes; or, for bf16 arithmetic (math="bf16"), bf16 pairs that VDPBF16PS
+multiplies with the rows rounded to bf16 (its C in bf16_kernel.py). A call may split its work over
+a `KernelPool`'s threads (kernel_pool.py; `KernelThreads` says when), which changes no bit of the result.
+
+`swiglu_experts(x, gate_up, down, ids, weights, out, accumulate)` and `moe_block(block, x)`: the MoE
+kernels; their C source and contract are in moe_kernel.py.
+
+`linear(x, weight)`: x [w, H] @ weight^T for a packed [V, H] weight, with the same row independence
+(the output layer).
+
+`attention_block(weights, pass, layer, x)`: a layer's whole attention sub-block for the tokens of a
+ragged pass; its C source, contract and argument checks are in attention_kernel.py, compiled into the
+same library (it uses `dot`, `exp512`, `matmul_p` and `rms_norm` from here).
+
+`decoder_layers(stack, pass, x, last_mlp)`: every layer of a pass (attention, norm, MoE block or
+dense MLP, residual) in one call, bitwise the per-layer calls; see decoder_kernel.py.
+
+The library is compiled with the system C compiler into a cache folder keyed by the source, the
+flags and this CPU's feature flags (so a shared home folder never serves code for another CPU), and
+loaded with ctypes only once kernel_cache has checked the folder, the file and its recorded SHA-256.
+Without a compiler `build` returns None and callers keep the eager path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from service.engine.kernels import attention as attention_kernel
+from service.engine.kernels import bf16 as bf16_kernel
+from service.engine.kernels import cache as kernel_cache
+from service.engine.kernels import csrc
+from service.engine.kernels import decoder as decoder_kernel
+from service.engine.kernels import head as head_kernel
+from service.engine.kernels import moe as moe_kernel
+from service.engine.kernels import pool as kernel_pool
+from service.engine.kernels.attention import AttentionPass, AttentionWeights
+from service.engine.kernels.decoder import DecoderStack
+from service.engine.kernels.moe import MoeBlock
+from service.engine.kernels.packed import PackedWeight
+from service.engine.kernels.pool import ONE_THREAD, KernelPool, KernelThreads
+
+__all__ = ["AttentionPass", "AttentionWeights", "DecoderStack", "KernelThreads", "Kernels", "MoeBlock", "ONE_THREAD",
+           "PackedWeight", "build"]
+
+log = logging.getLogger(__name__)
+
+_SOURCE = kernel_pool.SOURCE + csrc.read("common.c")  # dot, exp512, bf16_value, the tile macros
+
+# bf16 arithmetic (format-2 panels, bf16_kernel.py): uses common.c's tiles; matmul.c's matmul_panels calls it.
+_SOURCE += bf16_kernel.SOURCE + csrc.read("matmul.c")
+
+_SOURCE += moe_kernel.SOURCE + attention_kernel.SOURCE + head_kernel.SOURCE  # they use the helpers above
+_SOURCE += decoder_kernel.SOURCE  # the layer loop over moe_block and attention_block
+_SOURCE += csrc.read("probe.c")  # the machine probes of the step limit (service/bench/limit.py)
+
+_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-pthread")
+
+
+class Kernels:
+    """The loaded library; one instance may be shared by every model of a process."""
+
+    def __init__(self, library_path: Path):
+        self.path = library_path
+        lib = ctypes.CDLL(str(library_path))
+        kernel_pool.bind(lib)
+        self._lib = lib
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._swiglu = lib.swiglu_experts
+        self._swiglu.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ctypes.c_int, i64, ptr, ptr, i64, ptr,
+                                 ctypes.c_int]
+        self._swiglu.restype = None
+        self._linear = lib.linear
+        self._linear.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, i64, ptr, ptr]
+        self._linear.restype = None
+        self._moe = lib.moe_block
+        self._moe.argtypes = [ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ptr, i64, i64,
+                              ptr, ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ptr]
+        self._moe.restype = None
+        self._rms_norm = lib.rms_norm
+        self._rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
+        self._rms_norm.restype = None
+        self._attention = lib.attention_block
+        self._attention.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr, i64, i64, i64, ctypes.c_int,
+                                    ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
+        self._attention.restype = None
+        self._decoder = lib.decoder_layers
+        self._decoder.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr,
+                                  ptr, ptr]
+        self._decoder.restype = ctypes.c_int
+        self._probe_read = lib.probe_read
+        self._probe_read.argtypes = [ptr, i64, i64, ptr]
+        self._probe_read.restype = ctypes.c_float
+        self._probe_fma = lib.probe_fma
+        self._probe_fma.argtypes = [i64, ptr]
+        self._probe_fma.restype = ctypes.c_float
+        self._head_draft = lib.head_draft
+        self._head_draft.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
+        self._head_draft.restype = ctypes.c_int
+        self.bf16_dot_native = bool(lib.bf16_dot_native())  # see `default_math`
+
+    def swiglu_experts(self, x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight, ids: torch.Tensor,
+                       weights: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+        """See moe_kernel.py. gate_up: packed [E, 2I, H], down: packed [E, H, I]; x, out [w, H],
+        ids [w, n] int64, weights [w, n], all contiguous; float32 throughout."""
+        (E,), H, I = gate_up.lead, gate_up.in_features, down.in_features
+        w, n = ids.shape
+        # The C code trusts its pointers: check what would make it read or write out of bounds.
+        if not (x.is_contiguous() and out.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()):
+            raise ValueError("swiglu_experts: x, out, ids and weights must be contiguous")
+        if gate_up.out_features != 2 * I or down.lead != (E,) or down.out_features != H:
+            raise ValueError(f"swiglu_experts: gate_up must be [E, 2I, H] and down [E, H, I], got {gate_up} and {down}")
+        if gate_up.format != down.format:
+            raise ValueError(f"swiglu_experts: gate_up and down must share one panel format, got {gate_up} and {down}")
+        if x.shape != (w, H) or out.shape != (w, H) or weights.shape != (w, n):
+            raise ValueError("swiglu_experts: shapes disagree")
+        if any(t.dtype != torch.float32 for t in (x, weights, out)) or ids.dtype != torch.int64:
+            raise ValueError("swiglu_experts: float32 tensors and int64 ids only")
+        if not all(t.is_cpu for t in (x, ids, weights, out)):
+            raise ValueError("swiglu_experts: CPU tensors only")
+        self._swiglu(x.data_ptr(), w, H, I, gate_up.data_ptr(), gate_up.stride, down.data_ptr(), down.stride,
+                     gate_up.format, E, ids.data_ptr(), weights.data_ptr(), n, out.data_ptr(), int(accumulate))
+
+    def moe_block(self, block: MoeBlock, x: torch.Tensor,
+                  pool: KernelPool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [w, H] -> (out [w, H], router logits [w, E], routed ids [w, m]) of the block's layer: the
+        router, softmax, top-k and both kinds of expert in one call (see the C source), its positions
+        split over the pool's threads if one is given (bitwise the same result)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != block.H or not x.is_contiguous() \
+                or not x.is_cpu:
+            raise ValueError(f"moe_block: x must be a contiguous float32 CPU tensor [w, {block.H}]")
+        w = x.shape[0]
+        logits = x.new_empty(w, block.E + 1)
+        ids = torch.empty(w, block.top_k, dtype=torch.long)
+        weights = x.new_empty(w, block.top_k)
+        out = torch.empty_like(x)
+        scale = x.new_empty(w)  # each position's shared-expert scale (the kernel's scratch)
+        a = block.args
+        self._moe(x.data_ptr(), w, block.H, *a, logits.data_ptr(), ids.data_ptr(), weights.data_ptr(),
+                  out.data_ptr(), scale.data_ptr(), _handle(pool))
+        return out, logits[:, :-1], ids
+
+    def attention_block(self, weights: AttentionWeights, where: AttentionPass, layer: int,
+                        x: torch.Tensor, pool: KernelPool | None = None, kv_only: bool = False) -> torch.Tensor | None:
+        """x [N, H] (the residual stream) -> x + attention(rms_norm(x)) of one layer, writing the pass's
+        keys and values into that layer's cache (see attention_kernel.py); its tokens split over the
+        pool's threads if one is given (bitwise the same result). kv_only: write the keys and values
+        (bitwise the same) and return None."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape != (where.n, weights.H) or not x.is_contiguous() \
+                or not x.is_cpu:
+            raise ValueError(f"attention_block: x must be a contiguous float32 CPU tensor [{where.n}, {weights.H}]")
+        if (weights.K, weights.D) != (where.K, where.D):
+            raise ValueError(f"attention_block: the cache holds {where.K} kv heads of {where.D}, the layer "
+                             f"{weights.K} of {weights.D}")
+        scratch = x.new_empty(weights.scratch_floats(where.n))
+        out = torch.empty_like(x)
+        self._attention(x.data_ptr(), where.n, weights.H, *weights.args, *where.args(layer), weights.o_ptr,
+                        scratch.data_ptr(), out.data_ptr(), _handle(pool), int(kv_only))
+        return None if kv_only else out
+
+    def decoder_layers(self, stack: DecoderStack, where: AttentionPass, x: torch.Tensor, last_mlp: bool,
+                       attention_pool: KernelPool | None = None,
+                       moe_pool: KernelPool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [N, H] (the embedded tokens) -> (hidden states after every layer [N, H], routed ids
+        [L, N, m]) in one call (see decoder_kernel.py), writing each layer's keys and values; the
+        calls inside split over the pools' threads as the per-layer calls would. Without last_mlp (a
+        prefill) the last layer only writes its keys and values: the states are then the last but
+        one layer's and the ids [L - 1, N, m]."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape != (where.n, stack.H) or not x.is_contiguous() \
+                or not x.is_cpu:
+            raise ValueError(f"decoder_layers: x must be a contiguous float32 CPU tensor [{where.n}, {stack.H}]")
+        if (where.layers, where.K, where.D) != (stack.L, *stack.kv):
+            raise ValueError(f"decoder_layers: the cache holds {where.layers} layers of {where.K} kv heads of "
+                             f"{where.D}, the model {stack.L} of {stack.kv[0]} of {stack.kv[1]}")
+        out = x.clone()
+        ids = torch.empty(stack.L, where.n, stack.m, dtype=torch.long)  # [L, N, 0] for a dense model
+        rope_cos, rope_sin, positions, slots, k_cache, v_cache, S = where.args(0)
+        status = self._decoder(out.data_ptr(), where.n, stack.H, stack.L, ctypes.addressof(stack.array),
+                               int(last_mlp), rope_cos, rope_sin, positions, slots, k_cache, v_cache,
+                               where.layer_floats, S, ids.data_ptr(), _handle(attention_pool), _handle(moe_pool))
+        if status != 0:
+            raise MemoryError("decoder_layers: out of memory")
+        if not stack.moe:
+            return out, None
+        return out, ids if last_mlp else ids[:-1]
+
+    def head_draft(self, weights: head_kernel.HeadWeights, tokens: torch.Tensor, features: torch.Tensor,
+                   slot: int, start: int, k: int, temperature: float,
+                   uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft head's catch-up over tokens [m] (target ids) with features [m, H] at positions
+        start.. of `slot`, then its k picks (draft-vocabulary indices [k]) and, when temperature > 0,
+        the distributions they were drawn from [k, Vd]; see head_kernel.py."""
+        H, Vd = weights.H, weights.Vd
+        m = tokens.shape[0]
+        if tokens.dtype != torch.int64 or tokens.dim() != 1 or m < 1 or features.shape != (m, H) \
+                or features.dtype != torch.float32:
+            raise ValueError(f"head_draft: tokens must be int64 [m >= 1] and features float32 [m, {H}]")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= weights.V:
+            raise ValueError(f"head_draft: token ids must lie in [0, {weights.V})")
+        if k < 1 or start < 0 or start + m + k - 1 > weights.S or not 0 <= slot < weights.slots:
+            raise ValueError(f"head_draft: {m} entries and {k} drafts from position {start} of slot {slot} do "
+                             f"not fit the cache ({weights.slots} slots of {weights.S})")
+        sampled = temperature > 0
+        if sampled and (uniforms is None or uniforms.shape != (k,) or uniforms.dtype != torch.float32):
+            raise ValueError(f"head_draft: a sampled draft needs float32 uniforms [{k}]")
+        tokens, features = tokens.contiguous(), features.contiguous()
+        picks = torch.empty(k, dtype=torch.long)
+        q = features.new_empty(k, Vd) if sampled else None
+        status = self._head_draft(ctypes.addressof(weights), m, tokens.data_ptr(), features.data_ptr(), slot, start, k,
+                                  float(temperature), uniforms.data_ptr() if sampled else None, picks.data_ptr(),
+                                  q.data_ptr() if sampled else None)
+        if status != 0:
+            raise MemoryError("head_draft: out of memory")
+        return picks, q
+
+    def probe_read(self, buf: torch.Tensor, reps: int, pool: KernelPool | None = None) -> float:
+        """Read a contiguous float32 CPU buffer `reps` times in whole blocks of 128 floats, split over
+        the pool's threads (see probe.c); returns the sum of what was read (so the reads cannot be
+        skipped)."""
+        if buf.dtype != torch.float32 or not buf.is_contiguous() or not buf.is_cpu or reps < 1:
+            raise ValueError("probe_read: a contiguous float32 CPU buffer and reps >= 1")
+        return self._probe_read(buf.data_ptr(), buf.numel(), reps, _handle(pool))
+
+    def probe_fma(self, reps: int, pool: KernelPool | None = None) -> int:
+        """`reps` rounds of fused multiply-adds on every thread of the pool (see probe.c) -> the
+        flops done (2 per multiply-add)."""
+        if reps < 1:
+            raise ValueError("probe_fma: reps >= 1")
+        self._probe_fma(reps, _handle(pool))
+        return 2 * 16 * 12 * reps * (pool.threads if pool is not None else 1)
+
+    def default_math(self) -> str:
+        """The arithmetic of the matrix products where none is asked for: bf16 where this CPU multiplies
+        bf16 pairs in one instruction (prefill and batched steps run ~1.3-1.5x faster; logits move ~0.003
+        on average from float32's, at most ~2% of their scale), else float32 (bf16 would lose precision
+        and gain nothing)."""
+        return "bf16" if self.bf16_dot_native else "fp32"
+
+    def pool(self, threads: int) -> KernelPool:
+        """Start `threads - 1` workers for this library's calls to split over (see kernel_pool.py)."""
+        return KernelPool(self._lib, threads)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * x / sqrt(mean(x^2, -1) + eps) over the last dim of a contiguous float32 CPU x."""
+        H = x.shape[-1]
+        if x.dtype != torch.float32 or not x.is_contiguous() or not x.is_cpu or weight.shape != (H,) \
+                or weight.dtype != torch.float32 or not weight.is_contiguous() or not weight.is_cpu:
+            raise ValueError(f"rms_norm: x must be contiguous float32 [..., {H}] with a float32 weight [{H}]")
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), x.numel() // H, H, weight.data_ptr(), eps, out.data_ptr())
+        return out
+
+    def linear(self, x: torch.Tensor, weight: PackedWeight, pool: KernelPool | None = None) -> torch.Tensor:
+        """x [w, H] @ weight^T (a packed [V, H] weight) -> [w, V], float32, contiguous; each row of out
+        is bitwise the same whatever else is in x (MKL's sgemm blocks differently by w); the output
+        columns split over the pool's threads if one is given (bitwise the same result)."""
+        H, V = weight.in_features, weight.out_features
+        if weight.lead:
+            raise ValueError(f"linear: weight must be one packed [V, H] matrix, got {weight}")
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != H or not x.is_contiguous():
+            raise ValueError(f"linear: x must be contiguous float32 [w, {H}]")
+        if not x.is_cpu:
+            raise ValueError("linear: CPU tensors only")
+        out = x.new_empty(x.shape[0], V)
+        self._linear(x.data_ptr(), x.shape[0], H, weight.data_ptr(), weight.format, V, out.data_ptr(),
+                     _handle(pool))
+        return out
+
+
+def _handle(pool: KernelPool | None) -> int | None:
+    return None if pool is None else pool.handle
+
+
+def build(cache_dir: Path | None = None, compiler: str | None = None,
+          extra_flags: tuple[str, ...] = ()) -> Kernels | None:
+    """Compile (or reuse) the library and load it; None, with one warning, when it cannot be built.
+
+    cache_dir defaults to ~/.cache/moespec/kernels, compiler to `cc` on the PATH; extra_flags go after
+    the default flags (tests build the portable code with `-mno-avx512f`).
+    """
+    flags = (*_FLAGS, *extra_flags)
+    compiler = compiler or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler on the PATH: the fused expert kernel is off, the eager path runs")
+        return None
+    folder = Path(cache_dir) if cache_dir else kernel_cache.default_folder()
+    key = hashlib.sha256("\n".join([_SOURCE, *flags, compiler, platform.machine(), _cpu_flags()]).encode())
+    try:
+        # Checked (owner, permissions, recorded SHA-256) before ctypes runs any of it; see kernel_cache.
+        library, scratch = kernel_cache.cached_library(folder, f"swiglu-{key.hexdigest()[:16]}.so",
+                                                       lambda path: _compile(compiler, flags, path))
+        try:
+            return Kernels(library)
+        finally:
+            if scratch is not None:
+                scratch.cleanup()  # the loaded library stays mapped
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("could not build the fused expert kernel (%s): the eager path runs", e)
+        return None
+
+
+def _compile(compiler: str, flags: tuple[str, ...], library: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        source = Path(tmp) / "swiglu.c"
+        source.write_text(_SOURCE)
+        built = Path(tmp) / library.name
+        subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"], check=True,
+                       capture_output=True, timeout=120)
+        os.replace(built, library)  # atomic: a concurrent builder never loads half a file
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()

@@ -1,0 +1,112 @@
+"""Where the tokens of one ragged pass go and where their keys and values live.
+
+A pass runs the windows of several sequences back to back (continuous batching): `RaggedBatch`
+says which cache slot and positions each token takes, `KVCache` is the static cache those keys and
+values are written to. Slots of rejected draft tokens are never rolled back: the next window simply
+overwrites them. Kept apart from the layers because the scheduler, the drafters and the draft head
+build batches and caches without running a layer themselves.
+
+Shape legend: N tokens of a pass, B sequences in it, w' its longest window, L layers, K kv heads,
+D head dim, S cache length, S' keys a pass attends to.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from service.engine.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class RaggedBatch:
+    """Where the N tokens of one pass go: B sequences, sequence b a window of lengths[b] tokens at
+    positions starts[b].. in cache slot slots[b], concatenated in that order.
+
+    The fused attention kernel needs only `positions` and `token_slot` (built with the batch: a step
+    builds one per pass). Eager (padded) attention also needs `row`, `col` and `mask`, made on first
+    use: queries are laid out [B, w'] (w' the longest window) and each sequence sees its own slot's
+    keys up to S' = max(starts + lengths); `mask` [B, 1, w', S'] keeps row i of sequence b to keys <=
+    starts[b] + i (its prefix and its window up to itself). Padding rows see key 0 only through that
+    rule, so they never produce NaN; their outputs are dropped.
+    """
+
+    slots: torch.Tensor  # [B] cache slot of each sequence
+    starts: tuple[int, ...]  # [B] position of each window's first token
+    lengths: tuple[int, ...]  # [B] tokens in each window
+    positions: torch.Tensor  # [N] absolute position of each token
+    token_slot: torch.Tensor  # [N] cache slot of each token
+    width: int  # w': the longest window
+    span: int  # S': keys any sequence attends to
+    slot_range: tuple[int, int]  # the lowest and highest cache slot (AttentionPass's bounds check)
+
+    @property
+    def size(self) -> int:
+        return len(self.starts)
+
+    @property
+    def position_range(self) -> tuple[int, int]:
+        """The lowest and highest position of the pass's tokens."""
+        return min(self.starts), self.span - 1
+
+    @functools.cached_property
+    def row(self) -> torch.Tensor:
+        """[N] sequence index b of each token."""
+        return torch.repeat_interleave(torch.arange(self.size), torch.tensor(self.lengths))
+
+    @functools.cached_property
+    def col(self) -> torch.Tensor:
+        """[N] index of each token inside its window."""
+        return torch.cat([torch.arange(n) for n in self.lengths])
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[B, 1, w', S'] (None: one single-token window, which sees everything)."""
+        if self.size == 1 and self.width == 1:
+            return None
+        # [B, w']: the last key each row sees
+        visible = torch.tensor(self.starts)[:, None] + torch.arange(self.width)[None, :]
+        return (torch.arange(self.span)[None, None, :] <= visible[:, :, None]).unsqueeze(1)
+
+    @classmethod
+    def build(cls, slots: list[int], starts: list[int], lengths: list[int]) -> RaggedBatch:
+        if not slots or len(slots) != len(starts) or len(slots) != len(lengths) or min(lengths) < 1:
+            raise ValueError(f"need one or more windows of >= 1 token, got {lengths}")
+        # Plain lists, one tensor at the end, cut into views: every step builds this, and a small
+        # torch op costs more than the Python here.
+        positions = [start + i for start, n in zip(starts, lengths, strict=True) for i in range(n)]
+        token_slot = [slot for slot, n in zip(slots, lengths, strict=True) for _ in range(n)]
+        N = len(positions)
+        packed = torch.tensor(positions + token_slot + list(slots))
+        return cls(slots=packed[2 * N:], starts=tuple(starts), lengths=tuple(lengths), positions=packed[:N],
+                   token_slot=packed[N:2 * N], width=max(lengths),
+                   span=max(start + n for start, n in zip(starts, lengths, strict=True)),
+                   slot_range=(min(slots), max(slots)))
+
+
+class KVCache:
+    """Static cache [L, slots, K, S, D]: one slot per sequence in flight; positions are written
+    explicitly and never rolled back (a rejected draft's slot is overwritten by the next window)."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int, slots: int = 1, dtype: torch.dtype = torch.float32):
+        shape = (cfg.num_hidden_layers, slots, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.max_len = max_len
+        self.slots = slots
+
+    def write_ragged(self, layer: int, batch: RaggedBatch, k: torch.Tensor,
+                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [N, K, D] at each token's (slot, position) -> the batch's keys, values [B, K, S', D]."""
+        ck, cv = self.k[layer], self.v[layer]  # [slots, K, S, D]
+        if batch.size == 1:  # one window: contiguous positions, written and read through views
+            slot, start = int(batch.slots[0]), batch.starts[0]
+            ck[slot, :, start:batch.span] = k.transpose(0, 1)  # [K, w, D]
+            cv[slot, :, start:batch.span] = v.transpose(0, 1)
+            return ck[slot:slot + 1, :, :batch.span], cv[slot:slot + 1, :, :batch.span]
+        ck[batch.token_slot, :, batch.positions] = k
+        cv[batch.token_slot, :, batch.positions] = v
+        # index_select on the first dim is a plain row copy (advanced indexing here is several times slower)
+        return ck[:, :, :batch.span].index_select(0, batch.slots), cv[:, :, :batch.span].index_select(0, batch.slots)
