@@ -76,7 +76,7 @@ MOE_PAIRWISE_OVERLAP_MEAN = "moespec.moe.pairwise_overlap_mean"  # double[L]
 MOE_PAIRWISE_OVERLAP_MIN = "moespec.moe.pairwise_overlap_min"  # int[L]
 # Expert-parallel estimate (issue 13; only when the server runs with --ep-size): per layer, the EP
 # ranks a pass's routed pairs run on and the most distinct experts one rank runs; the bytes of the
-# token-expert pairs dispatched off their home rank (all layers). See service/expert_parallel.py.
+# token-expert pairs dispatched off their home rank (all layers). See service/routing/expert_parallel.py.
 MOE_EP_RANKS_TOUCHED = "moespec.moe.ep_ranks_touched"  # int[L] (verify span)
 MOE_EP_MAX_RANK_EXPERTS = "moespec.moe.ep_max_rank_experts"  # int[L] (verify span)
 MOE_EP_DISPATCH_BYTES = "moespec.moe.ep_dispatch_bytes"  # int (verify span: the pass; request span: the sum)
@@ -94,7 +94,7 @@ BATCH_POSITIONS = "moespec.batch.positions"  # tokens in the pass (sum of the wi
 BATCH_WINDOWS = "moespec.batch.windows"  # int[batch size] each request's window
 BATCH_PASS_ID = "moespec.batch.pass_id"
 # The expert-parallel view of the whole pass (issue 13; only with --ep-size): the request view's
-# quantities over every position of every request in the pass (see service/expert_parallel.py).
+# quantities over every position of every request in the pass (see service/routing/expert_parallel.py).
 MOE_BATCH_EP_RANKS_TOUCHED = "moespec.moe.batch_ep_ranks_touched"  # int[L]
 MOE_BATCH_EP_MAX_RANK_EXPERTS = "moespec.moe.batch_ep_max_rank_experts"  # int[L]
 MOE_BATCH_EP_DISPATCH_BYTES = "moespec.moe.batch_ep_dispatch_bytes"  # int, all layers

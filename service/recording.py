@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from service.expert_sets import pairwise_overlap
-from service.private_files import open_private
+from service.routing.expert_sets import pairwise_overlap
+from service.security.private_files import open_private
 from service.types import Drafter, ModelInfo, StepRecord, accepted_positions
 
 FORMAT = "moespec.steps"

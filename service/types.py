@@ -237,7 +237,7 @@ class BatchPassRecord:
     verify_seconds: float  # the target pass plus every request's acceptance
     start_time_ns: int  # wall clock (time.time_ns()) when the draft phase began
     prefill_tokens: int = 0  # prompt tokens of the prefill pass run just before this one: what its requests waited for
-    # The expert-parallel view of the whole pass (only with an EP size; service/expert_parallel.py).
+    # The expert-parallel view of the whole pass (only with an EP size; service/routing/expert_parallel.py).
     ep_ranks_touched: tuple[int, ...] | None = None  # [L] ranks running at least one of the pass's pairs
     ep_max_rank_experts: tuple[int, ...] | None = None  # [L] most distinct experts on one rank
     ep_dispatch_bytes: int | None = None  # the pass's pairs sent off their home rank * hidden * dtype bytes
@@ -278,11 +278,11 @@ class StepRecord:
     decode_step_equivalents: float  # verify_seconds / the engine's recent plain decode step time
     topk_ids: tuple[tuple[tuple[int, ...], ...], ...] | None = None  # [L, w, m] when captured
     window_ids: tuple[int, ...] | None = None  # [w] the verified tokens, captured with topk_ids
-    # [L] mean and smallest |S_i ∩ S_j| over the window's position pairs (service/expert_sets.py);
+    # [L] mean and smallest |S_i ∩ S_j| over the window's position pairs (service/routing/expert_sets.py);
     # () where the routing was not counted.
     pairwise_overlap_mean: tuple[float, ...] = ()
     pairwise_overlap_min: tuple[int, ...] = ()
-    # Expert-parallel estimate of this pass (service.expert_parallel), when an EP size is configured.
+    # Expert-parallel estimate of this pass (service.routing.expert_parallel), when an EP size is configured.
     ep_ranks_touched: tuple[int, ...] | None = None  # [L] ranks running at least one routed pair
     ep_max_rank_experts: tuple[int, ...] | None = None  # [L] most distinct experts on one rank
     ep_dispatch_bytes: int | None = None  # token-expert pairs sent off the home rank * hidden * dtype bytes

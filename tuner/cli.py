@@ -23,9 +23,9 @@ import threading
 from contextlib import suppress
 from pathlib import Path
 
-from service import admin_token
 from service.errors import UsageError
-from service.redact import redact_url
+from service.security import admin_token
+from service.security.redact import redact_url
 from service.server.client import MoespecClient
 from tuner.drivers.progress import ProgressPrinter, fmt_cost
 from tuner.loop.assemble import TuneSettings, assemble

@@ -41,8 +41,8 @@ from typing import TextIO
 import optuna
 
 from service.bench.tuner_whatif_report import markdown, one_position_passes, prediction_errors, summarise
+from service.policy.traffic import TrafficSplit
 from service.recording import read_recording
-from service.traffic import TrafficSplit
 from service.types import Drafter, DraftPolicy, ModelInfo
 from tuner.drivers.progress import ProgressPrinter
 from tuner.drivers.rig import RigSpec, open_rig

@@ -14,11 +14,11 @@ from dataclasses import asdict
 
 import grpc
 
-from service import admin_token
 from service.cli.generate import add_controller_arguments, cells_from_args
 from service.errors import UsageError
+from service.policy.traffic import TrafficArm, TrafficSplit
+from service.security import admin_token
 from service.server.client import MoespecClient, Reply
-from service.traffic import TrafficArm, TrafficSplit
 from service.types import Controller, Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
 ADMIN_TOKEN_ENV = admin_token.ADMIN_TOKEN_ENV

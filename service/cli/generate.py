@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from service.errors import UsageError
-from service.policy_ids import cell_from_text
+from service.policy.ids import cell_from_text
 from service.types import (
     Controller,
     Drafter,

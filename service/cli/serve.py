@@ -23,11 +23,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from otel import cli as otel_cli
-from service import admin_token
 from service.backend import Backend
 from service.cli.generate import add_controller_arguments, cells_from_args
 from service.engine_defaults import MAX_BATCH, PREFILL_CHUNK
 from service.errors import UsageError
+from service.security import admin_token
 from service.server.server import MoespecServer, ServerConfig, serve
 from service.types import Controller, Drafter, DraftPolicy, InvalidRequest
 
@@ -181,16 +181,16 @@ def create_backend(args: argparse.Namespace) -> Backend:
         if sglang is None:
             raise UsageError("the sglang backend is not part of this installation")
         return sglang.create_backend(args)
-    from service import expert_parallel
     from service.engine import Engine, EngineConfig  # imported here: torch loads only when serving with it
     from service.engine.threads import default_threads
-    from service.expert_parallel_args import ep_spec
+    from service.routing import expert_parallel
+    from service.routing.expert_parallel_args import ep_spec
 
     ep = ep_spec(args)
     if args.record_steps is not None and not args.record_steps.resolve().parent.is_dir():
         raise UsageError(f"--record-steps: no folder {args.record_steps.resolve().parent}")
     if args.record_steps is not None:
-        from service.private_files import create_private
+        from service.security.private_files import create_private
 
         try:  # before the model loads: a symlink or another user's file exits 2 at once
             create_private(args.record_steps)

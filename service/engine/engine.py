@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from service import expert_parallel
 from service.engine.kernels.library import build as build_kernels
 from service.engine.kernels.packed import MATHS
 from service.engine.kernels.pool import ONE_THREAD, KernelPool, KernelThreads
@@ -46,6 +45,7 @@ from service.engine.threads import usable_cores
 from service.engine_defaults import MAX_BATCH, PREFILL_CHUNK
 from service.limits import PromptLimits, tokenizer_prompt_bytes
 from service.recording import StepRecorder
+from service.routing import expert_parallel
 from service.types import (
     MAX_DRAFT_LENGTH,
     Controller,

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from service import expert_parallel
 from service.engine.sequence import Sequence
 from service.engine.spec.adaptive.controller import StepController, adapts
-from service.expert_sets import pairwise_overlap
+from service.routing import expert_parallel
+from service.routing.expert_sets import pairwise_overlap
 from service.types import BatchPassRecord, StepRecord, accepted_positions
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def unions(e: Engine, routed: torch.Tensor, lengths: list[int]) -> tuple[list[tu
 
 
 def overlaps(e: Engine, routed: torch.Tensor, lengths: list[int]) -> list[dict]:
-    """Each window's pairwise overlap per layer (service/expert_sets.py), as StepRecord fields; {} each
+    """Each window's pairwise overlap per layer (service/routing/expert_sets.py), as StepRecord fields; {} each
     when routing is not counted. All windows of the pass in one matmul: the Gram matrix of the pass's
     positions' expert sets, read within each window."""
     if not e.config.capture_routing:

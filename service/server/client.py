@@ -23,10 +23,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from service.policy.traffic import TrafficSplit
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
 from service.server import convert
-from service.traffic import TrafficSplit
 from service.types import DraftPolicy, FinishReason, GenerationRequest, ModelInfo, SpecStats
 
 # Generous client-side limit: the server enforces its own, which is what a caller hits.

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from service.policy.traffic import TrafficArm, TrafficSplit
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
-from service.traffic import TrafficArm, TrafficSplit
 from service.types import (
     MAX_DRAFT_TEMPERATURE,
     Controller,

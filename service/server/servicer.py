@@ -2,7 +2,7 @@
 
 Contract:
 - Every generation runs under the arm of the traffic split assigned when it starts (drawn once,
-  reported in spec.policy_id and its spans; see service.traffic) and inside `telemetry.request(...)`,
+  reported in spec.policy_id and its spans; see service.policy.traffic) and inside `telemetry.request(...)`,
   opened in the RPC's own context, ended by exactly one of `finish(result)` (also for a partial,
   cancelled generation) or `fail(error, ...)`.
 - Limits before work: a prompt longer than the context (ids) or than its tokenizer can ever fit in
@@ -37,12 +37,12 @@ import grpc
 
 from otel.api import NoTelemetry, RequestObservation, Telemetry
 from service.limits import PromptLimits
-from service.policy_ids import derived_id
+from service.policy.ids import derived_id
+from service.policy.traffic import ArmAssigner, TrafficSplit
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
 from service.server import convert
 from service.server.runner import EngineRunner, GenerationCancelled, Overloaded
-from service.traffic import ArmAssigner, TrafficSplit
 from service.types import (
     DraftPolicy,
     FinishReason,
@@ -95,7 +95,7 @@ class PolicyStore:
 
     def check(self, policy: DraftPolicy) -> DraftPolicy:
         """Validate against this backend's bounds; an empty policy_id is derived from the policy's
-        canonical form (service.policy_ids), so policies that run alike share one id."""
+        canonical form (service.policy.ids), so policies that run alike share one id."""
         policy.validate(self._info.max_draft_length)
         if policy.cells and not self._info.policy_tables:
             raise InvalidRequest("policy.cells", "this backend runs one policy for every step "
@@ -200,7 +200,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self._limits.check(request_pb)
         except InvalidRequest as e:
             raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
-        # Assigned before the first await: arms follow the order requests start in (service.traffic).
+        # Assigned before the first await: arms follow the order requests start in (service.policy.traffic).
         policy = self._policies.assign()
         # Copying and validating up to a context of ids runs in a worker thread, never on the event
         # loop that answers health checks and every other RPC.

@@ -36,8 +36,8 @@ from pathlib import Path
 from types import ModuleType
 
 from service.limits import PromptLimits, tokenizer_prompt_bytes
-from service.private_files import make_private
 from service.recording import StepRecorder
+from service.security.private_files import make_private
 from service.sglang_backend.attribution import RequestTokens
 from service.sglang_backend.engine_thread import EngineThread
 from service.sglang_backend.ep import EPConfig

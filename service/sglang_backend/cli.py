@@ -11,9 +11,9 @@ import json
 import os
 from pathlib import Path
 
-from service import expert_parallel
 from service.errors import UsageError
-from service.private_files import private_dir
+from service.routing import expert_parallel
+from service.security.private_files import private_dir
 from service.sglang_backend import device as devices
 from service.sglang_backend.checkpoint import sglang_model_dir
 from service.sglang_backend.ep import EPConfig, ep_config
@@ -127,8 +127,9 @@ def create_backend(args: argparse.Namespace):
 
 
 def ep_from_args(args: argparse.Namespace, target) -> EPConfig | None:
-    """serve's --ep-size / --ep-placement (service.expert_parallel_args.ep_spec reads them) against this model."""
-    from service.expert_parallel_args import ep_spec
+    """serve's --ep-size / --ep-placement (read by service.routing.expert_parallel_args.ep_spec) against this
+    model."""
+    from service.routing.expert_parallel_args import ep_spec
 
     if not getattr(args, "ep_size", 0) and getattr(args, "ep_placement", None) is None:
         return None  # off (or a parser without serve's flags)

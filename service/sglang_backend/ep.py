@@ -1,6 +1,6 @@
 """Expert-parallel (EP) view of the SGLang backend's verify windows: `--ep-size P [--ep-placement FILE]`.
 
-The counting is service/expert_parallel.py's; this module decides what it is fed. What is real and
+The counting is service/routing/expert_parallel.py's; this module decides what it is fed. What is real and
 what is modelled:
 - Real: every token-expert pair of the window and the physical slot SGLang sent it to (the
   recorder's `topk_ids_of_layer`, physical ids), and the physical-to-logical map SGLang ran with
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from service.expert_parallel import (
+from service.routing.expert_parallel import (
     EPSpec,
     PassView,
     Placement,

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.private_files import private_dir
+from service.security.private_files import private_dir
 from service.sglang_plugin import wire
 
 log = logging.getLogger(__name__)

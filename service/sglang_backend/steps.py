@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from service import expert_parallel
+from service.routing import expert_parallel
 from service.sglang_backend.attribution import Window, unique_experts
 from service.sglang_backend.ep import EPConfig, window_view
 from service.sglang_backend.meta_info import SpecMeta

@@ -13,9 +13,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from service import expert_parallel
 from service.errors import UsageError
 from service.recording import RecordingError, read_recording
+from service.routing import expert_parallel
 from service.whatif import present
 from service.whatif.predict import predict
 

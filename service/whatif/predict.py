@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from service.expert_sets import pairwise_overlap
+from service.routing.expert_sets import pairwise_overlap
 from service.types import StepRecord
 from service.whatif.fit import (
     CostCurve,
@@ -56,7 +56,7 @@ from service.whatif.replay import (
 )
 
 if TYPE_CHECKING:  # the EP view imports torch: only a prediction with a placement needs it
-    from service import expert_parallel
+    from service.routing import expert_parallel
 
 REPLAY_DRAWS = 32  # random draws of the untested positions; the spread is reported
 
@@ -67,7 +67,7 @@ class LengthPrediction:
     acceptance_per_position: tuple[float, ...]  # [k'] P(draft i accepted | drafted i)
     window_mean: float  # recorded steps truncated to k'
     unique_experts_mean: tuple[float, ...]  # [L] recorded windows truncated to k' positions + 1
-    # [L] the same windows' pairwise overlap (service/expert_sets.py): mean over steps of each window's
+    # [L] the same windows' pairwise overlap (service/routing/expert_sets.py): mean over steps of each window's
     # mean and of its smallest pairwise intersection
     pairwise_overlap_mean: tuple[float, ...]
     pairwise_overlap_min_mean: tuple[float, ...]
@@ -232,7 +232,7 @@ def _predict_length(kp: int, steps: list[StepRecord], ids: list[np.ndarray], wal
             drafted_at[i] += 1
             accepted_at[i] += i < a
         if placement is not None:
-            from service import expert_parallel  # a placement exists, so torch is loaded already
+            from service.routing import expert_parallel  # a placement exists, so torch is loaded already
 
             view = expert_parallel.pass_view(placement, window_ids, ep_token_bytes)
             ranks += view.ranks_touched

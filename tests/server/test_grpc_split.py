@@ -9,10 +9,10 @@ import grpc
 import pytest
 from scipy.stats import chisquare
 
+from service.policy.traffic import ArmAssigner, TrafficArm, TrafficSplit
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.server.client import MoespecClient
 from service.server.servicer import INVALID_FIELD_KEY, PolicyStore
-from service.traffic import ArmAssigner, TrafficArm, TrafficSplit
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 from tests.support.tuner_fixtures import model_info
 

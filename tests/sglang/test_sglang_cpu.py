@@ -40,7 +40,7 @@ import torch
 from otel import attributes as a
 from otel.receiver import OtlpTraceReceiver
 from service.engine.model.weights import MODELS_DIR
-from service.expert_sets import pairwise_overlap
+from service.routing.expert_sets import pairwise_overlap
 from service.server.client import MoespecClient
 from service.sglang_backend.attribution import RequestTokens, attribute, unique_experts
 from service.sglang_backend.draft_tree import accepted_path

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from service.engine.model.weights import MODELS_DIR
-from service.expert_parallel import ACTIVATION_BYTES, EPSpec, PlacementError
+from service.routing.expert_parallel import ACTIVATION_BYTES, EPSpec, PlacementError
 from service.sglang_backend.adapter import FinishedRequest, adapt
 from service.sglang_backend.attribution import RequestTokens
 from service.sglang_backend.ep import ep_config

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 
 from otel import attributes as attr
-from service.traffic import ArmAssigner, TrafficSplit
+from service.policy.traffic import ArmAssigner, TrafficSplit
 from service.types import Drafter, DraftPolicy, ModelInfo
 
 

@@ -11,7 +11,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from otel import attributes as a
 from otel.config import TelemetryConfig
 from otel.setup import build_telemetry_from_config
-from service.expert_parallel import EPSpec
+from service.routing.expert_parallel import EPSpec
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 from tests.support.engine_helpers import make_engine
 from tests.telemetry.test_otel_spans import receiver, run, telemetry_for, trace_spans  # noqa: F401 (fixture)

@@ -10,8 +10,8 @@ import optuna
 from optuna.trial import TrialState
 
 from service.bench.tuner_whatif import SwitchCountingAdmin
+from service.policy.traffic import TrafficArm, TrafficSplit
 from service.recording import StepRecorder
-from service.traffic import TrafficArm, TrafficSplit
 from service.types import Drafter, DraftPolicy, ModelInfo
 from tests.support.tuner_fixtures import FakeServer, SyntheticTraffic, model_info
 from tests.whatif.test_whatif import H, info, synthetic_step

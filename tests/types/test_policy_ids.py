@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.policy_ids import canonical, cell_from_text, derived_id, policy_from_id
+from service.policy.ids import canonical, cell_from_text, derived_id, policy_from_id
 from service.types import Controller, Drafter, DraftPolicy
 from tuner.loop.space import policy_key
 

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from service.private_files import UnsafePath, private_dir
 from service.recording import StepRecorder
-from service.redact import redact_url
+from service.security.private_files import UnsafePath, private_dir
+from service.security.redact import redact_url
 from service.types import Drafter, ModelInfo
 from tuner.cli import dashboard_hint
 from tuner.loop.study import StorageError, open_storage

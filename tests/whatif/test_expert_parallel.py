@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from service.expert_parallel import (
+from service.routing.expert_parallel import (
     PlacementError,
     load_placement_map,
     make_placement,

@@ -14,7 +14,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from otel import attributes as a
 from otel.receiver import OtlpTraceReceiver
-from service.expert_parallel import EPSpec
+from service.routing.expert_parallel import EPSpec
 from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 from tests.support.engine_helpers import make_engine
 from tests.telemetry.test_otel_batch import receiver_telemetry, traced_requests

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from service.expert_parallel import make_placement
 from service.recording import RecordingError, StepRecorder, read_recording
+from service.routing.expert_parallel import make_placement
 from service.types import Drafter, DraftPolicy, GenerationRequest, ModelInfo, SamplingParams, StepRecord
 from service.whatif.fit import fit_cost_curve
 from service.whatif.predict import predict

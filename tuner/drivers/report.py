@@ -23,7 +23,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from optuna.trial import FrozenTrial, TrialState
 
-from service.redact import redact_url
+from service.security.redact import redact_url
 from service.types import Drafter, ModelInfo
 from tuner.loop.space import SearchSpace, policy_key
 from tuner.loop.study import PolicyScore, role

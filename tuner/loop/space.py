@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 import optuna
 
-from service.policy_ids import canonical, is_plain, temperature_matters
+from service.policy.ids import canonical, is_plain, temperature_matters
 from service.types import MAX_DRAFT_TEMPERATURE, Controller, Drafter, DraftPolicy, ModelInfo, PolicyCell, RequestKind
 
 DEFAULT_TEMPERATURE = DraftPolicy().draft_temperature
@@ -70,7 +70,7 @@ class PolicyKey:
 
 
 def policy_key(policy: DraftPolicy) -> PolicyKey:
-    """Grouped by the rules the server derives policy ids with (service.policy_ids): the fields a
+    """Grouped by the rules the server derives policy ids with (service.policy.ids): the fields a
     policy's drafter ignores do not tell policies apart."""
     if policy.cells:
         cells = tuple((c.label, policy_key(c.policy)) for c in policy.cells)

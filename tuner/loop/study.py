@@ -25,8 +25,8 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from service.private_files import create_private
-from service.redact import redact_in, redact_url
+from service.security.private_files import create_private
+from service.security.redact import redact_in, redact_url
 from service.types import DraftPolicy
 from tuner.loop.space import PolicyKey, SearchSpace, policy_key
 

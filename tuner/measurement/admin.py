@@ -17,7 +17,7 @@ from typing import Protocol
 
 import grpc
 
-from service.traffic import TrafficSplit
+from service.policy.traffic import TrafficSplit
 from service.types import DraftPolicy, ModelInfo
 
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from service.traffic import TrafficArm, TrafficSplit
+from service.policy.traffic import TrafficArm, TrafficSplit
 from service.types import DraftPolicy
 from tuner.loop.pruning import PruneRule
 from tuner.measurement.admin import PolicyAdmin, ServerUnavailable

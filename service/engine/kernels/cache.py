@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from service.private_files import UnsafePath, check_owned_private, private_dir
+from service.security.private_files import UnsafePath, check_owned_private, private_dir
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from service.policy_ids import derived_id
+from service.policy.ids import derived_id
 from service.types import (
     Drafter,
     DraftPolicy,

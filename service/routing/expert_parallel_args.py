@@ -1,6 +1,6 @@
 """serve's --ep-size / --ep-placement flags -> the EPSpec the engine estimates with.
 
-Beside service.expert_parallel (the placement and cost model) so both backends read the flags the
+Beside service.routing.expert_parallel (the placement and cost model) so both backends read the flags the
 same way without importing the command-line package.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from service import expert_parallel
 from service.errors import UsageError
+from service.routing import expert_parallel
 
 
 def ep_spec(args: argparse.Namespace):

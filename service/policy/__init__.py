@@ -1,0 +1,1 @@
+"""Draft policies as clients and the tuner name them: policy ids, traffic splits."""

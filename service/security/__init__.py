@@ -1,0 +1,1 @@
+"""What guards the server: the admin token, private files, redaction of secrets in logs."""
