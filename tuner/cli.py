@@ -35,7 +35,7 @@ from tuner.loop.continuous_config import ContinuousConfig
 from tuner.loop.fleet import Fleet
 from tuner.loop.pruning import PruneRule
 from tuner.loop.sampler import InitialDesign, SamplerKind, rationale
-from tuner.loop.study import StorageError, StudyMismatch, open_storage
+from tuner.loop.study import StorageError, StudyMismatch, dashboard_hint, open_storage
 from tuner.loop.tuning import NoTraffic
 from tuner.measurement import receiver_auth
 from tuner.measurement.admin import AdminRejected, PolicyAdmin, ServerUnavailable
@@ -206,12 +206,6 @@ def settings_from_args(args: argparse.Namespace) -> TuneSettings:
 
 def continuous_config(args: argparse.Namespace) -> ContinuousConfig:
     return ContinuousConfig(exploration_share=args.exploration_share, reopen_trials=args.reopen_trials)
-
-
-def dashboard_hint(storage_url: str) -> str:
-    """The command that opens the study, with any password in the URL redacted (it gets printed)."""
-    target = storage_url.removeprefix("journal:") if storage_url.startswith("journal:") else redact_url(storage_url)
-    return f"pip install optuna-dashboard && optuna-dashboard {target}"
 
 
 def run(args: argparse.Namespace) -> int:

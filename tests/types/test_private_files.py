@@ -15,8 +15,7 @@ from service.recording import StepRecorder
 from service.security.private_files import UnsafePath, private_dir
 from service.security.redact import redact_url
 from service.types import Drafter, ModelInfo
-from tuner.cli import dashboard_hint
-from tuner.loop.study import StorageError, open_storage
+from tuner.loop.study import StorageError, dashboard_hint, open_storage
 
 INFO = ModelInfo("torch", "tiny", "", 2, 16, 2, 1, 100, 64, 8, (Drafter.NGRAM,), ("draft_length",), 1024, 0.01)
 

@@ -32,7 +32,6 @@ import optuna
 from service.errors import UsageError
 from service.server.client import MoespecClient
 from service.types import Drafter, DraftPolicy
-from tuner.cli import dashboard_hint
 from tuner.drivers.loadgen import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, LoadSummary, first_prompts, load_prompts
 from tuner.drivers.progress import ProgressPrinter
 from tuner.drivers.report import write_report
@@ -41,7 +40,7 @@ from tuner.loop.assemble import Assembled, TuneSettings, assemble
 from tuner.loop.pruning import PruneRule
 from tuner.loop.sampler import InitialDesign, SamplerKind, rationale
 from tuner.loop.space import policy_key
-from tuner.loop.study import PolicyScore, StorageError, open_storage
+from tuner.loop.study import PolicyScore, StorageError, dashboard_hint, open_storage
 from tuner.loop.tuning import NoTraffic
 from tuner.measurement.admin import AdminRejected, PolicyAdmin, ServerUnavailable
 from tuner.measurement.collector import SpanCollector

@@ -288,3 +288,9 @@ def confirmed_winner(study: optuna.Study, space: SearchSpace, top: int) -> tuple
     best_key = min(pooled, key=pooled.get)
     best = next(s for s in scores(study, space) if s.key == best_key)
     return best, {key.label(): round(r, 4) for key, r in sorted(pooled.items(), key=lambda kv: kv[1])}
+
+
+def dashboard_hint(storage_url: str) -> str:
+    """The command that opens the study, with any password in the URL redacted (it gets printed)."""
+    target = storage_url.removeprefix("journal:") if storage_url.startswith("journal:") else redact_url(storage_url)
+    return f"pip install optuna-dashboard && optuna-dashboard {target}"
