@@ -43,7 +43,6 @@ from service.engine.model.weights import MODELS_DIR
 from service.routing.expert_sets import pairwise_overlap
 from service.server.client import MoespecClient
 from service.sglang_backend.attribution import RequestTokens, attribute, unique_experts
-from service.sglang_backend.draft_tree import accepted_path
 from service.sglang_backend.records import dump_files, load_dump
 from service.types import Drafter, DraftPolicy, FinishReason, GenerationRequest, SamplingParams
 from tests.sglang.test_sglang_ep import recount_physical
@@ -210,33 +209,40 @@ def verify_spans(receiver: OtlpTraceReceiver, trace_id: str, count: int) -> list
     return sorted(mine, key=lambda s: s["start_ns"])
 
 
-def oracle_tree(oracle, committed: list[int], ids: tuple[int, ...], positions: tuple[int, ...],
-                recorded: torch.Tensor, top_k: int) -> tuple[int, ...]:
-    """The window's tree as the oracle explains SGLang's routing: each node's parent is an earlier node
-    one position up such that the oracle, fed the committed prefix and the path down to the node, routes
-    the node to the experts SGLang's recorder saw ([L, w, m] `recorded`). A node no parent explains
-    fails the test: the recorded routing is then not the target's on any tree of these nodes."""
+def oracle_paths(oracle, committed: list[int], ids: tuple[int, ...], positions: tuple[int, ...],
+                 recorded: torch.Tensor, top_k: int) -> list[list[tuple[int, ...]]]:
+    """The window's tree as the oracle explains SGLang's routing: for each node, every path from the root
+    (node indices, root first) through nodes one position apart such that the oracle, fed the committed
+    prefix and that path, routes the node to the experts SGLang's recorder saw ([L, w, m] `recorded`).
+    Usually one path per node; two siblings whose continuations route alike leave their children with
+    two. A node no path explains fails the test: the recorded routing is then not the target's on any
+    tree of these nodes."""
     start = positions[0]
     assert ids[0] == committed[start]  # the window starts at the last committed token
     cache: dict[tuple[int, ...], torch.Tensor] = {}
 
-    def routes(path: list[int], node: int) -> bool:
+    def routes(path: tuple[int, ...]) -> bool:
         sequence = tuple(committed[:start] + [ids[i] for i in path])
         if sequence not in cache:
             with torch.no_grad():
                 logits = oracle(torch.tensor(sequence)[None], output_router_logits=True).router_logits
             cache[sequence] = torch.stack([x[-1].topk(top_k).indices for x in logits]).sort(-1).values  # [L, m]
-        return torch.equal(cache[sequence], recorded[:, node].sort(-1).values)
+        return torch.equal(cache[sequence], recorded[:, path[-1]].sort(-1).values)
 
-    assert routes([0], 0)
-    parents, paths = [-1], {0: [0]}
+    assert routes((0,))
+    paths: list[list[tuple[int, ...]]] = [[(0,)]]
     for j in range(1, len(ids)):
         candidates = [i for i in range(j) if positions[i] == positions[j] - 1]
-        parent = next((i for i in candidates if routes(paths[i] + [j], j)), None)
-        assert parent is not None, f"window at {start}: no parent among {candidates} explains node {j}'s routing"
-        parents.append(parent)
-        paths[j] = paths[parent] + [j]
-    return tuple(parents)
+        paths.append([p + (j,) for i in candidates for p in paths[i] if routes(p + (j,))])
+        assert paths[j], f"window at {start}: no parent among {candidates} explains node {j}'s routing"
+    return paths
+
+
+def oracle_accepted(ids: tuple[int, ...], paths: list[list[tuple[int, ...]]], start: int, committed: list[int]) -> int:
+    """The most drafts any oracle-explained path accepts: its node at depth d carries the token
+    committed at start + d (draft_tree.accepted_path on the one tree, when the routing names one)."""
+    return max(len(p) - 1 for node_paths in paths for p in node_paths
+               if all(start + d < len(committed) and ids[n] == committed[start + d] for d, n in enumerate(p)))
 
 
 def check_against_the_recorder(record_dir, receiver, oracle, entries, policy, info, span_means) -> Counter:
@@ -266,8 +272,8 @@ def check_against_the_recorder(record_dir, receiver, oracle, entries, policy, in
             assert all(m <= u <= min(E, w.width * m) for u in recount)
             assert span["attributes"][a.SPEC_ACCEPTED_TOKENS] == w.accepted
             if is_greedy:  # the tree that explains the routing also explains the acceptance
-                tree = oracle_tree(oracle, committed, w.input_ids, w.positions, w.topk_ids[:, :, :m].long(), m)
-                assert len(accepted_path(w.input_ids, tree, w.start, committed)) == w.accepted
+                paths = oracle_paths(oracle, committed, w.input_ids, w.positions, w.topk_ids[:, :, :m].long(), m)
+                assert oracle_accepted(w.input_ids, paths, w.start, committed) == w.accepted
             ep = (list(span["attributes"][a.MOE_EP_RANKS_TOUCHED]), list(span["attributes"][a.MOE_EP_MAX_RANK_EXPERTS]),
                   span["attributes"][a.MOE_EP_DISPATCH_BYTES])
             assert ep == recount_physical(w.physical_ids.tolist(), w.physical_to_logical.tolist(), EP_SIZE)
