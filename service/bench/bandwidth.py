@@ -4,8 +4,8 @@ The limit: a plain decode step must read every weight its token touches and do i
 so no engine decodes faster than the step's weight bytes at this machine's cache-resident read rate
 (or its flops at the FMA rate, whichever binds). The bytes are counted from the model's shapes at
 the panels the fused kernels read (bf16 for the shipped checkpoint); both rates are measured right
-before each measurement, with the kernels' own threads, so load from anything else on the machine
-moves the limit and the speed together. Engines without the fused kernels (the eager step) are held
+before each measurement, on as many threads as the kernels use, so load from anything else on the
+machine moves the limit and the speed together. Engines without the fused kernels (the eager step) are held
 to the same limit.
 
 Every speed comes twice: by wall time (what a client sees) and by this process's CPU time (time
@@ -78,7 +78,7 @@ def bandwidth_share(prompts: list[str], max_new: int, rounds: int, threads: int)
     for r in range(rounds):
         order = list(MODES)
         for mode in order[r % len(order):] + order[:r % len(order)]:
-            rates = measure_rates(fast.target.kernels, cost.weight_bytes, fast.kernel_threads.pool)
+            rates = measure_rates(cost.weight_bytes, fast.kernel_threads.threads)
             tokens, seconds, cpu, steps = 0, 0.0, 0.0, []
             for prompt in prompts:
                 t0, c0 = time.perf_counter(), time.process_time()

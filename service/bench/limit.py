@@ -4,8 +4,9 @@ A step must read every weight its token touches and do the multiply-adds with th
 model's size (its target's weights are a few MB in bf16) the weights stay in the CPU's caches from
 one step to the next, so DRAM bandwidth bounds nothing: what bounds a step is how fast the cores
 read a cache-resident buffer of the step's size, and how fast they retire fused multiply-adds. Both
-are measured here (`measure_rates`), with the kernels' compiler flags and thread pool, on a buffer of
-exactly the step's weight bytes (so it sits in whichever cache level the weights do). The limit is
+are measured here (`measure_rates`), by the machine probes (service/engine/kernels/probe.py: built with
+the kernels' compiler flags, split over the same pool code on as many threads), on a buffer of exactly
+the step's weight bytes (so it sits in whichever cache level the weights do). The limit is
 1 / max(bytes / read rate, flops / FMA rate): a step that did nothing but read its weights once, or
 nothing but its arithmetic at peak. Anything real (attention over the KV cache, activations, the
 work between kernels) only adds, so a measured engine's share of the limit is below 1; each rate is
@@ -19,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from service.engine.kernels import probe
 from service.engine.kernels.packed import BF16_MATH, F32
+from service.engine.kernels.pool import KernelPool
 
 FLOAT32 = 4
 SAMPLES = 5
@@ -72,17 +75,27 @@ def fused_step_cost(model, context: int) -> tuple[StepCost, bool]:
     return decode_step_cost(model.cfg, FLOAT32 if fmt == F32 else 2, context), fmt == BF16_MATH
 
 
-def measure_rates(kernels, working_set_bytes: int, pool=None) -> MachineRates:
+def measure_rates(working_set_bytes: int, threads: int = 1) -> MachineRates:
     """This machine's cache-resident read rate over a buffer of `working_set_bytes` and its FMA rate,
-    on the pool's threads (this one alone without a pool): the fastest of SAMPLES timed runs each."""
+    on `threads` threads (the engine's kernel threads): the fastest of SAMPLES timed runs each."""
+    probes = probe.build()
+    pool = probes.pool(threads) if threads > 1 else None
+    try:
+        return _rates(probes, working_set_bytes, pool)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _rates(probes: probe.Probes, working_set_bytes: int, pool: KernelPool | None) -> MachineRates:
     buf = torch.ones(max(working_set_bytes // (FLOAT32 * 128), 1) * 128)  # whole blocks: every float is read
-    kernels.probe_read(buf, 2, pool)  # into the caches
+    probes.read(buf, 2, pool)  # into the caches
     reads = max(1, int(SAMPLE_SECONDS * 50e9 / buf.nbytes))  # ~SAMPLE_SECONDS at 50 GB/s
-    read_rate = max(buf.nbytes * reads / _timed(lambda: kernels.probe_read(buf, reads, pool))
+    read_rate = max(buf.nbytes * reads / _timed(lambda: probes.read(buf, reads, pool))
                     for _ in range(SAMPLES))
-    rounds = max(1, int(SAMPLE_SECONDS * 1e11 / (2 * 16 * 12)))  # ~SAMPLE_SECONDS at 100 GFLOP/s
-    flops = kernels.probe_fma(rounds, pool)
-    fma_rate = max(flops / _timed(lambda: kernels.probe_fma(rounds, pool)) for _ in range(SAMPLES))
+    rounds = max(1, int(SAMPLE_SECONDS * 1e11 / (2 * probe.LANES * probe.FMA_CHAINS)))  # ~SAMPLE_SECONDS at 100 GFLOP/s
+    flops = probes.fma(rounds, pool)
+    fma_rate = max(flops / _timed(lambda: probes.fma(rounds, pool)) for _ in range(SAMPLES))
     return MachineRates(read_rate, fma_rate)
 
 

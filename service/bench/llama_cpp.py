@@ -261,7 +261,7 @@ def _measure_with(args: argparse.Namespace, servers: contextlib.ExitStack) -> in
     # The step limit (limit.py) at the decode's middle context; llama.cpp's GGUF holds the same bf16 weights.
     cost, bf16_math = fused_step_cost(head.target, context=args.depth + args.tokens // 2)
     for rnd in range(args.rounds):
-        rates = measure_rates(head.target.kernels, cost.weight_bytes, head.kernel_threads.pool)
+        rates = measure_rates(cost.weight_bytes, head.kernel_threads.threads)
         add("decode limit", cost.limit_tokens_per_second(rates, bf16_math))
         # Each mode's two sides back to back, the order swapped every round: a pair is seconds apart,
         # so drift of the shared machine moves both sides of it alike.

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from service.bench.limit import FLOAT32, decode_step_cost, fused_step_cost, measure_rates
+from service.engine.kernels import probe
 from service.engine.model.weights import DEFAULT_DRAFT_DIR, DEFAULT_TARGET_DIR, load_model
 from service.types import DraftPolicy, GenerationRequest, SamplingParams
 from tests.support.engine_helpers import heldout_prompts, make_engine
@@ -36,13 +37,17 @@ def test_the_step_bytes_are_what_one_position_reads_of_the_shipped_tensors(direc
 
 
 def test_the_read_probe_reads_every_float_it_is_given_once_per_repetition():
-    engine = make_engine()
-    kernels, pool = engine.target.kernels, engine.kernel_threads.pool
+    probes = probe.build()
+    pool = probes.pool(2)
     buf = torch.ones(128 * 1000)
-    for p in (None, pool):
-        assert kernels.probe_read(buf, 3, p) == 3 * buf.numel()
+    try:
+        for p in (None, pool):
+            assert probes.read(buf, 3, p) == 3 * buf.numel()
+        assert probes.fma(5, pool) == 2 * probe.LANES * probe.FMA_CHAINS * 5 * pool.threads
+    finally:
+        pool.close()
     with pytest.raises(ValueError, match="float32"):
-        kernels.probe_read(buf.double(), 1)
+        probes.read(buf.double(), 1)
 
 
 def test_plain_decoding_never_beats_the_step_limit():
@@ -57,6 +62,5 @@ def test_plain_decoding_never_beats_the_step_limit():
     tokens_per_second = sum(s.committed for s in steps) / sum(s.verify_seconds for s in steps)
     fastest_step = 1 / min(s.verify_seconds for s in steps)
     cost, bf16_math = fused_step_cost(engine.target, context=64)
-    limit = cost.limit_tokens_per_second(measure_rates(engine.target.kernels, cost.weight_bytes,
-                                                       engine.kernel_threads.pool), bf16_math)
+    limit = cost.limit_tokens_per_second(measure_rates(cost.weight_bytes, engine.kernel_threads.threads), bf16_math)
     assert tokens_per_second < fastest_step < limit

@@ -6,8 +6,8 @@ transposes and o_proj are ~20 small torch ops per layer, each a few microseconds
 few microseconds of arithmetic. Here the whole sub-block is one call per layer and needs no padding,
 no mask tensor and no gathers: every token carries its own cache slot and absolute position.
 
-Contract of `attention_block` (C, compiled into the same library as kernels.py's source, whose `dot`,
-`exp512`, `matmul_p` and `rms_norm` it uses):
+Contract of `attention_block` (csrc/attention.c, compiled into library.py's library; it uses `dot`,
+`exp512`, `matmul_p` and `rms_norm` from csrc/common.c and matmul.c):
 - x [N, H]: the tokens of one pass (any mix of windows of any sequences); token t sits at position
   positions[t] of cache slot slots[t]. For each token:
   h = rms_norm(x[t]) * norm_w; [q | k | v] = W_qkv h + b_qkv (A query heads, K kv heads of D);
@@ -30,10 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from service.engine.kernels import csrc
 from service.engine.kernels.packed import PackedWeight, panel_format
-
-SOURCE = csrc.read("attention.c")
 
 
 class AttentionWeights:

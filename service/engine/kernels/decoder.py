@@ -18,10 +18,6 @@ from __future__ import annotations
 
 import ctypes
 
-from service.engine.kernels import csrc
-
-SOURCE = csrc.read("decoder.c")
-
 _ptr, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
 

@@ -5,8 +5,8 @@ projection, attention, the MLP, the output layer, then softmax and sampling); th
 more than their arithmetic, and a round ran once per drafted token. Here every round after the
 catch-up pass runs inside one call, so a drafted token costs its arithmetic.
 
-Contract of `head_draft` (C, compiled into kernels.py's library; it uses `rms_norm`, `matmul_p`,
-`attention_block` and `swiglu_experts` from there):
+Contract of `head_draft` (csrc/head.c, compiled into library.py's library; it uses `rms_norm`,
+`matmul_p`, `attention_block` and `swiglu_experts` from the files before it):
 - The catch-up: the m entries a sequence's head cache lacks (committed tokens [m], each with the
   target's true feature one position back [m, H]) at positions start..start+m-1 of cache slot
   `slot`, keys and values written; the last one's output gives the logits of draft 0.
@@ -22,11 +22,6 @@ Contract of `head_draft` (C, compiled into kernels.py's library; it uses `rms_no
 from __future__ import annotations
 
 import ctypes
-
-from service.engine.kernels import csrc
-
-SOURCE = csrc.read("head.c")
-
 
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 

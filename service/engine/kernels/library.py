@@ -1,55 +1,41 @@
-"""Fused CPU kernels for the passes of the embedded engine, built from C source at first use.
+"""The fused CPU kernels of the embedded engine: their ctypes wrappers, and `build`, which compiles
+their C (csrc/) at first use.
 
-What is here: the C the kernels share (`dot`, `exp512`, `matmul_p`: register tiles of 4 positions x
-64 output columns over a weight packed in 64-column panels, `PackedWeight`: transposed, each panel
-contiguous, so there is no horizontal sum per output, each weight streams in order and the positions
-that share a weight share each loaded vector), `rms_norm` and `linear`; the ctypes wrappers of every
-kernel, with the checks that keep the C code's pointers in bounds; and `build`. Panels hold bf16 where
-every value of the weight is one (the shipped checkpoint), widened exactly on load: the same results
-as fp32 panels for half the bytes; or, for bf16 arithmetic (math="bf16"), bf16 pairs that VDPBF16PS
-multiplies with the rows rounded to bf16 (its C in bf16_kernel.py). A call may split its work over
-a `KernelPool`'s threads (kernel_pool.py; `KernelThreads` says when), which changes no bit of the result.
+The C, one library built from csrc/unity_kernels.c (its files and headers: csrc/__init__.py): the
+shared helpers (common.c: `dot`, `exp512`, the register tiles of 4 positions x 64 output columns over
+a weight packed in 64-column panels, `PackedWeight`: transposed, each panel contiguous, so there is no
+horizontal sum per output, each weight streams in order and the positions that share a weight share
+each loaded vector), the products, `rms_norm` and `linear` (matmul.c). Panels hold bf16 where every
+value of the weight is one (the shipped checkpoint), widened exactly on load: the same results as
+fp32 panels for half the bytes; or, for bf16 arithmetic (math="bf16"), bf16 pairs that VDPBF16PS
+multiplies with the rows rounded to bf16 (bf16.c). A call may split its work over a `KernelPool`'s
+threads (pool.py; `KernelThreads` says when), which changes no bit of the result.
 
-`swiglu_experts(x, gate_up, down, ids, weights, out, accumulate)` and `moe_block(block, x)`: the MoE
-kernels; their C source and contract are in moe_kernel.py.
+`Kernels` wraps every entry point, with the checks that keep the C code's pointers in bounds:
+`swiglu_experts(x, gate_up, down, ids, weights, out, accumulate)` and `moe_block(block, x)`, the MoE
+kernels (contract in moe.py); `linear(x, weight)`, x [w, H] @ weight^T for a packed [V, H] weight
+with the same row independence (the output layer); `attention_block(weights, pass, layer, x)`, a
+layer's whole attention sub-block for the tokens of a ragged pass (attention.py);
+`decoder_layers(stack, pass, x, last_mlp)`, every layer of a pass in one call, bitwise the per-layer
+calls (decoder.py); `head_draft`, a draft head's drafting chain (head.py).
 
-`linear(x, weight)`: x [w, H] @ weight^T for a packed [V, H] weight, with the same row independence
-(the output layer).
-
-`attention_block(weights, pass, layer, x)`: a layer's whole attention sub-block for the tokens of a
-ragged pass; its C source, contract and argument checks are in attention_kernel.py, compiled into the
-same library (it uses `dot`, `exp512`, `matmul_p` and `rms_norm` from here).
-
-`decoder_layers(stack, pass, x, last_mlp)`: every layer of a pass (attention, norm, MoE block or
-dense MLP, residual) in one call, bitwise the per-layer calls; see decoder_kernel.py.
-
-The library is compiled with the system C compiler into a cache folder keyed by the source, the
-flags and this CPU's feature flags (so a shared home folder never serves code for another CPU), and
-loaded with ctypes only once kernel_cache has checked the folder, the file and its recorded SHA-256.
-Without a compiler `build` returns None and callers keep the eager path.
+`build` compiles the library with the system C compiler into a cache folder keyed by every C file
+and header, the flags, the compiler and this CPU's feature flags, and loads it with ctypes only once
+kernel_cache has checked the folder, the file and its recorded SHA-256 (c_build.py). Without a
+compiler it returns None and callers keep the eager path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from service.engine.kernels import attention as attention_kernel
-from service.engine.kernels import bf16 as bf16_kernel
-from service.engine.kernels import cache as kernel_cache
-from service.engine.kernels import csrc
-from service.engine.kernels import decoder as decoder_kernel
+from service.engine.kernels import c_build
 from service.engine.kernels import head as head_kernel
-from service.engine.kernels import moe as moe_kernel
 from service.engine.kernels import pool as kernel_pool
 from service.engine.kernels.attention import AttentionPass, AttentionWeights
 from service.engine.kernels.decoder import DecoderStack
@@ -61,17 +47,6 @@ __all__ = ["AttentionPass", "AttentionWeights", "DecoderStack", "KernelThreads",
            "PackedWeight", "build"]
 
 log = logging.getLogger(__name__)
-
-_SOURCE = kernel_pool.SOURCE + csrc.read("common.c")  # dot, exp512, bf16_value, the tile macros
-
-# bf16 arithmetic (format-2 panels, bf16_kernel.py): uses common.c's tiles; matmul.c's matmul_panels calls it.
-_SOURCE += bf16_kernel.SOURCE + csrc.read("matmul.c")
-
-_SOURCE += moe_kernel.SOURCE + attention_kernel.SOURCE + head_kernel.SOURCE  # they use the helpers above
-_SOURCE += decoder_kernel.SOURCE  # the layer loop over moe_block and attention_block
-_SOURCE += csrc.read("probe.c")  # the machine probes of the step limit (service/bench/limit.py)
-
-_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-pthread")
 
 
 class Kernels:
@@ -105,12 +80,6 @@ class Kernels:
         self._decoder.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr,
                                   ptr, ptr]
         self._decoder.restype = ctypes.c_int
-        self._probe_read = lib.probe_read
-        self._probe_read.argtypes = [ptr, i64, i64, ptr]
-        self._probe_read.restype = ctypes.c_float
-        self._probe_fma = lib.probe_fma
-        self._probe_fma.argtypes = [i64, ptr]
-        self._probe_fma.restype = ctypes.c_float
         self._head_draft = lib.head_draft
         self._head_draft.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
         self._head_draft.restype = ctypes.c_int
@@ -118,7 +87,7 @@ class Kernels:
 
     def swiglu_experts(self, x: torch.Tensor, gate_up: PackedWeight, down: PackedWeight, ids: torch.Tensor,
                        weights: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
-        """See moe_kernel.py. gate_up: packed [E, 2I, H], down: packed [E, H, I]; x, out [w, H],
+        """See moe.py. gate_up: packed [E, 2I, H], down: packed [E, H, I]; x, out [w, H],
         ids [w, n] int64, weights [w, n], all contiguous; float32 throughout."""
         (E,), H, I = gate_up.lead, gate_up.in_features, down.in_features
         w, n = ids.shape
@@ -160,7 +129,7 @@ class Kernels:
     def attention_block(self, weights: AttentionWeights, where: AttentionPass, layer: int,
                         x: torch.Tensor, pool: KernelPool | None = None, kv_only: bool = False) -> torch.Tensor | None:
         """x [N, H] (the residual stream) -> x + attention(rms_norm(x)) of one layer, writing the pass's
-        keys and values into that layer's cache (see attention_kernel.py); its tokens split over the
+        keys and values into that layer's cache (see attention.py); its tokens split over the
         pool's threads if one is given (bitwise the same result). kv_only: write the keys and values
         (bitwise the same) and return None."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape != (where.n, weights.H) or not x.is_contiguous() \
@@ -179,7 +148,7 @@ class Kernels:
                        attention_pool: KernelPool | None = None,
                        moe_pool: KernelPool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [N, H] (the embedded tokens) -> (hidden states after every layer [N, H], routed ids
-        [L, N, m]) in one call (see decoder_kernel.py), writing each layer's keys and values; the
+        [L, N, m]) in one call (see decoder.py), writing each layer's keys and values; the
         calls inside split over the pools' threads as the per-layer calls would. Without last_mlp (a
         prefill) the last layer only writes its keys and values: the states are then the last but
         one layer's and the ids [L - 1, N, m]."""
@@ -206,7 +175,7 @@ class Kernels:
                    uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A draft head's catch-up over tokens [m] (target ids) with features [m, H] at positions
         start.. of `slot`, then its k picks (draft-vocabulary indices [k]) and, when temperature > 0,
-        the distributions they were drawn from [k, Vd]; see head_kernel.py."""
+        the distributions they were drawn from [k, Vd]; see head.py."""
         H, Vd = weights.H, weights.Vd
         m = tokens.shape[0]
         if tokens.dtype != torch.int64 or tokens.dim() != 1 or m < 1 or features.shape != (m, H) \
@@ -230,22 +199,6 @@ class Kernels:
             raise MemoryError("head_draft: out of memory")
         return picks, q
 
-    def probe_read(self, buf: torch.Tensor, reps: int, pool: KernelPool | None = None) -> float:
-        """Read a contiguous float32 CPU buffer `reps` times in whole blocks of 128 floats, split over
-        the pool's threads (see probe.c); returns the sum of what was read (so the reads cannot be
-        skipped)."""
-        if buf.dtype != torch.float32 or not buf.is_contiguous() or not buf.is_cpu or reps < 1:
-            raise ValueError("probe_read: a contiguous float32 CPU buffer and reps >= 1")
-        return self._probe_read(buf.data_ptr(), buf.numel(), reps, _handle(pool))
-
-    def probe_fma(self, reps: int, pool: KernelPool | None = None) -> int:
-        """`reps` rounds of fused multiply-adds on every thread of the pool (see probe.c) -> the
-        flops done (2 per multiply-add)."""
-        if reps < 1:
-            raise ValueError("probe_fma: reps >= 1")
-        self._probe_fma(reps, _handle(pool))
-        return 2 * 16 * 12 * reps * (pool.threads if pool is not None else 1)
-
     def default_math(self) -> str:
         """The arithmetic of the matrix products where none is asked for: bf16 where this CPU multiplies
         bf16 pairs in one instruction (prefill and batched steps run ~1.3-1.5x faster; logits move ~0.003
@@ -254,7 +207,7 @@ class Kernels:
         return "bf16" if self.bf16_dot_native else "fp32"
 
     def pool(self, threads: int) -> KernelPool:
-        """Start `threads - 1` workers for this library's calls to split over (see kernel_pool.py)."""
+        """Start `threads - 1` workers for this library's calls to split over (see pool.py)."""
         return KernelPool(self._lib, threads)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -295,42 +248,8 @@ def build(cache_dir: Path | None = None, compiler: str | None = None,
     cache_dir defaults to ~/.cache/moespec/kernels, compiler to `cc` on the PATH; extra_flags go after
     the default flags (tests build the portable code with `-mno-avx512f`).
     """
-    flags = (*_FLAGS, *extra_flags)
-    compiler = compiler or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler on the PATH: the fused expert kernel is off, the eager path runs")
-        return None
-    folder = Path(cache_dir) if cache_dir else kernel_cache.default_folder()
-    key = hashlib.sha256("\n".join([_SOURCE, *flags, compiler, platform.machine(), _cpu_flags()]).encode())
     try:
-        # Checked (owner, permissions, recorded SHA-256) before ctypes runs any of it; see kernel_cache.
-        library, scratch = kernel_cache.cached_library(folder, f"swiglu-{key.hexdigest()[:16]}.so",
-                                                       lambda path: _compile(compiler, flags, path))
-        try:
-            return Kernels(library)
-        finally:
-            if scratch is not None:
-                scratch.cleanup()  # the loaded library stays mapped
+        return c_build.build_library("unity_kernels.c", Kernels, cache_dir, compiler, extra_flags)
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("could not build the fused expert kernel (%s): the eager path runs", e)
+        log.warning("could not build the fused kernels (%s): the eager path runs", e)
         return None
-
-
-def _compile(compiler: str, flags: tuple[str, ...], library: Path) -> None:
-    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-        source = Path(tmp) / "swiglu.c"
-        source.write_text(_SOURCE)
-        built = Path(tmp) / library.name
-        subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"], check=True,
-                       capture_output=True, timeout=120)
-        os.replace(built, library)  # atomic: a concurrent builder never loads half a file
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()

@@ -1,5 +1,6 @@
-"""The MoE C source of the fused kernels (compiled into kernels.py's library, whose `dot`, `exp512` and
-`matmul_p` it uses) and `MoeBlock`, one layer's weights in its layout.
+"""The contract of the MoE kernels (csrc/moe.c, compiled into library.py's library; it uses `dot`,
+`exp512` and `matmul_p` from csrc/common.c and matmul.c) and `MoeBlock`, one layer's weights in its
+layout.
 
 Why: a decode step of the shipped MoE spends more time moving expert weights than computing with
 them, and eager PyTorch moves them three times (index_select copies the touched experts, the matmul
@@ -28,10 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from service.engine.kernels import csrc
 from service.engine.kernels.packed import F32, PackedWeight, panel_format
-
-SOURCE = csrc.read("moe.c")
 
 
 class MoeBlock:

@@ -1,4 +1,4 @@
-"""Weights in the layout the fused kernels' matrix products read (kernels.py, `matmul_p`)."""
+"""Weights in the layout the fused kernels' matrix products read (csrc/matmul.c, `matmul_p`)."""
 
 from __future__ import annotations
 

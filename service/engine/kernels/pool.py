@@ -7,7 +7,8 @@ than splitting saved for attention. A pool's workers stay warm: after a task a w
 variable until the next task, so between steps and while one request decodes alone it leaves the core
 to the server's other threads.
 
-Contract of `pool_rows(pool, fn, ctx, n)` (C, compiled into the kernels' library ahead of their source):
+Contract of `pool_rows(pool, fn, ctx, n)` (csrc/kernel_pool.c, the first file of each library built from
+csrc/, declared in kernel_pool.h):
 - Runs fn(ctx, begin, end) over rows [0, n) split into up to workers + 1 contiguous ranges; returns
   when every range is done. fn must compute each row on its own (the kernels' contract), so the split
   changes no bit of the result.
@@ -25,10 +26,6 @@ from __future__ import annotations
 import ctypes
 import weakref
 from dataclasses import dataclass
-
-from service.engine.kernels import csrc
-
-SOURCE = csrc.read("kernel_pool.c")
 
 
 def bind(lib: ctypes.CDLL) -> None:
@@ -75,7 +72,7 @@ class KernelThreads:
     """When a kernel call splits its work over the pool's threads: from a kernel's minimum number of
     positions in the pass on (no pool: never). Splitting never changes a bit of the result (every
     position and output column is computed on its own). The MoE block splits by expert, so even a
-    one-position decode step pays: with the whole layer loop in one call (decoder_kernel.py) the
+    one-position decode step pays: with the whole layer loop in one call (decoder.py) the
     pool's workers are still spinning from the previous layer's call when the next one comes
     (single-stream plain decoding with and without the split: docs/engine.md). Attention needs 2
     positions (it splits tokens); the output layer splits its columns, so one position pays."""

@@ -1,15 +1,25 @@
-"""The C sources of the fused kernels, shipped as package data and compiled by kernels.build.
+"""The C sources of the fused kernels, shipped as package data and compiled by c_build.py.
 
-They form one translation unit, concatenated in the order library.py gives (kernel_pool.c,
-common.c, bf16.c, matmul.c, moe.c, attention.c, head.c, decoder.c): later files use the helpers of
-earlier ones, so a file alone does not compile. Each is read where its Python wrapper lives.
+What the files share is declared in two headers: kernel_pool.h (the worker pool) and kernels.h (the
+packed panels' layout, the tile macros, the helpers later files call, every entry point); linkage.h
+makes those helpers static in a library's build and extern in a file compiled alone. Every file
+includes what it uses, so each compiles alone (tests/engine/kernels/test_csrc_warnings.py checks it).
+
+A library is one translation unit: a unity file that includes the sources in a declared order and is
+compiled by one compiler call. unity_kernels.c is the kernels' library (library.py); unity_probe.c,
+the pool and probe.c, is the step limit's machine probes (probe.py), which the engine never loads.
 """
 
 from __future__ import annotations
 
 from importlib import resources
 
+C_SUFFIXES = (".c", ".h")
 
-def read(name: str) -> str:
-    """The text of one C file of this folder."""
-    return resources.files(__name__).joinpath(name).read_text(encoding="utf-8")
+
+def files() -> dict[str, bytes]:
+    """Every C source and header of this folder, by name: what a build copies, compiles and keys its
+    cache by (read through importlib.resources, so an installed package serves them too)."""
+    folder = resources.files(__name__)
+    return {f.name: f.read_bytes() for f in sorted(folder.iterdir(), key=lambda f: f.name)
+            if f.is_file() and f.name.endswith(C_SUFFIXES)}

@@ -1,3 +1,9 @@
+/* A decoder layer's attention sub-block, attention_block: see attention.py. */
+#include "kernels.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
 
 /* Rotate one head in place: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. */
 static void rope(float *x, const float *c, const float *s, int64_t half) {
@@ -188,7 +194,7 @@ static void attention_attend_rows(const void *ctx, int64_t begin, int64_t end) {
     for (int64_t j = begin * H; j < end * H; j++) a->out[j] = a->x[j] + a->out[j];
 }
 
-/* See attention_kernel.py. qkv_wt and o_wt: the [R, H] and [H, A D] projections packed (matmul_p);
+/* See attention.py. qkv_wt and o_wt: the [R, H] and [H, A D] projections packed (matmul_p);
    k_cache / v_cache: this layer's [slots, K, S, D]; scratch: N * (H + R + A D) floats; out [N, H] must
    not alias x; pool: the threads each phase's tokens are split over (NULL: this thread alone; the phases
    are joined in between, so every key is written before any token attends). kv_only: write the keys

@@ -1,3 +1,16 @@
+/* bf16 arithmetic for the products over format-2 panels (math="bf16", packed.py); matmul.c's
+   matmul_panels calls it.
+
+   Why: a prefill is compute-bound (the float32 tiles run near this CPU's FMA rate) and batching cannot
+   make it cheaper; VDPBF16PS multiplies 32 bf16 pairs per instruction where float32 FMAs do 16. The
+   inputs are rounded to bf16 and the products summed in float32, each output in a fixed order whatever
+   else is in the pass, so rows stay independent (greedy speculation == plain decoding, batch-invariant
+   outputs) exactly as in float32. Without the instruction the same sums run as FMAs, bitwise alike. */
+#include "kernels.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
 
 /* Panel format 2, bf16 arithmetic (`PackedWeight`, math="bf16"): a panel holds [ceil(Kd / 2), 64, 2]
    bf16, each column's weights for k and k + 1 side by side, and x is rounded to bf16 (round to nearest
@@ -65,8 +78,8 @@ DP_TILE(dp_tile_1x64, 1)
 
 /* Panels [p_begin, p_end) of a format-2 product, rows in chunks of ROUNDED_ROWS rounded once each. */
 #define ROUNDED_ROWS 16
-static void matmul_panels_bf16_math(const float *x, int64_t N, int64_t Kd, const uint16_t *packed, int64_t C,
-                                    int64_t p_begin, int64_t p_end, const float *bias, float *out) {
+KERNEL_PRIVATE void matmul_panels_bf16_math(const float *x, int64_t N, int64_t Kd, const uint16_t *packed,
+                                            int64_t C, int64_t p_begin, int64_t p_end, const float *bias, float *out) {
     const int64_t Kd2 = (Kd + 1) / 2;
     uint32_t xp[ROUNDED_ROWS * Kd2];
     for (int64_t t0 = 0; t0 < N; t0 += ROUNDED_ROWS) {

@@ -1,6 +1,12 @@
-/* See decoder_kernel.py. One layer's constant arguments: its attention sub-block's (attention.c), its
-   post-attention norm's and its MoE block's (moe.c), or for a dense layer (dense != 0) its MLP's as
-   swiglu_experts' one expert (gate_up_t, down_t, I, moe_fmt). Field order: decoder_kernel.DecoderLayer. */
+/* Every decoder layer of a pass in one call, decoder_layers: see decoder.py. */
+#include "kernels.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+
+/* One layer's constant arguments: its attention sub-block's (attention.c), its post-attention norm's
+   and its MoE block's (moe.c), or for a dense layer (dense != 0) its MLP's as swiglu_experts' one
+   expert (gate_up_t, down_t, I, moe_fmt). Field order: decoder.DecoderLayer. */
 struct decoder_layer {
     const float *attn_norm_w; const void *qkv_wt; const float *qkv_b; const void *o_wt;
     int64_t A, K, D;

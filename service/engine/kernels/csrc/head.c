@@ -1,4 +1,10 @@
-/* A draft head's catch-up and drafting chain for one sequence: see head_kernel.py. */
+/* A draft head's catch-up and drafting chain for one sequence: see head.py. */
+#include "kernels.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
 struct head_weights {
     int64_t H, I, Vd, A, K, D, S, V, slots;  /* S: cache positions per slot; V: the target's vocabulary */
     float eps;
@@ -59,7 +65,7 @@ static void head_output(const struct head_weights *w, const float *x2, float *fe
 }
 
 /* m entries (target ids tokens [m], features [m, H]) at positions start.. of `slot`: the catch-up, its
-   keys and values written, then k drafts (see head_kernel.py). Returns 0, or -1 when out of memory. */
+   keys and values written, then k drafts (see head.py). Returns 0, or -1 when out of memory. */
 int head_draft(const struct head_weights *w, int64_t m, const int64_t *tokens, const float *features,
                int64_t slot, int64_t start, int64_t k, float temperature, const float *uniforms, int64_t *picks,
                float *q) {

@@ -1,3 +1,5 @@
+/* The worker pool: its contract is in pool.py. */
+#include "kernel_pool.h"
 
 #include <pthread.h>
 #include <sched.h>
@@ -12,27 +14,6 @@
 #else
 #define SPIN_PAUSE() ((void)0)
 #endif
-
-typedef void (*rows_fn)(const void *ctx, int64_t begin, int64_t end);
-
-struct kernel_pool {
-    int64_t workers, spin_ns;
-    pid_t owner;  /* a forked child has the pool's memory but not its threads: it runs alone */
-    pthread_t *threads;
-    pthread_mutex_t busy;  /* held by the caller whose task runs */
-    pthread_mutex_t mu;    /* with `wake`: sleeping workers */
-    pthread_cond_t wake;
-    atomic_long generation;  /* one more per task (and at shutdown): wakes the workers */
-    atomic_int stop;
-    /* The current task, written by its caller before `ticket` names it. Atomic because a worker that
-       wakes late may read them while the next caller writes them; it acts on what it read only once its
-       claim on the ticket succeeds, which proves they are that task's (see pool_work). */
-    _Atomic(rows_fn) fn;
-    _Atomic(const void *) ctx;
-    atomic_llong n;
-    atomic_ullong ticket;  /* task number << 32 | ranges << 16 | next range to claim */
-    atomic_llong done;     /* ranges of the current task finished */
-};
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -93,7 +74,7 @@ static void pool_signal(struct kernel_pool *p) {
     pthread_mutex_unlock(&p->mu);
 }
 
-static void pool_rows(struct kernel_pool *p, rows_fn fn, const void *ctx, int64_t n) {
+KERNEL_PRIVATE void pool_rows(struct kernel_pool *p, rows_fn fn, const void *ctx, int64_t n) {
     if (p == NULL || p->workers == 0 || n < 2 || p->owner != getpid() || pthread_mutex_trylock(&p->busy) != 0) {
         if (n > 0) fn(ctx, 0, n);
         return;
@@ -116,8 +97,6 @@ static void pool_rows(struct kernel_pool *p, rows_fn fn, const void *ctx, int64_
     }
     pthread_mutex_unlock(&p->busy);
 }
-
-void kernel_pool_destroy(struct kernel_pool *p);
 
 struct kernel_pool *kernel_pool_create(int64_t workers, int64_t spin_ns) {
     struct kernel_pool *p = calloc(1, sizeof *p);

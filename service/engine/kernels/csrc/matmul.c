@@ -1,7 +1,13 @@
+/* The products over packed panels (any format), rms_norm, and the output layer (`linear`). */
+#include "kernels.h"
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
 
 /* Panels [p_begin, p_end) of the product: out's columns 64 p_begin .. min(64 p_end, C). */
-static void matmul_panels(const float *x, int64_t N, int64_t Kd, const void *packed, int fmt, int64_t C,
-                          int64_t p_begin, int64_t p_end, const float *bias, float *out) {
+KERNEL_PRIVATE void matmul_panels(const float *x, int64_t N, int64_t Kd, const void *packed, int fmt, int64_t C,
+                                  int64_t p_begin, int64_t p_end, const float *bias, float *out) {
     if (fmt == PANELS_BF16_MATH) {
         matmul_panels_bf16_math(x, N, Kd, packed, C, p_begin, p_end, bias, out);
         return;
@@ -34,8 +40,8 @@ static void matmul_panels(const float *x, int64_t N, int64_t Kd, const void *pac
 }
 
 /* out [N, C] = x [N, Kd] @ the packed [Kd, C] weight (+ bias [C] unless NULL). */
-static void matmul_p(const float *x, int64_t N, int64_t Kd, const void *packed, int fmt, int64_t C,
-                     const float *bias, float *out) {
+KERNEL_PRIVATE void matmul_p(const float *x, int64_t N, int64_t Kd, const void *packed, int fmt, int64_t C,
+                             const float *bias, float *out) {
     matmul_panels(x, N, Kd, packed, fmt, C, 0, (C + PANEL - 1) / PANEL, bias, out);
 }
 

@@ -1,3 +1,11 @@
+/* The MoE kernels, swiglu_experts and moe_block: see moe.py. */
+#include "kernels.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* act[i] = r * silu(g[i]) * u[i] for i < I (SiLU(g) = g / (1 + e^-g)). */
 static void swiglu_act(const float *g, const float *u, float r, int64_t I, float *act) {

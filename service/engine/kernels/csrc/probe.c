@@ -1,6 +1,15 @@
 /* Machine probes for the step limit (service/bench/limit.py): how fast this CPU reads a buffer that
    is already in its caches, and how many fused multiply-adds it retires, with the kernels' own
-   compiler flags and split over the same pool. Benchmarks only: no pass calls them. */
+   compiler flags and split over the same pool code. Benchmarks only: they are their own library
+   (unity_probe.c, probe.py), not part of the kernels'. */
+#include "kernel_pool.h"
+
+#include <math.h>
+#include <stdint.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 struct probe_args { const float *buf; int64_t n, reps, parts; float *sums; };
 
 /* Part p of [0, n) read `reps` times, in whole blocks of 128 floats (a tail past the last block is not

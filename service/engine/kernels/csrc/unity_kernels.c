@@ -1,0 +1,21 @@
+/* The kernels' library (library.py) as one translation unit: `cc -I csrc ... unity_kernels.c`.
+
+One unit, not one object per file: the helpers the files share are then static (linkage.h), so the
+compiler inlines them across files (dot and exp512 into the MoE and attention loops, the tiles into
+matmul_panels) and the library exports only its entry points.
+
+The order is the files' dependency order, each after the files whose helpers it calls: the pool,
+the shared helpers and tiles, bf16 arithmetic (which matmul_panels calls), the products and
+rms_norm, then the kernels built on them, and last the layer loop over moe_block and
+attention_block. kernels.h declares every shared helper, so any order would compile; this one reads
+bottom-up and is the order the library was always built in, so its machine code is the same. */
+#define KERNEL_UNITY_BUILD
+
+#include "kernel_pool.c"
+#include "common.c"
+#include "bf16.c"
+#include "matmul.c"
+#include "moe.c"
+#include "attention.c"
+#include "head.c"
+#include "decoder.c"
