@@ -1,7 +1,7 @@
 """Throughput with telemetry off, on with a live OTLP receiver, and on with an unreachable endpoint.
 
     moespec bench telemetry [--rounds 10] [--requests 36] [--clients 1] [--max-new-tokens 32] [--draft-length 3]
-    python -m service.bench.telemetry [same options]   (service/bench/__init__.py dispatches to add_arguments / run)
+    python -m service.bench.telemetry [same options]   (service/cli/bench.py dispatches to add_arguments / run)
     run_benchmark(backend, ...) -> [ModeResult]; format_report(results) -> str   (library use)
 
 What a user gets: each mode has one Telemetry for the whole run, built from the server's default

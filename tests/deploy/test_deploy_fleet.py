@@ -17,8 +17,8 @@ import yaml
 from sqlalchemy.engine import make_url
 
 from service.cli import serve as serve_cli
+from service.cli import tune as tune_cli
 from tests.support.real_backends import missing
-from tuner import cli as tune_cli
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 FLEET_TUNERS = ("tuner-a", "tuner-b")

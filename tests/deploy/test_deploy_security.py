@@ -88,7 +88,7 @@ def test_the_collector_sends_the_token_the_tuner_requires(resolved):
 def test_the_compose_tuner_passes_the_tuners_own_intake_check(resolved):
     """Its command line, parsed by `moespec tune`'s parser, with its environment from compose."""
     from service.cli import UsageError, build_parser
-    from tuner.cli import parse_hostport
+    from service.cli.tune import parse_hostport
     from tuner.measurement.receiver_auth import intake_security
 
     tuner = resolved["services"]["tuner"]
