@@ -21,9 +21,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("service.cli.generate", "generate in-process and print a per-step table"),
     "client": ("service.cli.client", "talk to a running server: generate, policy get|set, info"),
     "bench": ("service.cli.bench", "benchmark the engine (and a server) and print figures"),
-    "loadgen": ("tuner.drivers.loadgen", "send the shipped prompt workload to a server"),
+    "loadgen": ("service.cli.loadgen", "send the shipped prompt workload to a server"),
     "tune": ("service.cli.tune", "run the online draft-policy tuner against a server"),
-    "demo": ("tuner.drivers.demo", "server + load + tuner on the embedded model, then a report"),
+    "demo": ("service.cli.demo", "server + load + tuner on the embedded model, then a report"),
     "whatif": ("service.cli.whatif", "predict the cost of shorter draft lengths from a step recording"),
     "healthcheck": ("service.cli.healthcheck", "container health check: ask the running server where its own "
                                                "flags say it listens (port, TLS)"),

@@ -9,20 +9,12 @@ import time
 import grpc
 import pytest
 
+from service.cli.loadgen import add_arguments, spec_from_args
 from service.errors import UsageError
 from service.server.client import Reply
 from service.types import FinishReason
 from tests.support.tuner_fixtures import FakeRpcError
-from tuner.drivers.loadgen import (
-    DEFAULT_PROMPTS,
-    LoadGenerator,
-    LoadSpec,
-    LoadSummary,
-    add_arguments,
-    first_prompts,
-    load_prompts,
-    spec_from_args,
-)
+from tuner.drivers.loadgen import DEFAULT_PROMPTS, LoadGenerator, LoadSpec, LoadSummary, first_prompts, load_prompts
 
 
 class FakeClient:
