@@ -10,6 +10,10 @@ tuner talks TLS to the server, so the token is never sent in plaintext.
 
 Exit codes: 0 done (winner applied), 2 bad arguments (incl. a storage URL that cannot be opened),
 3 server unreachable, 4 admin token refused, 5 no traffic (trial windows kept starving), 130 interrupted.
+
+Here: the flags, their checks into TuneSettings and Endpoints, the order of things and the exit
+codes. The parts it runs with (storage, span intake, PolicyAdmin, continuous mode) are built and torn
+down by service/cli/tune_setup.py.
 """
 
 from __future__ import annotations
@@ -20,30 +24,33 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Mapping
 from contextlib import suppress
 from pathlib import Path
+from typing import TextIO
 
+from service.cli.tune_setup import (
+    Endpoints,
+    TuneParts,
+    build_parts,
+    continuous_tuner,
+    open_study_storage,
+    start,
+)
 from service.errors import UsageError
 from service.security import admin_token
-from service.security.redact import redact_url
-from service.server.client import MoespecClient
-from tuner.drivers.progress import ProgressPrinter, fmt_cost
-from tuner.loop.assemble import TuneSettings, assemble
-from tuner.loop.claims import claims_for
+from tuner.drivers.progress import fmt_cost
+from tuner.loop.assemble import Assembled, TuneSettings
 from tuner.loop.continuous import ContinuousTuner
 from tuner.loop.continuous_config import ContinuousConfig
-from tuner.loop.fleet import Fleet
 from tuner.loop.pruning import PruneRule
-from tuner.loop.sampler import InitialDesign, SamplerKind, rationale
-from tuner.loop.study import StorageError, StudyMismatch, dashboard_hint, open_storage
+from tuner.loop.sampler import InitialDesign, SamplerKind
+from tuner.loop.study import PolicyScore, StorageError, StudyMismatch, dashboard_hint
 from tuner.loop.tuning import NoTraffic
 from tuner.measurement import receiver_auth
-from tuner.measurement.admin import AdminRejected, PolicyAdmin, ServerUnavailable
-from tuner.measurement.collector import SpanCollector
+from tuner.measurement.admin import AdminRejected, ServerUnavailable
 from tuner.measurement.measure import TrialMode
 from tuner.measurement.receiver_auth import intake_security
-from tuner.measurement.span_admission import SpanAdmission
-from tuner.measurement.spans import request_sample
 from tuner.measurement.window import Objective, WindowSpec
 
 ADMIN_TOKEN_ENV = admin_token.ADMIN_TOKEN_ENV
@@ -52,6 +59,21 @@ EXIT_UNREACHABLE, EXIT_REJECTED, EXIT_NO_TRAFFIC = 3, 4, 5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # The order of the calls is the order of --help.
+    _describe(parser)
+    _add_endpoint_arguments(parser)
+    _add_study_arguments(parser)
+    _add_server_credential_arguments(parser)
+    _add_search_arguments(parser)
+    _add_trial_window_arguments(parser)
+    _add_recovery_arguments(parser)
+    _add_paired_and_continuous_arguments(parser)
+    receiver_auth.add_arguments(parser)
+    _add_cost_arguments(parser)
+
+
+def _describe(parser: argparse.ArgumentParser) -> None:
+    """What `moespec tune --help` says above and below the flags."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = (
         "Tune the server's draft policy (drafter, draft length, draft temperature) online: each Optuna\n"
@@ -63,9 +85,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.epilog = ("exit codes: 0 done, 2 bad arguments or storage, 3 server unreachable, "
                      "4 admin token refused, 5 no traffic, 130 interrupted")
+
+
+def _add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the server is and where the tuner's span receiver listens."""
     parser.add_argument("--server", required=True, help="HOST:PORT of the moespec server")
     parser.add_argument("--otlp-listen", default="127.0.0.1:4317",
                         help="HOST:PORT the tuner's OTLP/gRPC trace receiver binds (default 127.0.0.1:4317)")
+
+
+def _add_study_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the Optuna study lives, its name, and how many search trials it should hold."""
     parser.add_argument("--storage", default=DEFAULT_STORAGE,
                         help=f"Optuna storage: sqlite:///FILE, postgresql://..., mysql://..., journal:FILE or "
                              f"redis://... (default {DEFAULT_STORAGE})")
@@ -73,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trials", type=int, default=30,
                         help="search trials the study should have in total; a restart continues to this number "
                              "(default 30; re-measurements come on top)")
+
+
+def _add_server_credential_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the tuner talks to PolicyAdmin: the admin token and TLS."""
     admin_token.add_arguments(parser, "for PolicyAdmin")
     parser.add_argument("--tls-ca", type=Path, default=None, metavar="FILE",
                         help="PEM file of the CA that signed the server's certificate: talk TLS to --server "
@@ -80,6 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-server-name", default=None, metavar="NAME",
                         help="with --tls-ca: the name the server's certificate must carry, when --server's host "
                              "is another (an IP address, an internal alias)")
+
+
+def _add_search_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the search optimises, how it samples, and which policies it may propose."""
     parser.add_argument("--objective", choices=[o.value for o in Objective], default=Objective.MEASURED.value,
                         help="measured: seconds per committed token; modelled: weight bytes touched per token")
     parser.add_argument("--sampler", choices=[s.value for s in SamplerKind], default=SamplerKind.TPE.value,
@@ -94,6 +132,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="search the moespec draft-length rule (its cost weight) beside static policies")
     parser.add_argument("--by-kind", action="store_true",
                         help="search tables: one policy for greedy requests, one for sampled requests")
+
+
+def _add_trial_window_arguments(parser: argparse.ArgumentParser) -> None:
+    """How much traffic a trial window needs, when to prune, re-measure or give up."""
     parser.add_argument("--min-tokens", type=int, default=256, help="committed tokens a trial window needs")
     parser.add_argument("--min-steps", type=int, default=32, help="verify steps a trial window needs")
     parser.add_argument("--max-window-seconds", type=float, default=60.0,
@@ -103,6 +145,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remeasure", type=int, default=3, help="re-measure the best N policies before the winner")
     parser.add_argument("--max-failures", type=int, default=3,
                         help="stop after this many starved windows in a row (exit 5)")
+
+
+def _add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
+    """Riding out an unreachable server, a crashed tuner, and dead fleet workers."""
     parser.add_argument("--connect-timeout", type=float, default=10.0,
                         help="seconds to keep retrying an unreachable server before giving up (exit 3)")
     parser.add_argument("--tuner-id", default=None,
@@ -112,6 +158,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fleet: another worker's running trial without a heartbeat for this long is failed "
                              "(its worker died), never counted (default 120; heartbeats every "
                              "second or so while a trial runs)")
+
+
+def _add_paired_and_continuous_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a trial shares the traffic with the incumbent, and the continuous mode after the search."""
     pairing = parser.add_argument_group("paired trials and continuous mode")
     pairing.add_argument("--trial-mode", choices=["auto", *(m.value for m in TrialMode)], default="auto",
                          help="paired: candidate beside the incumbent in one traffic split; interleaved: "
@@ -136,7 +186,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pairing.add_argument("--metrics-endpoint", default=None,
                          help="OTLP/gRPC endpoint for the tuner's metrics (moespec.tuner.incumbent); default "
                               "$OTEL_EXPORTER_OTLP_METRICS_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT; none = off")
-    receiver_auth.add_arguments(parser)
+
+
+def _add_cost_arguments(parser: argparse.ArgumentParser) -> None:
+    """Inputs of the predicted and modelled costs: what-if hints, fixed bytes, expert parallelism."""
     parser.add_argument("--whatif-recording", type=Path, default=None, metavar="FILE",
                         help="the server's --record-steps FILE (same machine): after each measured trial at draft "
                              "length k, replay its recorded steps, store the predicted cost of every k' <= k in the "
@@ -161,23 +214,7 @@ def parse_hostport(value: str, flag: str, allow_zero: bool) -> tuple[str, int]:
 
 
 def settings_from_args(args: argparse.Namespace) -> TuneSettings:
-    checks = [
-        (args.trials >= 1, "--trials must be >= 1"),
-        (args.min_tokens >= 1 and args.min_steps >= 1, "--min-tokens and --min-steps must be >= 1"),
-        (args.max_window_seconds > 0, "--max-window-seconds must be > 0"),
-        (args.prune_factor == 0 or args.prune_factor > 1, "--prune-factor must be > 1 (or 0 to disable)"),
-        (args.remeasure >= 0 and args.max_failures >= 1, "--remeasure must be >= 0 and --max-failures >= 1"),
-        (args.connect_timeout >= 0, "--connect-timeout must be >= 0"),
-        (0 < args.candidate_share <= 0.5, "--candidate-share must be in (0, 0.5]"),
-        (0 < args.exploration_share <= 0.5, "--exploration-share must be in (0, 0.5]"),
-        (args.switch_window_factor >= 0, "--switch-window-factor must be >= 0"),
-        (args.reopen_trials >= 1, "--reopen-trials must be >= 1"),
-        (args.ep_size >= 0, "--ep-size must be >= 1 (or 0 for off)"),
-        (args.stale_seconds > 0, "--stale-seconds must be > 0"),
-    ]
-    for ok, reason in checks:
-        if not ok:
-            raise UsageError(reason)
+    _check_numbers(args)
     if "/" in args.study or not args.study:
         raise UsageError("--study must be a non-empty name without '/' (policy ids are <study>/<trial>)")
     return TuneSettings(
@@ -204,88 +241,70 @@ def settings_from_args(args: argparse.Namespace) -> TuneSettings:
     )
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    checks = [
+        (args.trials >= 1, "--trials must be >= 1"),
+        (args.min_tokens >= 1 and args.min_steps >= 1, "--min-tokens and --min-steps must be >= 1"),
+        (args.max_window_seconds > 0, "--max-window-seconds must be > 0"),
+        (args.prune_factor == 0 or args.prune_factor > 1, "--prune-factor must be > 1 (or 0 to disable)"),
+        (args.remeasure >= 0 and args.max_failures >= 1, "--remeasure must be >= 0 and --max-failures >= 1"),
+        (args.connect_timeout >= 0, "--connect-timeout must be >= 0"),
+        (0 < args.candidate_share <= 0.5, "--candidate-share must be in (0, 0.5]"),
+        (0 < args.exploration_share <= 0.5, "--exploration-share must be in (0, 0.5]"),
+        (args.switch_window_factor >= 0, "--switch-window-factor must be >= 0"),
+        (args.reopen_trials >= 1, "--reopen-trials must be >= 1"),
+        (args.ep_size >= 0, "--ep-size must be >= 1 (or 0 for off)"),
+        (args.stale_seconds > 0, "--stale-seconds must be > 0"),
+    ]
+    for ok, reason in checks:
+        if not ok:
+            raise UsageError(reason)
+
+
 def continuous_config(args: argparse.Namespace) -> ContinuousConfig:
     return ContinuousConfig(exploration_share=args.exploration_share, reopen_trials=args.reopen_trials)
 
 
-def run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
+def endpoints_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Endpoints:
+    """The checked addresses and credentials; files named by flags are read here, so a bad one is exit 2."""
     parse_hostport(args.server, "--server", allow_zero=False)
     listen_host, listen_port = parse_hostport(args.otlp_listen, "--otlp-listen", allow_zero=True)
-    token = admin_token.resolve(args, os.environ)
-    security = intake_security(args, os.environ, listen_host)
+    token = admin_token.resolve(args, environ)
+    intake = intake_security(args, environ, listen_host)
     if args.tls_server_name and args.tls_ca is None:
         raise UsageError("--tls-server-name needs --tls-ca")
-    tls_ca = _read_ca(args.tls_ca)
+    metrics_endpoint = (args.metrics_endpoint or environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+                        or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    return Endpoints(server=args.server, otlp_listen=args.otlp_listen, listen_host=listen_host,
+                     listen_port=listen_port, intake=intake, admin_token=token, tls_ca=_read_ca(args.tls_ca),
+                     tls_server_name=args.tls_server_name, connect_timeout=args.connect_timeout,
+                     metrics_endpoint=metrics_endpoint)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    endpoints = endpoints_from_args(args, os.environ)
     err = sys.stderr
     if threading.current_thread() is threading.main_thread():
         # SIGTERM takes the Ctrl-C path: the running trial is told FAIL and the incumbent restored.
         signal.signal(signal.SIGTERM, _raise_interrupt)
+    storage, claims = open_study_storage(args.storage)
+    parts = build_parts(endpoints, settings, claims, err)
+    return _tune(args, settings, endpoints, storage, parts, err)
+
+
+def _tune(args: argparse.Namespace, settings: TuneSettings, endpoints: Endpoints, storage, parts: TuneParts,
+          err: TextIO) -> int:
+    """The search (and, with --continuous, what follows it) to its end; each way it can end has its exit code."""
+    built = continuous = None
     try:
-        storage = open_storage(args.storage)
-    except StorageError as e:
-        raise UsageError(str(e)) from None
-
-    try:
-        claims = claims_for(args.storage)  # policy claims beside the study: several workers may share it
-    except Exception as e:  # the same database open_storage just reached: only a broken one fails here
-        raise UsageError(f"cannot open storage {redact_url(args.storage)!r} for policy claims: "
-                         f"{type(e).__name__}") from None
-
-    from otel.receiver import OtlpTraceReceiver  # grpc server machinery: only once the arguments are good
-
-    metrics_endpoint = (args.metrics_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
-                        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
-    meter_provider = _meter_provider(metrics_endpoint)
-    admission = SpanAdmission(log=lambda line: print(f"tuner: {line}", file=err, flush=True),
-                              meter=meter_provider.get_meter("moespec.tuner") if meter_provider else None,
-                              study=settings.study_name)
-    collector = SpanCollector(request_sample, admit=admission.admit)
-    receiver = OtlpTraceReceiver(listen_host, listen_port, on_spans=collector.on_spans,
-                                 bearer_token=security.bearer_token, tls_cert=security.tls_cert,
-                                 tls_key=security.tls_key)
-    client = MoespecClient(args.server, admin_token=token, tls_ca=tls_ca, tls_server_name=args.tls_server_name)
-
-    def follow_restart() -> None:  # a restarted server may come back under a new instance id
-        admission.expect(admin.model_info().instance_id)
-
-    admin = PolicyAdmin(client, args.server, retry_seconds=args.connect_timeout, on_server_changed=follow_restart)
-    printer = ProgressPrinter(err, settings.objective.value)
-    fleet = Fleet(claims, settings.tuner_id)
-    built = None
-    continuous = None
-    try:
-        try:
-            receiver.start()
-        except (OSError, RuntimeError) as e:
-            raise UsageError(f"--otlp-listen: cannot listen on {args.otlp_listen}: {e}") from None
-        guard = "bearer token required" if security.bearer_token else "no token: loopback only"
-        print(f"tuner: receiving spans on {receiver.endpoint} ({guard}); study {settings.study_name!r} in "
-              f"{redact_url(args.storage)}", file=err, flush=True)
-        print(f"tuner: sampler {rationale(settings.sampler)}", file=err, flush=True)
-        if settings.whatif_recording is not None:
-            there = "" if settings.whatif_recording.is_file() else " (not there yet: no hint until it is)"
-            print(f"tuner: what-if hints from {settings.whatif_recording}{there}", file=err, flush=True)
-        try:
-            built = assemble(settings, storage, admin, collector, printer, fleet)
-        except ValueError as e:  # the space asked for (--adaptive, --by-kind) is not what the server offers
-            raise UsageError(f"the search space: {e}") from None
-        admission.expect(built.info.instance_id)
-        bound = settings.policy_check_seconds + admin.call_timeout
-        print(f"tuner: worker {settings.tuner_id}; a restarted server gets its policy back within {bound:.0f} s "
-              f"of answering again", file=err, flush=True)
-        print(f"tuner: trials {built.mode.value} (backend {built.info.backend}, concurrent policies "
-              f"{built.info.concurrent_policies}, policy switch {built.info.policy_switch_seconds:.2f} s)",
-              file=err, flush=True)
+        built = start(parts, settings, storage, endpoints, args.storage, err)
         if args.continuous:
-            continuous = _continuous(args, settings, storage, admin, collector, printer, built, meter_provider,
-                                     fleet)
+            continuous = continuous_tuner(settings, continuous_config(args), storage, parts, built)
             continuous.run(threading.Event())  # returns only through SIGTERM / Ctrl-C
             return 0
         best = built.tuner.run()
-    except StudyMismatch as e:
-        raise UsageError(str(e)) from None
-    except StorageError as e:
+    except (StudyMismatch, StorageError) as e:
         raise UsageError(str(e)) from None
     except ServerUnavailable as e:
         print(f"moespec tune: error: server unreachable: {e}", file=err)
@@ -299,71 +318,32 @@ def run(args: argparse.Namespace) -> int:
             built.tuner.apply_incumbent()
         return EXIT_NO_TRAFFIC
     except KeyboardInterrupt:
-        # The interrupted trial is already told FAIL (trial.TrialRunner); leave the server on the best
-        # (in continuous mode: the saved incumbent, which a restart keeps).
-        with suppress(Exception):
-            if continuous is not None and continuous.incumbent is not None:
-                continuous.restore()
-            elif built is not None:
-                built.tuner.apply_incumbent()
+        _leave_the_incumbent_applied(built, continuous)
         print("moespec tune: interrupted; the study resumes where it stopped", file=err)
         return 130
     finally:
-        receiver.stop(grace=0.5)
-        client.close()
-        claims.close()
-        _report_intake(receiver, collector, err)
-        if meter_provider is not None:
-            with suppress(Exception):
-                meter_provider.shutdown()
+        parts.close(err)
+    return _report_best(best, settings, args.storage, err)
+
+
+def _leave_the_incumbent_applied(built: Assembled | None, continuous: ContinuousTuner | None) -> None:
+    # The interrupted trial is already told FAIL (trial.TrialRunner); leave the server on the best
+    # (in continuous mode: the saved incumbent, which a restart keeps).
+    with suppress(Exception):
+        if continuous is not None and continuous.incumbent is not None:
+            continuous.restore()
+        elif built is not None:
+            built.tuner.apply_incumbent()
+
+
+def _report_best(best: PolicyScore | None, settings: TuneSettings, storage_url: str, err: TextIO) -> int:
     if best is None:
         print("moespec tune: no trial completed; nothing applied", file=err)
         return EXIT_NO_TRAFFIC
     print(f"best policy: {best.key.label()} ({fmt_cost(best.mean, settings.objective.value)}, "
           f"policy id {best.policy.policy_id})")
-    print(f"open the study: {dashboard_hint(args.storage)}")
+    print(f"open the study: {dashboard_hint(storage_url)}")
     return 0
-
-
-def _meter_provider(endpoint: str | None):
-    if not endpoint:
-        return None
-    from tuner.loop.metrics import otlp_meter_provider
-
-    return otlp_meter_provider(endpoint)
-
-
-def _continuous(args, settings, storage, admin, collector, printer, root, provider, fleet):
-    from dataclasses import replace
-
-    from tuner.loop.metrics import TunerMetrics
-
-    metrics = TunerMetrics(provider.get_meter("moespec.tuner"), settings.study_name) if provider else None
-
-    def make(name: str, trials: int):
-        if name == settings.study_name:
-            return root
-        return assemble(replace(settings, study_name=name, trials=trials), storage, admin, collector, printer,
-                        fleet)
-
-    def log(d) -> None:
-        print(f"tuner: decision {d.kind}: incumbent {d.policy} ({fmt_cost(d.value, settings.objective.value)}, "
-              f"{d.policy_id}, epoch {d.epoch}): {d.reason}", file=sys.stderr, flush=True)
-
-    def waiting(line: str) -> None:
-        print(f"tuner: {line}", file=sys.stderr, flush=True)
-
-    return ContinuousTuner(root.study, make, continuous_config(args), settings.trials, metrics, log, waiting)
-
-
-def _report_intake(receiver, collector: SpanCollector, err) -> None:
-    """What the intake refused or dropped: a wrong token on the exporter side shows up here."""
-    if receiver.rejected_exports:
-        print(f"tuner: refused {receiver.rejected_exports} OTLP exports without the right bearer token",
-              file=err, flush=True)
-    dropped = collector.traffic().dropped_spans
-    if dropped:
-        print(f"tuner: dropped {dropped} request spans beyond a full trial window", file=err, flush=True)
 
 
 def _read_ca(path: Path | None) -> bytes | None:
