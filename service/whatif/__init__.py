@@ -6,5 +6,5 @@ k' <= k would cost, without running it.
 - `predict`: `predict()`, which prices the walked steps and returns the `WhatIf` of every k'.
 - `present`: the table `moespec whatif` prints and the plot it saves.
 - `hint`: the tuner's use of it, the best shorter length for a measured trial.
-- `cli`: `moespec whatif FILE`.
+Its command line, `moespec whatif FILE`, is service/cli/whatif.py.
 """
