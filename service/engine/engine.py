@@ -10,6 +10,9 @@ Contract:
   is the same step with no drafts (window 1). Each step yields one StepRecord with the drafted,
   accepted and committed counts, the distinct routed experts per layer over the whole window
   (rejected drafts included), and draft / verify wall time.
+- Structure: the engine loads the models and builds one `Runtime` (runtime.py: models, caches,
+  features, adaptive state, step clock, record settings); the scheduler decides what runs, the model
+  runner (model_runner.py) runs it on that runtime, and the engine itself only validates requests.
 - Continuous batching: `generate` blocks its caller while one scheduler thread (`scheduler.py`)
   runs every request in flight, up to `max_batch` at once, each verify step one target pass over the
   windows of all of them, with newcomers' prompts chunked into those passes (`prefill_chunk` prompt
@@ -20,10 +23,10 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +41,11 @@ from service.engine.model.draft_head import is_head_dir, load_head
 from service.engine.model.layers import KERNEL_WINDOW_MAX
 from service.engine.model.ragged import KVCache
 from service.engine.model.weights import DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, load_for_inference
+from service.engine.runtime import Runtime, StepClock
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence
 from service.engine.spec.adaptive.state import AdaptiveState
+from service.engine.step_records import StepRecords
 from service.engine.threads import usable_cores
 from service.engine_defaults import MAX_BATCH, PREFILL_CHUNK
 from service.limits import PromptLimits, tokenizer_prompt_bytes
@@ -112,8 +117,8 @@ class Engine:
         self.target = load_for_inference(config.target_dir, kernels=kernels, kernel_window_max=config.kernel_window_max,
                                          fused_attention=config.fused_attention, kernel_threads=self.kernel_threads,
                                          math=self.math)
-        self.draft_is_head = bool(config.draft_dir) and is_head_dir(config.draft_dir)
-        if self.draft_is_head:
+        draft_is_head = bool(config.draft_dir) and is_head_dir(config.draft_dir)
+        if draft_is_head:
             self.draft = load_head(config.draft_dir, kernels=kernels, kernel_threads=self.kernel_threads)
         else:
             self.draft = load_for_inference(config.draft_dir, kernels=kernels, fused_attention=config.fused_attention,
@@ -122,39 +127,47 @@ class Engine:
         cfg = self.target.cfg
         if not cfg.is_moe:
             raise ValueError(f"{config.target_dir}: the target must be a qwen2_moe model")
-        if self.draft is not None and (self.draft.target_vocab if self.draft_is_head
+        if self.draft is not None and (self.draft.target_vocab if draft_is_head
                                        else self.draft.cfg.vocab_size) != cfg.vocab_size:
             raise ValueError("draft and target vocabularies differ")
-        if self.draft_is_head and self.draft.cfg.hidden_size != cfg.hidden_size:
+        if draft_is_head and self.draft.cfg.hidden_size != cfg.hidden_size:
             raise ValueError(f"{config.draft_dir}: the draft head's hidden size differs from the target's")
         self.max_context = min(config.max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.eos_id = cfg.eos_token_id
         if config.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {config.max_batch}")
         # Static caches, one slot per batch place, sized for the context; a window never writes past it.
-        self.target_cache = KVCache(cfg, self.max_context, slots=config.max_batch)
-        self.draft_cache = KVCache(self.draft.cfg, self.max_context, slots=config.max_batch) if self.draft else None
-        # The target's features per slot and position: what the draft head's catch-up reads.
-        self.target_features = (torch.zeros(config.max_batch, self.max_context, cfg.hidden_size)
-                                if self.draft_is_head else None)
-        # The head's drafting chain in one C call per sequence (None: no kernels, the torch rounds run).
-        self.head_chain = self.draft.chain_weights(self.target.embed_tokens.weight, self.draft_cache) \
-            if self.draft_is_head else None
-        self.decode_step_seconds = self._calibrate_decode_step()
-        # Recent plain (one-position) verify passes: the unit of decode_step_equivalents follows the
-        # machine's current speed instead of the start-up calibration (which a busy CPU distorts).
-        self._plain_steps: deque[float] = deque(maxlen=64)
+        target_cache = KVCache(cfg, self.max_context, slots=config.max_batch)
+        draft_cache = KVCache(self.draft.cfg, self.max_context, slots=config.max_batch) if self.draft else None
+        self.decode_step_seconds = self._calibrate_decode_step(target_cache)
         self.info = self._model_info()
         # What the server checks before any work (service/limits.py): context and prompt bytes.
         self.prompt_limits = PromptLimits(self.max_context, tokenizer_prompt_bytes(self.tokenizer, self.max_context),
                                           cfg.vocab_size)
-        self.ep = (expert_parallel.make_placement(config.ep.size, cfg.num_hidden_layers, cfg.num_experts,
-                                                  config.ep.physical_to_logical) if config.ep else None)
-        self.ep_token_bytes = cfg.hidden_size * (config.ep.dtype_bytes if config.ep else 0)
+        ep = (expert_parallel.make_placement(config.ep.size, cfg.num_hidden_layers, cfg.num_experts,
+                                             config.ep.physical_to_logical) if config.ep else None)
         self.recorder = StepRecorder(config.record_steps, self.info, cfg.hidden_size) if config.record_steps else None
         self.max_batch = config.max_batch  # the Backend protocol's batch slots: the server runs this many callers
-        self.adaptive = AdaptiveState(cfg.num_experts, cfg.num_experts_per_tok, self.decode_step_seconds)
-        self._scheduler = Scheduler(self, config.max_batch, config.prefill_chunk)  # owns the models from here on
+        self.runtime = Runtime(
+            target=self.target,
+            target_cache=target_cache,
+            draft=self.draft,
+            draft_cache=draft_cache,
+            target_features=(torch.zeros(config.max_batch, self.max_context, cfg.hidden_size)
+                             if draft_is_head else None),
+            head_chain=(self.draft.chain_weights(self.target.embed_tokens.weight, draft_cache)
+                        if draft_is_head else None),
+            adaptive=AdaptiveState(cfg.num_experts, cfg.num_experts_per_tok, self.decode_step_seconds),
+            clock=StepClock(self.decode_step_seconds),
+            records=StepRecords(cfg.num_experts, cfg.num_experts_per_tok, count_routing=config.capture_routing,
+                                keep_topk=config.capture_topk or self.recorder is not None, ep=ep,
+                                ep_token_bytes=cfg.hidden_size * config.ep.dtype_bytes if config.ep else 0),
+            ngram_sizes=(config.ngram_min, config.ngram_max),
+            eos_id=cfg.eos_token_id,
+            # The tokenizer's, not a method of the engine: the scheduler thread must not keep the engine alive.
+            decode=functools.partial(self.tokenizer.decode, skip_special_tokens=True),
+        )
+        # The scheduler owns the models from here on.
+        self._scheduler = Scheduler(self.runtime, config.max_batch, config.prefill_chunk)
         # Stop the scheduler thread (then the kernels' workers, which it calls) when the engine is collected
         # or the interpreter exits, if nobody called close() (a thread still parked in torch at exit aborts
         # the process).
@@ -193,29 +206,20 @@ class Engine:
             self.recorder.close()
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.runtime.decode(ids)
 
-    # ------------------------------------------------------------- engine internals
-    def observe_plain_step(self, seconds: float) -> None:
-        self._plain_steps.append(seconds)
-
-    def current_decode_step_seconds(self) -> float:
-        """Median of the recent plain decode steps; the start-up calibration until there are 8."""
-        if len(self._plain_steps) < 8:
-            return self.decode_step_seconds
-        return statistics.median(self._plain_steps)
-
-    def _calibrate_decode_step(self, steps: int = 24) -> float:
+    # ------------------------------------------------------------- start-up
+    def _calibrate_decode_step(self, cache: KVCache, steps: int = 24) -> float:
         """Median wall time of a plain decode step: the unit of `decode_step_equivalents`."""
         prompt = torch.tensor(self.tokenizer.encode("def main():\n    return 0\n").ids)
         times = []
         with torch.inference_mode():
             # Before the scheduler starts, so slot 0 is free to use.
-            logits = self.target.forward(prompt, 0, self.target_cache).logits
+            logits = self.target.forward(prompt, 0, cache).logits
             token = logits[-1:].argmax(-1)
             for i in range(steps):
                 t0 = time.perf_counter()
-                logits = self.target.forward(token, prompt.shape[0] + i, self.target_cache).logits
+                logits = self.target.forward(token, prompt.shape[0] + i, cache).logits
                 token = logits.argmax(-1)
                 times.append(time.perf_counter() - t0)
         return statistics.median(times[steps // 3:])

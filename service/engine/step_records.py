@@ -5,7 +5,8 @@ per layer); the pass's BatchPassRecord the union over every position of every wi
 and the prompt tokens of the prefill pass just before it, and is attached to each of those
 StepRecords. Routed ids go into a record only where it keeps them (captured top-k ids, an
 expert-parallel estimate): a batched step builds one record per request, so a record does nothing
-its request does not need. Apart from the scheduler's loop because this is pure bookkeeping over a
+its request does not need. `StepRecords` holds what the records depend on (the model's expert counts,
+what is counted and kept); apart from the scheduler's loop because this is pure bookkeeping over a
 finished pass: it never runs a model or touches a sequence's state.
 
 Shape legend: B windows in a pass, N positions in it, w a window, L layers, m experts per token,
@@ -14,7 +15,7 @@ E routed experts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,9 +25,6 @@ from service.engine.spec.adaptive.controller import StepController, adapts
 from service.routing import expert_parallel
 from service.routing.expert_sets import pairwise_overlap
 from service.types import BatchPassRecord, StepRecord, accepted_positions
-
-if TYPE_CHECKING:
-    from service.engine.engine import Engine
 
 
 def unique_experts_per_layer(routed: torch.Tensor, num_experts: int) -> tuple[int, ...]:
@@ -53,118 +51,116 @@ def unique_experts_per_window(routed: torch.Tensor, lengths: list[int], num_expe
     return [tuple(c) for c in own], tuple(touched.any(1).sum(-1).tolist())
 
 
-def unions(e: Engine, routed: torch.Tensor, lengths: list[int]) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
-    """Each window's distinct experts per layer and the pass's (zeros when routing is not counted)."""
-    if not e.config.capture_routing:
-        zeros = (0,) * routed.shape[0]
-        return [zeros] * len(lengths), zeros
-    E, m = e.target.cfg.num_experts, e.target.cfg.num_experts_per_tok
-    if max(lengths) == 1:  # plain decoding: one position picks m distinct experts (top-k), nothing to count
-        own = (m,) * routed.shape[0]
-        return [own] * len(lengths), own if len(lengths) == 1 else unique_experts_per_layer(routed, E)
-    if len(lengths) == 1:  # a request alone: its window is the pass (one scatter, fewer ops)
-        unique = unique_experts_per_layer(routed, E)
-        return [unique], unique
-    return unique_experts_per_window(routed, lengths, E)
+@dataclass(frozen=True)
+class StepRecords:
+    num_experts: int  # E
+    top_k: int  # m
+    count_routing: bool = True  # count unique experts and overlaps (off only to measure their overhead)
+    keep_topk: bool = False  # records keep each window's routed ids (top-k capture, a step recording)
+    ep: expert_parallel.Placement | None = None  # estimate each pass's expert-parallel cost on this placement
+    ep_token_bytes: int = 0  # bytes one token's hidden state moves to a rank (the EP estimate)
 
+    @property
+    def keeps_ids(self) -> bool:
+        """Step records need each window's routed ids: captured top-k ids, or an EP estimate."""
+        return self.keep_topk or self.ep is not None
 
-def overlaps(e: Engine, routed: torch.Tensor, lengths: list[int]) -> list[dict]:
-    """Each window's pairwise overlap per layer (service/routing/expert_sets.py), as StepRecord fields; {} each
-    when routing is not counted. All windows of the pass in one matmul: the Gram matrix of the pass's
-    positions' expert sets, read within each window."""
-    if not e.config.capture_routing:
-        return [{}] * len(lengths)
-    E, m = e.target.cfg.num_experts, e.target.cfg.num_experts_per_tok
-    L = routed.shape[0]
-    one = {"pairwise_overlap_mean": (float(m),) * L, "pairwise_overlap_min": (m,) * L}  # a lone position
-    if max(lengths) == 1:
-        return [one] * len(lengths)
-    if len(lengths) == 1:
-        mean, low = pairwise_overlap(routed.numpy(), E)
-        return [{"pairwise_overlap_mean": mean, "pairwise_overlap_min": low}]
-    starts = np.cumsum([0, *lengths[:-1]])
-    pair_i, pair_j, segment = [], [], []  # pairs i < j inside each window, window by window
-    for start, w in zip(starts, lengths, strict=True):
-        i, j = np.triu_indices(w, 1)
-        pair_i.append(start + i)
-        pair_j.append(start + j)
-        segment.append(len(i))
-    ids = routed.numpy()
-    sets = np.zeros((L, ids.shape[1], E), dtype=np.float32)  # [L, N, E]
-    np.put_along_axis(sets, ids, 1.0, axis=2)
-    gram = sets @ sets.transpose(0, 2, 1)  # [L, N, N]
-    values = gram[:, np.concatenate(pair_i), np.concatenate(pair_j)]  # [L, P]
-    bounds = np.cumsum([0, *segment[:-1]])
-    has_pairs = np.array(segment) > 0
-    sums = np.add.reduceat(values, bounds[has_pairs], axis=1)  # [L, windows with pairs]
-    lows = np.minimum.reduceat(values, bounds[has_pairs], axis=1)
-    out, k = [], 0
-    for count in segment:
-        if not count:
-            out.append(one)
-            continue
-        out.append({"pairwise_overlap_mean": tuple(float(x) for x in sums[:, k] / count),
-                    "pairwise_overlap_min": tuple(int(x) for x in lows[:, k])})
-        k += 1
-    return out
+    def unions(self, routed: torch.Tensor, lengths: list[int]) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+        """Each window's distinct experts per layer and the pass's (zeros when routing is not counted)."""
+        if not self.count_routing:
+            zeros = (0,) * routed.shape[0]
+            return [zeros] * len(lengths), zeros
+        E, m = self.num_experts, self.top_k
+        if max(lengths) == 1:  # plain decoding: one position picks m distinct experts (top-k), nothing to count
+            own = (m,) * routed.shape[0]
+            return [own] * len(lengths), own if len(lengths) == 1 else unique_experts_per_layer(routed, E)
+        if len(lengths) == 1:  # a request alone: its window is the pass (one scatter, fewer ops)
+            unique = unique_experts_per_layer(routed, E)
+            return [unique], unique
+        return unique_experts_per_window(routed, lengths, E)
 
+    def overlaps(self, routed: torch.Tensor, lengths: list[int]) -> list[dict]:
+        """Each window's pairwise overlap per layer (service/routing/expert_sets.py), as StepRecord fields;
+        {} each when routing is not counted. All windows of the pass in one matmul: the Gram matrix of
+        the pass's positions' expert sets, read within each window."""
+        if not self.count_routing:
+            return [{}] * len(lengths)
+        E, m = self.num_experts, self.top_k
+        L = routed.shape[0]
+        one = {"pairwise_overlap_mean": (float(m),) * L, "pairwise_overlap_min": (m,) * L}  # a lone position
+        if max(lengths) == 1:
+            return [one] * len(lengths)
+        if len(lengths) == 1:
+            mean, low = pairwise_overlap(routed.numpy(), E)
+            return [{"pairwise_overlap_mean": mean, "pairwise_overlap_min": low}]
+        starts = np.cumsum([0, *lengths[:-1]])
+        pair_i, pair_j, segment = [], [], []  # pairs i < j inside each window, window by window
+        for start, w in zip(starts, lengths, strict=True):
+            i, j = np.triu_indices(w, 1)
+            pair_i.append(start + i)
+            pair_j.append(start + j)
+            segment.append(len(i))
+        ids = routed.numpy()
+        sets = np.zeros((L, ids.shape[1], E), dtype=np.float32)  # [L, N, E]
+        np.put_along_axis(sets, ids, 1.0, axis=2)
+        gram = sets @ sets.transpose(0, 2, 1)  # [L, N, N]
+        values = gram[:, np.concatenate(pair_i), np.concatenate(pair_j)]  # [L, P]
+        bounds = np.cumsum([0, *segment[:-1]])
+        has_pairs = np.array(segment) > 0
+        sums = np.add.reduceat(values, bounds[has_pairs], axis=1)  # [L, windows with pairs]
+        lows = np.minimum.reduceat(values, bounds[has_pairs], axis=1)
+        out, k = [], 0
+        for count in segment:
+            if not count:
+                out.append(one)
+                continue
+            out.append({"pairwise_overlap_mean": tuple(float(x) for x in sums[:, k] / count),
+                        "pairwise_overlap_min": tuple(int(x) for x in lows[:, k])})
+            k += 1
+        return out
 
-def pass_record(e: Engine, pass_id: int, lengths: list[int], routed: torch.Tensor, unique: tuple[int, ...],
-                prefill_tokens: int, start_ns: int, draft_s: float, verify_s: float) -> BatchPassRecord:
-    cfg = e.target.cfg
-    E, m = cfg.num_experts, cfg.num_experts_per_tok
-    N = sum(lengths)
-    ep = {} if e.ep is None else expert_parallel.pass_fields(e.ep, routed, e.ep_token_bytes)
-    return BatchPassRecord(pass_id=pass_id, batch_size=len(lengths), positions=N,
-                           windows=tuple(lengths), unique_experts=unique, unique_experts_bound=min(E, N * m),
-                           draft_seconds=draft_s, verify_seconds=verify_s, start_time_ns=start_ns,
-                           prefill_tokens=prefill_tokens, **ep)
+    def pass_record(self, pass_id: int, lengths: list[int], routed: torch.Tensor, unique: tuple[int, ...],
+                    prefill_tokens: int, start_ns: int, draft_s: float, verify_s: float) -> BatchPassRecord:
+        N = sum(lengths)
+        return BatchPassRecord(pass_id=pass_id, batch_size=len(lengths), positions=N,
+                               windows=tuple(lengths), unique_experts=unique,
+                               unique_experts_bound=min(self.num_experts, N * self.top_k),
+                               draft_seconds=draft_s, verify_seconds=verify_s, start_time_ns=start_ns,
+                               prefill_tokens=prefill_tokens, **self._ep_fields(routed))
 
+    def step_record(self, seq: Sequence, drafted: int, accepted: int, window: list[int],
+                    routed: torch.Tensor | None, unique: tuple[int, ...], draft_s: float, verify_s: float,
+                    step_unit: float, batch: BatchPassRecord, planned: int, overlap: dict) -> StepRecord:
+        """routed: the window's ids [L, w, m] (None unless `keeps_ids`); planned: the drafts the
+        sequence's controller asked for (recorded where a controller adapts the length); overlap: its
+        pairwise-overlap fields (`overlaps`)."""
+        capture = self.keep_topk
+        return StepRecord.of_policy(
+            seq.step_policy,
+            drafted=drafted,
+            accepted=accepted,
+            committed=accepted + 1,
+            accepted_per_position=accepted_positions(drafted, accepted),
+            window=len(window),
+            unique_experts=unique,
+            shared_experts=1,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            draft_seconds=draft_s,
+            verify_seconds=verify_s,
+            decode_step_equivalents=verify_s / step_unit,
+            topk_ids=tuple(tuple(tuple(pos) for pos in layer) for layer in routed.tolist()) if capture else None,
+            window_ids=tuple(window) if capture else None,
+            batch=batch,
+            cell=seq.cell,
+            **adaptive_fields(seq.controller, planned, drafted),
+            **overlap,
+            **self._ep_fields(routed),
+        )
 
-def captures_topk(e: Engine) -> bool:
-    """Step records keep each window's routed ids (`capture_topk`, or a step recording)."""
-    return e.config.capture_topk or e.recorder is not None
-
-
-def records_ids(e: Engine) -> bool:
-    """Step records need each window's routed ids: captured top-k ids, or an EP estimate."""
-    return captures_topk(e) or e.ep is not None
-
-
-def step_record(e: Engine, seq: Sequence, drafted: int, accepted: int, window: list[int],
-                routed: torch.Tensor | None, unique: tuple[int, ...], draft_s: float, verify_s: float,
-                step_unit: float, batch: BatchPassRecord, planned: int, overlap: dict) -> StepRecord:
-    """routed: the window's ids [L, w, m] (None unless `records_ids`); planned: the drafts the
-    sequence's controller asked for (recorded where a controller adapts the length); overlap: its
-    pairwise-overlap fields (`overlaps`)."""
-    policy = seq.step_policy
-    cfg, capture = e.target.cfg, captures_topk(e)
-    E, m = cfg.num_experts, cfg.num_experts_per_tok
-    ep = {}  # the optional expert-parallel fields, estimated only with an EP size
-    if e.ep is not None:
-        ep = expert_parallel.pass_fields(e.ep, routed, e.ep_token_bytes)
-    return StepRecord.of_policy(
-        policy,
-        drafted=drafted,
-        accepted=accepted,
-        committed=accepted + 1,
-        accepted_per_position=accepted_positions(drafted, accepted),
-        window=len(window),
-        unique_experts=unique,
-        shared_experts=1,
-        num_experts=E,
-        top_k=m,
-        draft_seconds=draft_s,
-        verify_seconds=verify_s,
-        decode_step_equivalents=verify_s / step_unit,
-        topk_ids=tuple(tuple(tuple(pos) for pos in layer) for layer in routed.tolist()) if capture else None,
-        window_ids=tuple(window) if capture else None,
-        batch=batch,
-        cell=seq.cell,
-        **adaptive_fields(seq.controller, planned, drafted),
-        **overlap,
-        **ep,
-    )
+    def _ep_fields(self, routed: torch.Tensor | None) -> dict:
+        """The optional expert-parallel fields, estimated only with an EP placement."""
+        return {} if self.ep is None else expert_parallel.pass_fields(self.ep, routed, self.ep_token_bytes)
 
 
 def adaptive_fields(controller: StepController, planned: int, drafted: int) -> dict:

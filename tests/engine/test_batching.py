@@ -177,7 +177,7 @@ def spread_prompt(engine):
     for prompt in (p[-120:] for p in heldout_prompts(24)):
         ids = torch.tensor(engine.tokenizer.encode(prompt).ids)
         with torch.inference_mode():
-            p = target_probs(engine.target.forward(ids, 0, engine.target_cache).logits[-1:], sampling)[0]
+            p = target_probs(engine.target.forward(ids, 0, engine.runtime.target_cache).logits[-1:], sampling)[0]
         entropy = float(-(p[p > 0] * p[p > 0].log()).sum())
         if best is None or entropy > best[0]:
             best = (entropy, prompt, p)

@@ -215,20 +215,17 @@ def test_the_unions_of_every_window_in_one_scatter_equal_one_count_per_window():
 
 def test_the_pairwise_overlaps_of_every_window_in_one_matmul_equal_plain_sets_per_window():
     import itertools
-    import types
 
-    from service.engine.step_records import overlaps
+    from service.engine.step_records import StepRecords
 
     m = 4
-    engine = types.SimpleNamespace(config=types.SimpleNamespace(capture_routing=True),
-                                   target=types.SimpleNamespace(cfg=types.SimpleNamespace(num_experts=16,
-                                                                                          num_experts_per_tok=m)))
+    records = StepRecords(num_experts=16, top_k=m)
     gen = torch.Generator().manual_seed(2)
     for _ in range(200):
         lengths = torch.randint(1, 6, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
         routed = torch.stack([torch.stack([torch.randperm(16, generator=gen)[:m] for _ in range(sum(lengths))])
                               for _ in range(3)])  # [L, N, m], distinct ids per position as top-k gives
-        for got, window in zip(overlaps(engine, routed, lengths), routed.split(lengths, dim=1), strict=True):
+        for got, window in zip(records.overlaps(routed, lengths), routed.split(lengths, dim=1), strict=True):
             sets = [[set(p.tolist()) for p in layer] for layer in window]
             pairs = [[len(a & b) for a, b in itertools.combinations(layer, 2)] or [m] for layer in sets]
             assert got["pairwise_overlap_min"] == tuple(min(p) for p in pairs)
@@ -263,5 +260,5 @@ def test_a_dense_draft_takes_the_prompt_in_the_prefill_pass_and_its_first_step_f
     with torch.inference_mode():
         engine.draft.forward(torch.tensor(ids[:-1]), 0, fresh)
     n = len(ids) - 1
-    assert any(torch.equal(engine.draft_cache.k[:, slot, :, :n], fresh.k[:, 0, :, :n])
-               for slot in range(engine.draft_cache.slots))
+    assert any(torch.equal(engine.runtime.draft_cache.k[:, slot, :, :n], fresh.k[:, 0, :, :n])
+               for slot in range(engine.runtime.draft_cache.slots))

@@ -138,8 +138,8 @@ def test_eos_ends_the_output_mid_window_and_is_kept_in_token_ids(engine):
     free = engine.generate(request, DraftPolicy()).token_ids
     eos = free[5]
     cut = free[:free.index(eos) + 1]
-    real_eos = engine.eos_id
-    engine.eos_id = eos
+    real_eos = engine.runtime.eos_id
+    engine.runtime.eos_id = eos
     try:
         for policy in (DraftPolicy(), DraftPolicy(drafter=Drafter.NGRAM, draft_length=6),
                        DraftPolicy(draft_length=6, draft_temperature=0)):
@@ -149,7 +149,7 @@ def test_eos_ends_the_output_mid_window_and_is_kept_in_token_ids(engine):
             assert sum(s.committed for s in result.steps) == result.completion_tokens == len(cut)
             assert all(s.committed == s.accepted + 1 for s in result.steps[:-1])
     finally:
-        engine.eos_id = real_eos
+        engine.runtime.eos_id = real_eos
 
 
 def test_decode_step_equivalents_are_verify_seconds_over_the_current_decode_step(engine):
@@ -158,7 +158,7 @@ def test_decode_step_equivalents_are_verify_seconds_over_the_current_decode_step
     seen = []
 
     def check(delta):  # runs right after the step's record was built, before the next step
-        seen.append((delta.step, engine.current_decode_step_seconds()))
+        seen.append((delta.step, engine.runtime.clock.decode_step_seconds()))
 
     # A prompt the shipped model continues without EOS: 70 plain steps fill the 64-step history.
     request = GenerationRequest(prompt="def add(a, b):", max_new_tokens=70, sampling=SamplingParams(temperature=0))
@@ -169,5 +169,5 @@ def test_decode_step_equivalents_are_verify_seconds_over_the_current_decode_step
     for step, unit in seen:
         assert step.decode_step_equivalents == pytest.approx(step.verify_seconds / unit, rel=1e-12)
     # The unit is now the median of the last 64 plain steps, not the start-up calibration.
-    assert engine.current_decode_step_seconds() == pytest.approx(statistics.median(plain[-64:]), rel=1e-12)
-    assert engine.current_decode_step_seconds() != engine.decode_step_seconds
+    assert engine.runtime.clock.decode_step_seconds() == pytest.approx(statistics.median(plain[-64:]), rel=1e-12)
+    assert engine.runtime.clock.decode_step_seconds() != engine.decode_step_seconds

@@ -20,10 +20,10 @@ from tests.conftest import RecordingBackend
 
 PROMPTS_FILE = MODELS_DIR.parent / "prompts" / "heldout.jsonl"
 
-# The module whose globals the decode loop calls the sampling functions through (accept,
-# draft_probs, sample, target_probs...). Negative controls patch them there, only through
-# `patch_engine_sampling`: if the loop moves to another module, change this one name.
-SAMPLING_LOOKUP = "service.engine.scheduler"
+# The module whose globals a verify pass's acceptance calls the sampling functions through (accept,
+# accept_greedy_ids, target_probs). Negative controls patch them there, only through
+# `patch_engine_sampling`: if the acceptance moves to another module, change this one name.
+SAMPLING_LOOKUP = "service.engine.spec.acceptance"
 
 
 def heldout_prompts(count: int) -> list[str]:
@@ -41,7 +41,7 @@ def draft_next_token_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     are -inf outside its vocabulary: probability 0 there)."""
     tokens = torch.tensor(ids)
     with torch.inference_mode():
-        if not engine.draft_is_head:
+        if not engine.runtime.draft_is_head:
             return engine.draft.forward(tokens, 0, KVCache(engine.draft.cfg, len(ids))).logits[-1:]
         features = engine.target.forward(tokens, 0, KVCache(engine.target.cfg, len(ids))).features
         entry_features = torch.cat([features.new_zeros(1, features.shape[1]), features[:-1]])  # entry p reads p - 1

@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from service.engine.runtime import Runtime
 from service.engine.sequence import Sequence
 from service.engine.spec import model_drafting, ngram
 from service.engine.spec.adaptive.controller import DraftConfidence, adapts
 from service.engine.spec.sampling import point_mass
 from service.types import Drafter
-
-if TYPE_CHECKING:
-    from service.engine.engine import Engine
 
 
 @dataclass
@@ -45,9 +42,9 @@ def uses_head(seq: Sequence) -> bool:
     return seq.may_draft_with_model
 
 
-def draft(e: Engine, seqs: list[Sequence]) -> list[Proposal]:
+def draft(rt: Runtime, seqs: list[Sequence]) -> list[Proposal]:
     """Each sequence's proposal under its own policy and controller; the draft model runs batched."""
-    cfg, vocab = e.config, e.info.vocab_size
+    vocab = rt.target.cfg.vocab_size
     out: list[Proposal] = []
     model_rows: list[tuple[int, int]] = []  # (index in seqs, k)
     fed = 0  # positions the model drafter feeds this step: each row's catch-up, then a round per later draft
@@ -56,14 +53,14 @@ def draft(e: Engine, seqs: list[Sequence]) -> list[Proposal]:
         # Tokens its model-drafter cache lacks: its first draft round feeds them (0 when it cannot draft).
         lag = len(seq.ids) - seq.draft_valid if limit > 0 and seq.step_policy.drafter is Drafter.MODEL else 0
         if limit > 0 and adapts(seq.controller):
-            k = seq.controller.plan(e.adaptive.context(len(seqs), seq.last_window, lag), limit)
+            k = seq.controller.plan(rt.adaptive.context(len(seqs), seq.last_window, lag), limit)
         t0 = time.perf_counter()
         if k > 0 and seq.step_policy.drafter is Drafter.NGRAM:
             if seq.ngram is None:
-                seq.ngram = ngram.NgramIndex(cfg.ngram_min, cfg.ngram_max)
+                seq.ngram = ngram.NgramIndex(*rt.ngram_sizes)
             drafts = seq.ngram.propose(seq.ids, k)
             seconds = time.perf_counter() - t0
-            e.adaptive.observe_lookup(seconds)
+            rt.adaptive.observe_lookup(seconds)
             # A greedy request's verdict is a prefix match that reads no q: the [k, V] point mass is
             # built only for sampled requests (at 16 requests a step it was most of the drafting time).
             q = None if seq.request.sampling.greedy else point_mass(torch.tensor(drafts, dtype=torch.long), vocab)
@@ -75,11 +72,11 @@ def draft(e: Engine, seqs: list[Sequence]) -> list[Proposal]:
                 fed += lag + k - 1
     if model_rows:
         t0 = time.perf_counter()
-        draft_rounds = model_drafting.draft_with_head if e.draft_is_head else model_drafting.draft_dense
+        draft_rounds = model_drafting.draft_with_head if rt.draft_is_head else model_drafting.draft_dense
         rows = [seqs[i] for i, _ in model_rows]
-        drafted = draft_rounds(e, rows, [k for _, k in model_rows], [s.controller.wants_confidence for s in rows])
+        drafted = draft_rounds(rt, rows, [k for _, k in model_rows], [s.controller.wants_confidence for s in rows])
         seconds = time.perf_counter() - t0
-        e.adaptive.observe_draft_positions(fed, seconds)
+        rt.adaptive.observe_draft_positions(fed, seconds)
         for (i, _), (drafts, q, confidence) in zip(model_rows, drafted, strict=True):
             out[i] = _cut(seqs[i], Proposal(drafts.tolist(), q, seconds, confidence, planned=len(drafts)))
     return out

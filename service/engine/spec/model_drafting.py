@@ -8,7 +8,7 @@ draft, chosen by the draft directory:
 - the draft head (`DraftHead`): an entry also reads the target's feature one position back, and the
   features of drafted positions were the head's own estimates, so after verification every entry
   past the last committed token is recomputed from the target's true features (written per slot
-  and position by the scheduler into `Engine.target_features`).
+  and position by the model runner into `Runtime.target_features`).
 Each returns, per sequence, the drafted token ids [k], q [k, V]: the distribution each draft
 was sampled from (a point mass for a greedy draft), which the acceptance rule needs, and, for the
 sequences whose controller asks, the drafts' confidences (`draft_confidence`; None where the
@@ -17,19 +17,14 @@ drafter has no probabilities to give: the draft head's greedy chain returns only
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from service.engine.model.draft_head import DraftHead
 from service.engine.model.ragged import KVCache, RaggedBatch
+from service.engine.runtime import Runtime
 from service.engine.sequence import Sequence
 from service.engine.spec.adaptive.controller import DraftConfidence
 from service.engine.spec.sampling import draft_probs, point_mass, sample
-
-if TYPE_CHECKING:
-    from service.engine.engine import Engine
-
 
 Drafted = tuple[torch.Tensor, torch.Tensor, DraftConfidence | None]
 
@@ -41,7 +36,7 @@ def draft_confidence(probs: torch.Tensor, picks: torch.Tensor) -> DraftConfidenc
                            tuple(probs.max(-1).values.tolist()))
 
 
-def draft_dense(e: Engine, seqs: list[Sequence], ks: list[int], confident: list[bool]) -> list[Drafted]:
+def draft_dense(rt: Runtime, seqs: list[Sequence], ks: list[int], confident: list[bool]) -> list[Drafted]:
     """confident[b]: report sequence b's confidences (from the draft's softmax at its temperature;
     at temperature 0, at temperature 1: a point mass says nothing)."""
     pending = [torch.tensor(s.ids[s.draft_valid:], dtype=torch.long) for s in seqs]  # tokens each still has to feed
@@ -54,7 +49,7 @@ def draft_dense(e: Engine, seqs: list[Sequence], ks: list[int], confident: list[
         lengths = [pending[b].shape[0] for b in active]
         batch = RaggedBatch.build([seqs[b].slot for b in active], [starts[b] for b in active], lengths)
         last_rows = torch.tensor(lengths).cumsum(0) - 1  # each sequence's last position: the only logits read
-        last = e.draft.forward_ragged(torch.cat([pending[b] for b in active]), batch, e.draft_cache,
+        last = rt.draft.forward_ragged(torch.cat([pending[b] for b in active]), batch, rt.draft_cache,
                                       logit_rows=last_rows).logits  # [B', V]
         for j, b in enumerate(active):
             row = last[j:j + 1]  # [1, V]
@@ -75,32 +70,32 @@ def draft_dense(e: Engine, seqs: list[Sequence], ks: list[int], confident: list[
     return out
 
 
-def draft_with_head(e: Engine, seqs: list[Sequence], ks: list[int], confident: list[bool]) -> list[Drafted]:
+def draft_with_head(rt: Runtime, seqs: list[Sequence], ks: list[int], confident: list[bool]) -> list[Drafted]:
     """confident[b]: report sequence b's confidences where its chain samples (its q).
 
     With the kernels, each sequence's catch-up and chain is one C call (`Kernels.head_draft`: the
     calls are independent, so a sequence's drafts never depend on the rest of the batch); without,
     the catch-up is one ragged pass over every sequence and the chains run in torch ops."""
-    head, vocab_size = e.draft, e.target.cfg.vocab_size
+    head, vocab_size = rt.draft, rt.target.cfg.vocab_size
     pending, features = [], []
     for s in seqs:
         start = s.draft_valid
         pending.append(torch.tensor(s.ids[start:], dtype=torch.long))
-        known = e.target_features[s.slot, max(start - 1, 0):len(s.ids) - 1]  # entry p reads feature p - 1
+        known = rt.target_features[s.slot, max(start - 1, 0):len(s.ids) - 1]  # entry p reads feature p - 1
         features.append(known if start > 0 else torch.cat([known.new_zeros(1, known.shape[-1]), known]))
     uniforms = [torch.rand(k, generator=s.gen) if s.step_policy.draft_temperature > 0 else None
                 for s, k in zip(seqs, ks, strict=True)]
-    if e.head_chain is not None:
-        chains = [head.kernels.head_draft(e.head_chain, tokens, f, s.slot, s.draft_valid, k,
+    if rt.head_chain is not None:
+        chains = [head.kernels.head_draft(rt.head_chain, tokens, f, s.slot, s.draft_valid, k,
                                           s.step_policy.draft_temperature, u)
                   for s, k, tokens, f, u in zip(seqs, ks, pending, features, uniforms, strict=True)]
     else:
         lengths = [p.shape[0] for p in pending]
         batch = RaggedBatch.build([s.slot for s in seqs], [s.draft_valid for s in seqs], lengths)
-        logits, fhat = head.forward_ragged(e.target.embed_tokens(torch.cat(pending)), torch.cat(features), batch,
-                                           e.draft_cache, torch.tensor(lengths).cumsum(0) - 1)  # [B, Vd], [B, H]
-        chains = [chain_reference(head, e.target.embed_tokens, e.draft_cache, s.slot, len(s.ids), k, logits[j], fhat[j],
-                                  s.step_policy.draft_temperature, u)
+        logits, fhat = head.forward_ragged(rt.target.embed_tokens(torch.cat(pending)), torch.cat(features), batch,
+                                           rt.draft_cache, torch.tensor(lengths).cumsum(0) - 1)  # [B, Vd], [B, H]
+        chains = [chain_reference(head, rt.target.embed_tokens, rt.draft_cache, s.slot, len(s.ids), k, logits[j],
+                                  fhat[j], s.step_policy.draft_temperature, u)
                   for j, (s, k, u) in enumerate(zip(seqs, ks, uniforms, strict=True))]
     out = []
     for (picks, q), want in zip(chains, confident, strict=True):

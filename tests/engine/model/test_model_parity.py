@@ -227,7 +227,7 @@ def oracle_continuations(engine, target_oracle) -> list[tuple[list[int], list[in
         ids = engine.tokenizer.encode(prompt).ids
         with torch.no_grad():
             theirs = target_oracle.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=40,
-                                            pad_token_id=engine.eos_id)[0, len(ids):].tolist()
+                                            pad_token_id=engine.runtime.eos_id)[0, len(ids):].tolist()
         out.append((ids, theirs))
     return out
 

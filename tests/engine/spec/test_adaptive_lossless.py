@@ -98,7 +98,8 @@ class DrawCut(StepController):
 
 def with_controller(engine, monkeypatch, make) -> None:
     seeds = iter(range(10**6))
-    monkeypatch.setattr(engine.adaptive, "controller_for", lambda policy, cell="", greedy=True: make(next(seeds)))
+    monkeypatch.setattr(engine.runtime.adaptive, "controller_for",
+                        lambda policy, cell="", greedy=True: make(next(seeds)))
 
 
 @pytest.fixture(scope="module")

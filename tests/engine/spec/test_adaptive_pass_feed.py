@@ -20,13 +20,13 @@ HELD_PLAIN = DraftPolicy(Drafter.NGRAM, 4, controller=Controller.MOESPEC, cost_w
 def engine_and_passes():
     engine = make_engine()
     passes: list[tuple[int, bool]] = []  # (positions, disturbed) of every pass the estimates heard
-    observe = engine.adaptive.observe_pass
+    observe = engine.runtime.adaptive.observe_pass
 
     def spy(positions, union, seconds, sampling_seconds=0.0, sampled_rows=0, plain=False, disturbed=False):
         passes.append((positions, disturbed))
         observe(positions, union, seconds, sampling_seconds, sampled_rows, plain=plain, disturbed=disturbed)
 
-    engine.adaptive.observe_pass = spy
+    engine.runtime.adaptive.observe_pass = spy
     yield engine, passes
     engine.close()
 
@@ -75,7 +75,7 @@ def test_a_lookup_that_found_nothing_reaches_the_rule(engine_and_passes):
     engine, _ = engine_and_passes
     eager = DraftPolicy(Drafter.NGRAM, 4, controller=Controller.MOESPEC, cost_weight=1e-3)  # drafts nearly always
     result = engine.generate(request(heldout_prompts(1)[0], 24), eager)
-    found = engine.adaptive.lookup_found[False]  # greedy requests'
+    found = engine.runtime.adaptive.lookup_found[False]  # greedy requests'
     assert result.spec.empty_drafts > 0
     assert found.trials - found.hits > 0.5  # at least one empty lookup counted
     assert found.hits > 0.5  # and the ones that found drafts

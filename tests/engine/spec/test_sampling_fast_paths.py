@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from service.engine.scheduler import _sampled_probs
+from service.engine.spec.acceptance import sampled_probs
 from service.engine.spec.sampling import _kth_largest, _top_p_cutoff, sample, target_probs
 from service.types import GenerationRequest, SamplingParams
 from tests.support.engine_helpers import fit_pvalue
@@ -55,7 +55,7 @@ def test_a_pass_s_sampled_distributions_computed_together_are_each_request_s_own
     seqs = [SimpleNamespace(request=GenerationRequest(prompt="x", sampling=p)) for p in settings]
     lengths = [1, 3, 2, 4, 1, 5]
     logits = torch.randn(sum(lengths), 4096, generator=torch.Generator().manual_seed(5)) * 3
-    probs = _sampled_probs(seqs, logits, lengths)
+    probs = sampled_probs(seqs, logits, lengths)
     rows = logits.split(lengths)
     for params, p, own in zip(settings, probs, rows, strict=True):
         if params.greedy:

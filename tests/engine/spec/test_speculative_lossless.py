@@ -208,7 +208,7 @@ class FirstTwoTokens:
 
     def __init__(self, engine, ids: list[int], p1: torch.Tensor):
         self.head = [t for t in p1.argsort(descending=True).tolist() if p1[t] >= 0.02]
-        assert engine.eos_id not in self.head  # a one-token output would fall outside the bins
+        assert engine.runtime.eos_id not in self.head  # a one-token output would fall outside the bins
         self.p1, self.V = p1, p1.shape[0]
         self.p2 = {t: next_token_probs(engine, ids + [t]) for t in self.head}
         self.law = self.joint(p1)

@@ -53,14 +53,11 @@ overhead there); a decision to draft, or a probe, starts over from RECHECK_EVERY
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from service.engine.spec.adaptive.controller import DraftConfidence, StepContext, StepController, StepOutcome
-from service.engine.spec.adaptive.estimates import AcceptanceByPosition, DecayedRate
+from service.engine.spec.adaptive.estimates import AcceptanceByPosition, ConfidenceCalibration, DecayedRate
 from service.types import MAX_DRAFT_LENGTH, Drafter
-
-if TYPE_CHECKING:
-    from service.engine.spec.adaptive.state import AdaptiveState
 
 PROBE_EVERY = 16  # plain steps in a row (times the pass's requests) before one probe
 MAX_PROBE_EVERY = 128  # ... doubling after each rejected probe, up to this
@@ -71,11 +68,25 @@ OWN_DECAY = 0.9  # a request's own acceptance: ~10 steps of memory (its text cha
 KIND_PRIOR = 0.5  # a position's acceptance before any request of the kind reached it
 
 
+class EngineEstimates(Protocol):
+    """What the rule reads of the engine's shared estimates (state.AdaptiveState, which makes the rules)."""
+
+    acceptance: dict[tuple[Drafter, bool], AcceptanceByPosition]  # per (drafter, sampled)
+    calibration: dict[tuple[Drafter, bool], ConfidenceCalibration]
+    lookup_found: dict[bool, DecayedRate]  # per sampled
+
+    def step_prices(self, positions: int, drafter: Drafter, sampled: bool) -> tuple[float, list[float]]: ...
+
+    def first_draft_seconds(self, drafter: Drafter, draft_lag: int = 0) -> float: ...
+
+    def observe_predictions(self, predicted: list[float], accepted: int) -> None: ...
+
+
 class MoespecRule(StepController):
     wants_confidence = True
     hears_plain_steps = False  # a step without drafts carries no acceptance; plain stretches are plan's
 
-    def __init__(self, state: AdaptiveState, drafter: Drafter, cost_weight: float, sampled: bool = False):
+    def __init__(self, state: EngineEstimates, drafter: Drafter, cost_weight: float, sampled: bool = False):
         self.state, self.drafter, self.weight, self.sampled = state, drafter, cost_weight, sampled
         self.own = AcceptanceByPosition(MAX_DRAFT_LENGTH, decay=OWN_DECAY)
         self.own_found = DecayedRate(OWN_DECAY)  # n-gram: its lookups that found a draft

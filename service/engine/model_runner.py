@@ -1,0 +1,111 @@
+"""Runs what the scheduler decided: a prefill pass over prompt chunks, or a verify pass over the
+windows of the running sequences.
+
+A verify pass: each sequence proposes its drafts (spec/drafting.py, its own policy and controller),
+ONE target pass runs over every window `[last committed token, drafts...]` back to back (ragged), and
+each window gets its verdict (spec/acceptance.py). The runner keeps the model-side state in step
+(the draft cache, the features the draft head reads) and times the pass; it commits nothing: the
+scheduler updates the sequences, the records and the controllers from its `VerifyOutput`.
+
+Shape legend: B sequences in a pass, N tokens in it, w a window, L layers, m experts per token, V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from service.engine.model.ragged import RaggedBatch
+from service.engine.runtime import Runtime
+from service.engine.sequence import Sequence
+from service.engine.spec.acceptance import PassVerdicts, accept_pass
+from service.engine.spec.drafting import Proposal, draft, uses_head
+
+__all__ = ["ModelRunner", "PrefillChunk", "VerifyOutput"]
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens [start, start+length) of a sequence, riding in one pass."""
+
+    seq: Sequence
+    start: int
+    length: int
+    completes: bool  # the prompt's last chunk
+
+    def tokens(self) -> list[int]:
+        return self.seq.ids[self.start:self.start + self.length]
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    proposals: list[Proposal]  # [B] each sequence's drafts
+    windows: list[list[int]]  # [B] each window's tokens: [last committed token, drafts...]
+    routed: torch.Tensor  # [L, N, m] the routed ids of every position of the pass
+    accepted: PassVerdicts
+    start_ns: int  # wall clock at the start of drafting
+    drafting_started: float  # perf_counter at the start of drafting
+    verify_started: float  # perf_counter at the start of the target pass (drafting's end)
+    verify_ended: float  # perf_counter after the verdicts
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(w) for w in self.windows]
+
+    @property
+    def draft_seconds(self) -> float:
+        return self.verify_started - self.drafting_started
+
+    @property
+    def verify_seconds(self) -> float:
+        return self.verify_ended - self.verify_started
+
+
+class ModelRunner:
+    def __init__(self, runtime: Runtime):
+        self.rt = runtime
+
+    def prefill(self, chunks: list[PrefillChunk]) -> None:
+        """One target pass over prompt chunks (no verify windows): their keys/values go to the cache."""
+        rt = self.rt
+        tokens = torch.tensor([t for c in chunks for t in c.tokens()])
+        batch = RaggedBatch.build([c.seq.slot for c in chunks], [c.start for c in chunks], [c.length for c in chunks])
+        # A draft head reads the target's features of the prompt too (one more MLP per pass).
+        head_users = rt.draft_is_head and any(uses_head(c.seq) for c in chunks)
+        features = rt.target.fill_cache(tokens, batch, rt.target_cache, features=head_users)
+        if features is not None:
+            rt.target_features[batch.token_slot, batch.positions] = features
+        self._prefill_dense_draft(chunks)
+
+    def _prefill_dense_draft(self, chunks: list[PrefillChunk]) -> None:
+        """A dense draft model's cache takes the prompt chunks of the sequences that draft with it in the
+        same prefill pass: their first step then drafts at once instead of catching up on the whole
+        prompt (prefill work, timed as prefill, as llama.cpp's speculative decoding times it)."""
+        rt = self.rt
+        if rt.draft is None or rt.draft_is_head:
+            return
+        dense = [c for c in chunks if uses_head(c.seq) and c.seq.draft_valid == c.start]
+        if not dense:
+            return
+        tokens = torch.tensor([t for c in dense for t in c.tokens()])
+        batch = RaggedBatch.build([c.seq.slot for c in dense], [c.start for c in dense], [c.length for c in dense])
+        rt.draft.fill_cache(tokens, batch, rt.draft_cache)
+        for chunk in dense:
+            chunk.seq.draft_valid = chunk.start + chunk.length
+
+    def verify(self, seqs: list[Sequence]) -> VerifyOutput:
+        """Drafts, one target pass over every window, verdicts."""
+        rt = self.rt
+        start_ns, t0 = time.time_ns(), time.perf_counter()
+        proposals = draft(rt, seqs)  # per sequence: its drafts, q [k', V] or None, draft seconds, confidences
+        t1 = time.perf_counter()
+        windows = [[s.ids[-1], *p.drafts] for s, p in zip(seqs, proposals, strict=True)]  # [w_b]
+        lengths = [len(w) for w in windows]
+        batch = RaggedBatch.build([s.slot for s in seqs], [len(s.ids) - 1 for s in seqs], lengths)
+        out = rt.target.forward_ragged(torch.tensor([t for w in windows for t in w]), batch, rt.target_cache)
+        if rt.draft_is_head and any(uses_head(s) for s in seqs):  # what the head's next catch-up reads
+            rt.target_features[batch.token_slot, batch.positions] = out.features
+        accepted = accept_pass(seqs, proposals, out.logits, lengths)
+        return VerifyOutput(proposals, windows, out.routed_ids, accepted, start_ns, t0, t1, time.perf_counter())

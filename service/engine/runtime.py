@@ -1,0 +1,71 @@
+"""What a step needs, in one object: the models, their caches, the features the draft head reads,
+the adaptive state, the step clock and the record settings.
+
+`Engine` builds one `Runtime` at start-up and hands it to the scheduler, which hands it to the model
+runner and the drafters. Nothing here knows about requests, threads or the server: the scheduler
+decides which sequences run, the model runner runs them on this, step_records describes what ran.
+
+Shape legend: S slots (the scheduler's batch places), C context positions, H hidden size.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from service.engine.kernels.head import HeadWeights
+from service.engine.model.draft_head import DraftHead
+from service.engine.model.ragged import KVCache
+from service.engine.model.transformer import Transformer
+from service.engine.spec.adaptive.state import AdaptiveState
+from service.engine.step_records import StepRecords
+
+__all__ = ["Runtime", "StepClock"]
+
+
+class StepClock:
+    """The unit of `decode_step_equivalents`: the median of the recent plain (one-position, one
+    request) verify passes, so it follows the machine's current speed; the start-up calibration
+    until there are 8 (a busy CPU at start-up would distort a fixed unit)."""
+
+    def __init__(self, calibrated_seconds: float, recent: int = 64):
+        self.calibrated_seconds = calibrated_seconds
+        self._plain_steps: deque[float] = deque(maxlen=recent)
+
+    def observe_plain_step(self, seconds: float) -> None:
+        self._plain_steps.append(seconds)
+
+    def decode_step_seconds(self) -> float:
+        if len(self._plain_steps) < 8:
+            return self.calibrated_seconds
+        return statistics.median(self._plain_steps)
+
+
+@dataclass
+class Runtime:  # (not frozen: a test makes another token the EOS)
+    target: Transformer
+    target_cache: KVCache  # S slots of C positions
+    draft: Transformer | DraftHead | None  # a dense draft model, the draft head, or none (n-gram only)
+    draft_cache: KVCache | None
+    # [S, C, H] the target's features per slot and position: what the draft head's catch-up reads
+    # (None without a head).
+    target_features: torch.Tensor | None
+    head_chain: HeadWeights | None  # the head's drafting chain in one C call (None: the torch rounds run)
+    adaptive: AdaptiveState
+    clock: StepClock
+    records: StepRecords
+    ngram_sizes: tuple[int, int]  # (shortest, longest) n-gram the n-gram drafter matches
+    eos_id: int | None
+    decode: Callable[[list[int]], str]  # token ids -> text (the tokenizer's, special tokens skipped)
+
+    @property
+    def draft_is_head(self) -> bool:
+        return isinstance(self.draft, DraftHead)
+
+    @property
+    def num_layers(self) -> int:
+        return self.target.cfg.num_hidden_layers
