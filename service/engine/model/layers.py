@@ -26,7 +26,7 @@ from service.engine.model.config import ModelConfig
 from service.engine.model.ragged import KVCache, RaggedBatch
 
 # Windows up to this many positions run every expert of the union on every position (a few
-# batched matmuls, cost ~ U), or the fused kernel (kernels.py) when the model has one; longer ones
+# batched matmuls, cost ~ U), or the fused kernel (kernels/library.py) when the model has one; longer ones
 # (prefill, training) gather the tokens of each expert.
 UNION_WINDOW_MAX = 16
 # The fused MoE block reads each touched expert once per call and computes every position on its own,

@@ -4,7 +4,7 @@ Contract:
 - `weights.py` builds it from and saves it to the per-expert hub layout that transformers and
   SGLang load; its layers are in `layers.py`, its batches and caches in `ragged.py`, and what only
   training runs (the cache-free forward, the load-balancing loss, initialisation) in
-  `model_training.py`.
+  `training.py`.
 - `forward(tokens, start)` runs a window of w consecutive positions starting at `start`, writes
   their keys/values into the static cache at those positions and attends to everything before.
   `forward_ragged(tokens, batch)` does the same for the windows of several sequences in one pass
@@ -12,12 +12,12 @@ Contract:
 - Each MoE layer reports the routed top-m expert ids of every position in the window, so the
   caller can count the distinct experts a verification pass touched (the union).
 - `fuse_for_inference(kernels)` selects the fast step: on CPU, every pass runs each layer's attention
-  sub-block in one kernel call (attention_kernel.py: no padding, no mask, every token at its own slot
+  sub-block in one kernel call (kernels/attention.py: no padding, no mask, every token at its own slot
   and position; prefill passes too), passes of up to kernel_window_max positions the MoE block too
-  (the whole layer loop is then one call, decoder_kernel.py; for the dense draft up to 16 positions),
-  windows of up to UNION_WINDOW_MAX the MLPs and the output layer too (kernels.py); in all of them
+  (the whole layer loop is then one call, kernels/decoder.py; for the dense draft up to 16 positions),
+  windows of up to UNION_WINDOW_MAX the MLPs and the output layer too (kernels/library.py); in all of them
   each position's result does not depend on the rest of its pass; `math="bf16"` runs their matrix
-  products in bf16 arithmetic (packed.py), still row by row. Without kernels, the eager step.
+  products in bf16 arithmetic (kernels/packed.py), still row by row. Without kernels, the eager step.
 
 Shape legend: w window positions, N tokens of a ragged pass, B sequences in it, R logit rows,
 H hidden, L layers, m experts per token, V vocabulary, S cache length, D head dim.
@@ -98,7 +98,7 @@ class Transformer(nn.Module):
         self.kernel_window_max = kernel_window_max
         self.kernel_threads = kernel_threads
         self.fused_attention = kernels is not None and fused_attention
-        # Every layer's attention and MLP fused: the whole layer loop is one call (decoder_kernel.py), for
+        # Every layer's attention and MLP fused: the whole layer loop is one call (kernels/decoder.py), for
         # the passes the per-layer MLP would run in its kernel (MoE: kernel_window_max, dense: 16 positions).
         self.decoder_stack = DecoderStack(self.layers, self.cfg.is_moe) if self.fused_attention else None
         self.decoder_stack_max = kernel_window_max if self.cfg.is_moe else UNION_WINDOW_MAX

@@ -107,7 +107,7 @@ def test_greedy_batched_engine_gives_the_reference_tokens(engine, target, prompt
     near_ties = compared = accepted = 0
     for i, prompt in enumerate(prompts):
         for k in DRAFT_LENGTHS:
-            expected = reference.generate(target, propose, prompt, k, GREEDY, MAX_NEW, engine.eos_id,
+            expected = reference.generate(target, propose, prompt, k, GREEDY, MAX_NEW, engine.runtime.eos_id,
                                           torch.Generator().manual_seed(0))
             result = greedy_engine_runs[i, drafter, k]
             assert result.spec.drafted_tokens > 0, "nothing was drafted: the speculative path went untested"
