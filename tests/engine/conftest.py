@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from service.engine.kernels import library as kernels
-from tests.support.kernel_cases import AD, AH, AHID, AK, IS, E, H, I
+from tests.support.kernel_cases import AD, AH, AHID, AK, AVX2, AVX512_WITHOUT_BF16, IS, PORTABLE, E, H, I, cpu_has
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,8 @@ def kb(request, k, tmp_path_factory) -> kernels.Kernels:
     """This CPU's build (VDPBF16PS where it has it), AVX-512 emulating it with FMAs, and portable C."""
     if request.param == "native":
         return k
-    flag = "-mno-avx512bf16" if request.param == "avx512-without-bf16" else "-mno-avx512f"
-    built = kernels.build(cache_dir=tmp_path_factory.mktemp(request.param), extra_flags=(flag,))
+    flags = AVX512_WITHOUT_BF16 if request.param == "avx512-without-bf16" else PORTABLE
+    built = kernels.build(cache_dir=tmp_path_factory.mktemp(request.param), extra_flags=flags)
     assert built is not None and not built.bf16_dot_native
     return built
 
@@ -53,12 +53,16 @@ def pool(request, k):
 
 
 # ------------------------------------------------------------------------------- attention sub-block
-@pytest.fixture(scope="module", params=["native", "portable"])
+@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
 def ka(request, k, tmp_path_factory) -> kernels.Kernels:
-    """The library as built for this CPU, and its portable C (no AVX-512) as a CPU without it runs."""
+    """The library as built for this CPU, its AVX2 build (where the CPU runs it) and its portable C,
+    as CPUs without AVX-512 (or AVX2) run them."""
     if request.param == "native":
         return k
-    built = kernels.build(cache_dir=tmp_path_factory.mktemp("portable"), extra_flags=("-mno-avx512f",))
+    if request.param == "avx2" and not (cpu_has("avx2") and cpu_has("fma")):
+        pytest.skip("this CPU does not run AVX2 with FMA")
+    flags = AVX2 if request.param == "avx2" else PORTABLE
+    built = kernels.build(cache_dir=tmp_path_factory.mktemp(request.param), extra_flags=flags)
     assert built is not None
     return built
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from service.engine.kernels import c_build
 from service.engine.kernels import library as kernels
 from service.engine.kernels.packed import PackedWeight
 
@@ -124,3 +125,18 @@ def run_attention(ka, w, x, positions, slots, k_cache, v_cache, pool=None, kv_on
 # three slots with different starts and lengths (one of them a prefill from position 0).
 PASSES = {"first-position": [(0, 0, 1)], "second-position": [(1, 1, 1)], "long-prefix": [(2, 19, 5)],
           "ragged": [(2, 7, 3), (0, 0, 6), (1, 15, 1)]}
+
+# The builds a CPU may get, as flags after the native ones: portable C (no AVX-512 tiles, no AVX2 or
+# FMA for the compiler to vectorise with), AVX2 with FMA (the portable loops, vectorised by the
+# compiler), AVX-512 without its bf16 instructions.
+PORTABLE = c_build.PORTABLE_FLAGS
+AVX2 = ("-mno-avx512f",)
+AVX512_WITHOUT_BF16 = ("-mno-avx512bf16",)
+
+
+def cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False

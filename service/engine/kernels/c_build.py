@@ -25,6 +25,10 @@ from service.engine.kernels import cache as kernel_cache
 from service.engine.kernels import csrc
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-pthread")
+# After FLAGS: the code without the AVX-512 tiles it picks by itself, and without AVX2 or FMA
+# instructions for the compiler to vectorise with, as a CPU without any runs it (the kernels' tests
+# hold every build to the same bits).
+PORTABLE_FLAGS = ("-mno-avx512f", "-mno-avx2", "-mno-fma")
 
 T = TypeVar("T")
 
@@ -45,7 +49,7 @@ def build_library(unity: str, load: Callable[[Path], T], cache_dir: Path | None 
                   compiler: str | None = None, extra_flags: tuple[str, ...] = ()) -> T:
     """load(path) of csrc/<unity> compiled (or reused from the cache). cache_dir defaults to
     ~/.cache/moespec/kernels, compiler to `cc` on the PATH; extra_flags go after FLAGS (tests build the
-    portable code with `-mno-avx512f`). Raises NoCompiler, or OSError / subprocess.SubprocessError
+    portable code with PORTABLE_FLAGS). Raises NoCompiler, or OSError / subprocess.SubprocessError
     when the build fails."""
     flags = (*FLAGS, *extra_flags)
     compiler = find_compiler(compiler)

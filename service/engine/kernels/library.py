@@ -246,7 +246,7 @@ def build(cache_dir: Path | None = None, compiler: str | None = None,
     """Compile (or reuse) the library and load it; None, with one warning, when it cannot be built.
 
     cache_dir defaults to ~/.cache/moespec/kernels, compiler to `cc` on the PATH; extra_flags go after
-    the default flags (tests build the portable code with `-mno-avx512f`).
+    the default flags (tests build the portable code with c_build.PORTABLE_FLAGS).
     """
     try:
         return c_build.build_library("unity_kernels.c", Kernels, cache_dir, compiler, extra_flags)

@@ -1,6 +1,6 @@
 """The C of service/engine/kernels/csrc compiles warning-free, with the project's own flags plus -Wall
--Wextra -Werror, in each build the engine can pick (AVX-512 with and without its bf16 instructions, and
-portable C; on x86 the AVX-512 code is compiled even where this CPU has none): each library as the
+-Wextra -Werror, in each build the engine can pick (AVX-512 with and without its bf16 instructions,
+AVX2 with FMA, and portable C; on x86 the AVX-512 code is compiled even where this CPU has none): each library as the
 build compiles it (its unity file, one compiler call), and every file and header alone (each
 includes what it uses)."""
 
@@ -14,13 +14,15 @@ from pathlib import Path
 import pytest
 
 from service.engine.kernels import c_build, csrc
+from tests.support.kernel_cases import PORTABLE
 
 COMPILER = shutil.which("cc") or shutil.which("gcc")
 WARNINGS = ("-Wall", "-Wextra", "-Werror")
 UNITY_FILES = ("unity_kernels.c", "unity_probe.c")
-BUILDS = {"native": (), "avx512-without-bf16": ("-mno-avx512bf16",), "portable": ("-mno-avx512f",)}
+BUILDS = {"native": (), "avx512-without-bf16": ("-mno-avx512bf16",), "portable": PORTABLE}
 if platform.machine() in ("x86_64", "AMD64"):
-    BUILDS |= {"avx512": ("-march=x86-64-v4",), "avx512-bf16": ("-march=x86-64-v4", "-mavx512bf16")}
+    BUILDS |= {"avx2": ("-march=x86-64-v3",), "avx512": ("-march=x86-64-v4",),
+               "avx512-bf16": ("-march=x86-64-v4", "-mavx512bf16")}
 
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C compiler on the PATH: the engine runs its eager step")
 

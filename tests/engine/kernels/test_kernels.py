@@ -98,6 +98,20 @@ def test_tensors_the_kernel_cannot_read_safely_are_refused_with_the_reason(k, ex
         k.swiglu_experts(x, PackedWeight.pack(gate_up), packed_down, ids, weights, out, False)
 
 
+def test_the_products_give_bitwise_the_same_result_on_every_build(ka, k):
+    """Every build runs each output of a product as one fused multiply-add chain over k from 0 (kernels.h):
+    the AVX-512 tiles, the loops as the compiler vectorises them for AVX2 and as scalar code agree to the
+    bit, for every tile height (1-4 rows and their sums) and a last panel of 203 - 192 = 11 columns (a
+    partial vector), on float32 and on bf16 panels."""
+    g = torch.Generator().manual_seed(41)
+    lm = torch.randn(203, H, generator=g)
+    for bf16 in (False, True):
+        weight = PackedWeight.pack(bf16_values(lm) if bf16 else lm, bf16)
+        for rows in range(1, 10):
+            x = torch.randn(rows, H, generator=g)
+            assert torch.equal(ka.linear(x, weight), k.linear(x, weight)), (bf16, rows)
+
+
 def test_bf16_panels_give_bitwise_the_float32_panels_result_for_weights_that_are_bf16_values(ka, block_weights):
     """Weights holding bf16 values (the shipped checkpoint's) are stored as bf16 panels and widened
     exactly on load: the MoE block, the experts, the output layer and attention give bitwise the fp32
