@@ -27,11 +27,11 @@ import logging
 import math
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from opentelemetry.context import create_key, get_value, set_value
 from opentelemetry.context.context import Context
-from opentelemetry.metrics import Histogram
+from opentelemetry.metrics import Histogram, Meter
 from opentelemetry.sdk.metrics import Histogram as SdkHistogram
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics._internal.aggregation import _ExplicitBucketHistogramAggregation
@@ -117,25 +117,40 @@ class BatchedHistogram:
         self._histogram.record(0, attributes, context=set_value(_VALUES_KEY, tuple(values), Context()))
 
 
-def batching_works() -> bool:
-    """Does this SDK aggregate a batch exactly as it would the values one by one? Checked once per
-    Telemetry on a throwaway provider (milliseconds), never on the request path."""
-    values, bounds = (3, 0.5, 7, 2, -1.0, math.nan), (1.0, 3.0)  # the last two are dropped, as by record()
+def sdk_probe(what: str, check: Callable[[Meter, Callable[[], dict]], bool], fallback: str) -> bool:
+    """Does this SDK do `what`? `check(meter, collect)` on a throwaway provider (milliseconds, once per
+    Telemetry, never on the request path); collect() -> {metric name: its first data point}. False,
+    with one warning saying `fallback`, when the check fails or raises."""
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader], views=[histogram_view("probe")], shutdown_on_exit=False)
+
+    def collect() -> dict:
+        return {m.name: m.data.data_points[0] for rm in reader.get_metrics_data().resource_metrics
+                for sm in rm.scope_metrics for m in sm.metrics if m.data.data_points}
+
     try:
-        histogram = provider.get_meter("probe").create_histogram("probe", explicit_bucket_boundaries_advisory=bounds)
-        BatchedHistogram(histogram, batched=True).record(values, {"k": "v"})
-        (metric,) = [m for rm in reader.get_metrics_data().resource_metrics
-                     for sm in rm.scope_metrics for m in sm.metrics]
-        (point,) = metric.data.data_points
-        ok = (tuple(point.bucket_counts), point.sum, point.count, point.min, point.max) == ((1, 2, 1), 12.5, 4, 0.5, 7)
+        ok = check(provider.get_meter("probe"), collect)
     except Exception:
-        logger.debug("batched histogram probe raised", exc_info=True)
+        logger.debug("telemetry probe (%s) raised", what, exc_info=True)
         ok = False
     finally:
         provider.shutdown()
     if not ok:
-        logger.warning("telemetry: this OpenTelemetry SDK does not take batched histogram values; "
-                       "recording every value on its own (same metrics, more CPU per request)")
+        logger.warning("telemetry: this OpenTelemetry SDK does not %s; %s", what, fallback)
     return ok
+
+
+def batching_works() -> bool:
+    """Does this SDK aggregate a batch exactly as it would the values one by one?"""
+    values, bounds = (3, 0.5, 7, 2, -1.0, math.nan), (1.0, 3.0)  # the last two are dropped, as by record()
+
+    def check(meter: Meter, collect: Callable[[], dict]) -> bool:
+        BatchedHistogram(meter.create_histogram("probe", explicit_bucket_boundaries_advisory=bounds),
+                         batched=True).record(values, {"k": "v"})
+        got = collect()
+        point = got.get("probe")
+        return set(got) == {"probe"} and (tuple(point.bucket_counts), point.sum, point.count, point.min,
+                                          point.max) == ((1, 2, 1), 12.5, 4, 0.5, 7)
+
+    return sdk_probe("take batched histogram values", check,
+                     "recording every value on its own (same metrics, more CPU per request)")

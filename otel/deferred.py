@@ -25,11 +25,9 @@ import threading
 from collections.abc import Sequence
 
 from opentelemetry.metrics import CallbackOptions, Counter, Meter, Observation
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.util.types import Attributes
 
-from otel.aggregate import BatchedHistogram, histogram_view
+from otel.aggregate import BatchedHistogram, sdk_probe
 
 logger = logging.getLogger(__name__)
 
@@ -132,26 +130,15 @@ class DeferredCounter:
 
 
 def deferral_works() -> bool:
-    """Does a collection see what was deferred before it, and export no point of its own? Checked
-    once per Telemetry on a throwaway provider (milliseconds), never on the request path."""
-    reader = InMemoryMetricReader()
-    provider = MeterProvider(metric_readers=[reader], views=[histogram_view("probe")], shutdown_on_exit=False)
-    try:
-        meter = provider.get_meter("probe")
+    """Does a collection see what was deferred before it, and export no point of its own?"""
+    def check(meter: Meter, collect) -> bool:
         deferred = DeferredMeasurements(meter)
         histogram = BatchedHistogram(meter.create_histogram("h", explicit_bucket_boundaries_advisory=[1.0]), True)
         deferred.histogram(histogram).record([0.5, 2.0], {"k": "v"})
         deferred.counter(meter.create_counter("c")).add(3, {"k": "v"})
-        got = {m.name: m.data.data_points[0] for rm in reader.get_metrics_data().resource_metrics
-               for sm in rm.scope_metrics for m in sm.metrics if m.data.data_points}
-        ok = (set(got) == {"h", "c"} and tuple(got["h"].bucket_counts) == (1, 1) and got["h"].sum == 2.5
-              and got["c"].value == 3)
-    except Exception:
-        logger.debug("deferred metrics probe raised", exc_info=True)
-        ok = False
-    finally:
-        provider.shutdown()
-    if not ok:
-        logger.warning("telemetry: this OpenTelemetry SDK does not flush deferred values at collection; "
-                       "recording metric values on the request's thread (same metrics, more CPU per request)")
-    return ok
+        got = collect()
+        return (set(got) == {"h", "c"} and tuple(got["h"].bucket_counts) == (1, 1) and got["h"].sum == 2.5
+                and got["c"].value == 3)
+
+    return sdk_probe("flush deferred values at collection", check,
+                     "recording metric values on the request's thread (same metrics, more CPU per request)")
