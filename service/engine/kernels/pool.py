@@ -28,14 +28,16 @@ import weakref
 from dataclasses import dataclass
 
 
-def bind(lib: ctypes.CDLL) -> None:
-    """Declare the pool's C functions on the loaded library."""
+def load(library_path) -> ctypes.CDLL:
+    """A built library (kernels or probes: both carry the pool's C), with the pool's functions declared."""
+    lib = ctypes.CDLL(str(library_path))
     lib.kernel_pool_create.argtypes = [ctypes.c_int64, ctypes.c_int64]
     lib.kernel_pool_create.restype = ctypes.c_void_p
     lib.kernel_pool_workers.argtypes = [ctypes.c_void_p]
     lib.kernel_pool_workers.restype = ctypes.c_int64
     lib.kernel_pool_destroy.argtypes = [ctypes.c_void_p]
     lib.kernel_pool_destroy.restype = None
+    return lib
 
 
 class KernelPool:

@@ -25,8 +25,7 @@ class Probes:
 
     def __init__(self, library_path: Path):
         self.path = library_path
-        lib = ctypes.CDLL(str(library_path))
-        kernel_pool.bind(lib)
+        lib = kernel_pool.load(library_path)
         self._lib = lib
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._read = lib.probe_read
