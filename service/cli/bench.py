@@ -5,6 +5,8 @@
                               length x draft temperature, draft and verify cost in plain decode steps
     moespec bench server      gRPC overhead vs in-process, throughput and latency at concurrency 1/4/16/32,
                               policies x concurrency under continuous batching (cost per token, batch union)
+    moespec bench step        a plain decode step through `moespec serve` and in-process: the verify pass against
+                              the whole step (the work outside the forward)
     moespec bench telemetry   throughput with telemetry off / live receiver / unreachable endpoint
     moespec bench tuner       exhaustive policy grid vs the tuner's pick on the same workload
     moespec bench fleet       one tuner worker vs one per replica on a shared PostgreSQL study: wall time, pick
@@ -28,6 +30,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "engine": ("service.bench.engine", "the embedded engine: every policy vs plain decoding and transformers"),
     "draft": ("service.bench.draft", "the drafters through moespec serve, greedy and sampled, interleaved"),
     "server": ("service.bench.server", "the gRPC server: overhead vs in-process, load at several concurrencies"),
+    "step": ("service.bench.step", "plain decode: the verify pass against the whole step, served and in-process"),
     "telemetry": ("service.bench.telemetry", "throughput with telemetry off, on, and with an unreachable endpoint"),
     "tuner": ("service.bench.tuner", "exhaustive grid vs the tuner's pick"),
     "fleet": ("service.bench.fleet", "one tuner worker vs one per replica on one PostgreSQL study"),

@@ -1,0 +1,98 @@
+"""Where a plain decode step's time goes: the verify pass against the whole step, through `moespec serve`
+at its defaults (one client, unary calls) and in-process.
+
+A plain step is one verify pass (the target's forward over one token and the verdict: its argmax) plus
+everything the engine does around it: the scheduler's iteration, the step and pass records, the
+commit. Both figures come from the engine's own clocks, so transport is left out:
+- the step: a request's decode time over its decode steps, (seconds - time to first token) / (tokens
+  - 1), from the reply (served) or the result (in-process);
+- the verify pass: the steps' summed verify seconds over their count (`SpecStats`).
+Work outside the forward is then 1 - verify / step. The two paths run interleaved, the order swapped
+every round, on the same greedy requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from service.bench.engine import load_prompts
+from service.bench.server import ServeProcess
+from service.errors import UsageError
+from service.types import DraftPolicy, GenerationRequest, SamplingParams
+
+PATHS = ("served", "in_process")
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    path: str
+    round: int
+    step_us: float  # median over the requests of decode seconds per decode step
+    verify_us: float  # median over the requests of verify seconds per verify step
+
+    @property
+    def outside_share(self) -> float:
+        return 1 - self.verify_us / self.step_us
+
+
+def split(path: str, round_: int, results: list) -> StepSplit:
+    """results: replies or GenerationResults (both carry seconds, time_to_first_token, token ids, spec)."""
+    steps = [(r.seconds - r.time_to_first_token) / (len(r.token_ids) - 1) for r in results]
+    verify = [r.spec.verify_seconds / r.spec.verify_steps for r in results]
+    return StepSplit(path, round_, 1e6 * statistics.median(steps), 1e6 * statistics.median(verify))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", type=int, default=8, help="how many shipped held-out prompts per round")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="write step.json here")
+
+
+def run(args: argparse.Namespace) -> int:
+    if min(args.prompts, args.rounds) < 1 or args.max_new_tokens < 2:
+        raise UsageError("--prompts and --rounds must be >= 1, --max-new-tokens >= 2 (a decode step follows "
+                         "the first token)")
+    from service.engine import Engine, EngineConfig
+    from service.server.client import MoespecClient
+
+    requests = [GenerationRequest(prompt=p[-400:], max_new_tokens=args.max_new_tokens,
+                                  sampling=SamplingParams(temperature=0)) for p in load_prompts(args.prompts)]
+    plain, rows = DraftPolicy(), []
+    engine = Engine(EngineConfig())  # the server's defaults, in this process
+    try:
+        with ServeProcess(["--port", "0"]) as address, MoespecClient(address) as client:
+            client.wait_ready(timeout=120)
+            runs = {"served": lambda: [client.generate(r, timeout=600) for r in requests],
+                    "in_process": lambda: [engine.generate(r, plain) for r in requests]}
+            for run_ in runs.values():  # warm-up: first calls pay one-off costs
+                run_()
+            for round_ in range(args.rounds):
+                for path in (PATHS if round_ % 2 == 0 else PATHS[::-1]):
+                    rows.append(split(path, round_, runs[path]()))
+    finally:
+        engine.close()
+    print(markdown(rows, args))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "step.json").write_text(json.dumps([asdict(r) | {"outside_share": r.outside_share}
+                                                        for r in rows], indent=2) + "\n")
+    return 0
+
+
+def markdown(rows: list[StepSplit], args: argparse.Namespace) -> str:
+    def fmt(values: list[float], digits: int) -> str:
+        return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
+
+    lines = [f"Plain greedy decoding, one request at a time (`moespec bench step --prompts {args.prompts} "
+             f"--max-new-tokens {args.max_new_tokens} --rounds {args.rounds}`; median [min, max] over rounds)", "",
+             "| path | decode step us | verify pass us (forward + verdict) | work outside the verify pass |", "|---|---:|---:|---:|"]
+    for path in PATHS:
+        mine = [r for r in rows if r.path == path]
+        lines.append(f"| {path.replace('_', '-')} | {fmt([r.step_us for r in mine], 1)} | "
+                     f"{fmt([r.verify_us for r in mine], 1)} | {fmt([r.outside_share for r in mine], 3)} |")
+    return "\n".join(lines) + "\n"

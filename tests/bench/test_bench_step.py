@@ -1,0 +1,42 @@
+"""`moespec bench step` on a real `moespec serve` and an in-process engine: every round of both paths
+splits a decode step into its verify pass and the rest, from the engine's own clocks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from service.bench import step
+from service.errors import UsageError
+
+
+def test_each_round_of_both_paths_splits_a_step_into_its_verify_pass_and_the_rest(tmp_path, capsys):
+    args = argparse.Namespace(prompts=2, max_new_tokens=24, rounds=2, out=tmp_path)
+    assert step.run(args) == 0
+    rows = json.loads((tmp_path / "step.json").read_text())
+    # interleaved: each round runs both paths, the first round served first, the second in-process first
+    assert [(r["round"], r["path"]) for r in rows] == [(0, "served"), (0, "in_process"), (1, "in_process"),
+                                                       (1, "served")]
+    for r in rows:  # a step holds its verify pass and more (the scheduler, the records, the commit)
+        assert 0 < r["verify_us"] < r["step_us"] and 0 < r["outside_share"] < 1
+    assert "work outside the verify pass" in capsys.readouterr().out
+
+
+def test_the_split_reads_the_decode_steps_not_the_prefill():
+    """(seconds - time to first token) over the steps after the first token; verify over verify steps."""
+    class Spec:
+        verify_seconds, verify_steps = 0.006, 3
+
+    class Result:
+        seconds, time_to_first_token, token_ids, spec = 0.012, 0.004, (1, 2, 3, 4, 5), Spec
+
+    row = step.split("served", 0, [Result])
+    assert row.step_us == pytest.approx(2000) and row.verify_us == pytest.approx(2000 * 1.0)
+    assert row.outside_share == pytest.approx(0.0)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(UsageError, match="--max-new-tokens"):
+        step.run(argparse.Namespace(prompts=1, max_new_tokens=1, rounds=1, out=None))
