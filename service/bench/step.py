@@ -90,7 +90,8 @@ def markdown(rows: list[StepSplit], args: argparse.Namespace) -> str:
 
     lines = [f"Plain greedy decoding, one request at a time (`moespec bench step --prompts {args.prompts} "
              f"--max-new-tokens {args.max_new_tokens} --rounds {args.rounds}`; median [min, max] over rounds)", "",
-             "| path | decode step us | verify pass us (forward + verdict) | work outside the verify pass |", "|---|---:|---:|---:|"]
+             "| path | decode step us | verify pass us (forward + verdict) | work outside the verify pass |",
+             "|---|---:|---:|---:|"]
     for path in PATHS:
         mine = [r for r in rows if r.path == path]
         lines.append(f"| {path.replace('_', '-')} | {fmt([r.step_us for r in mine], 1)} | "
