@@ -144,20 +144,21 @@ class Kernels:
         return None if kv_only else out
 
     def decoder_layers(self, stack: DecoderStack, where: AttentionPass, x: torch.Tensor, last_mlp: bool,
-                       attention_pool: KernelPool | None = None,
-                       moe_pool: KernelPool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       attention_pool: KernelPool | None = None, moe_pool: KernelPool | None = None,
+                       overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [N, H] (the embedded tokens) -> (hidden states after every layer [N, H], routed ids
         [L, N, m]) in one call (see decoder.py), writing each layer's keys and values; the
         calls inside split over the pools' threads as the per-layer calls would. Without last_mlp (a
         prefill) the last layer only writes its keys and values: the states are then the last but
-        one layer's and the ids [L - 1, N, m]."""
+        one layer's and the ids [L - 1, N, m]. overwrite: the layers run in x itself (returned as the
+        states) instead of a copy, for a caller that has no other use for it."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape != (where.n, stack.H) or not x.is_contiguous() \
                 or not x.is_cpu:
             raise ValueError(f"decoder_layers: x must be a contiguous float32 CPU tensor [{where.n}, {stack.H}]")
         if (where.layers, where.K, where.D) != (stack.L, *stack.kv):
             raise ValueError(f"decoder_layers: the cache holds {where.layers} layers of {where.K} kv heads of "
                              f"{where.D}, the model {stack.L} of {stack.kv[0]} of {stack.kv[1]}")
-        out = x.clone()
+        out = x if overwrite else x.clone()
         ids = torch.empty(stack.L, where.n, stack.m, dtype=torch.long)  # [L, N, 0] for a dense model
         rope_cos, rope_sin, positions, slots, k_cache, v_cache, S = where.args(0)
         status = self._decoder(out.data_ptr(), where.n, stack.H, stack.L, ctypes.addressof(stack.array),
