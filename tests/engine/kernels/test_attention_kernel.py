@@ -123,9 +123,9 @@ def test_every_pass_takes_the_attention_kernel_once_per_layer_unless_fused_atten
             calls.append(args[2])  # the layer
             return super().attention_block(*args)
 
-        def decoder_layers(self, *args):
+        def decoder_layers(self, *args, **kwargs):
             calls.append("all layers")
-            return super().decoder_layers(*args)
+            return super().decoder_layers(*args, **kwargs)
 
     counting = Counting(k.path)
     ids = torch.randint(1, 4000, (32,), generator=torch.Generator().manual_seed(5))
