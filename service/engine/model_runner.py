@@ -43,16 +43,13 @@ class PrefillChunk:
 class VerifyOutput:
     proposals: list[Proposal]  # [B] each sequence's drafts
     windows: list[list[int]]  # [B] each window's tokens: [last committed token, drafts...]
+    lengths: list[int]  # [B] each window's length
     routed: torch.Tensor  # [L, N, m] the routed ids of every position of the pass
     accepted: PassVerdicts
     start_ns: int  # wall clock at the start of drafting
     drafting_started: float  # perf_counter at the start of drafting
     verify_started: float  # perf_counter at the start of the target pass (drafting's end)
     verify_ended: float  # perf_counter after the verdicts
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(w) for w in self.windows]
 
     @property
     def draft_seconds(self) -> float:
@@ -108,4 +105,5 @@ class ModelRunner:
         if rt.draft_is_head and any(uses_head(s) for s in seqs):  # what the head's next catch-up reads
             rt.target_features[batch.token_slot, batch.positions] = out.features
         accepted = accept_pass(seqs, proposals, out.logits, lengths)
-        return VerifyOutput(proposals, windows, out.routed_ids, accepted, start_ns, t0, t1, time.perf_counter())
+        return VerifyOutput(proposals, windows, lengths, out.routed_ids, accepted, start_ns, t0, t1,
+                            time.perf_counter())
