@@ -27,11 +27,21 @@ def forward_train(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tenso
 def features_train(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [B, T] -> (final hidden states after the norm [B, T, H]: what the output layer and a
     draft head read, load-balancing loss); no cache."""
+    features, balance, _ = features_and_aux_train(model, tokens, ())
+    return features, balance
+
+
+def features_and_aux_train(model: Transformer, tokens: torch.Tensor, aux_layer_ids: tuple[int, ...]
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """features_train's outputs and the residual stream after each layer in `aux_layer_ids` (its
+    output, pre-norm), concatenated in ascending layer order [B, T, len(ids) * H]: what an EAGLE-3
+    draft reads (None when no ids)."""
     B, T = tokens.shape
+    captured = []
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
     x = model.embed_tokens(tokens)  # [B, T, H]
     balance = x.new_zeros(())
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         x = x + layer.self_attn(layer.input_layernorm(x), cos, sin)
         h = layer.post_attention_layernorm(x).reshape(B * T, -1)
         if model.cfg.is_moe:
@@ -40,7 +50,10 @@ def features_train(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tens
         else:
             h = layer.mlp(h)
         x = x + h.view(B, T, -1)
-    return model.norm(x), balance / max(1, len(model.layers))
+        if i in aux_layer_ids:
+            captured.append(x)
+    aux = torch.cat(captured, dim=-1) if captured else None
+    return model.norm(x), balance / max(1, len(model.layers)), aux
 
 
 def load_balancing_loss(router_logits: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
