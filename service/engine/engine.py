@@ -38,6 +38,7 @@ from service.engine.kernels.library import build as build_kernels
 from service.engine.kernels.packed import MATHS
 from service.engine.kernels.pool import ONE_THREAD, KernelPool, KernelThreads
 from service.engine.model.draft_head import is_head_dir, load_head
+from service.engine.model.eagle3 import check_aux_layer_ids, is_eagle3_dir, load_eagle3
 from service.engine.model.layers import KERNEL_WINDOW_MAX
 from service.engine.model.ragged import KVCache
 from service.engine.model.weights import DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, load_for_inference
@@ -118,8 +119,11 @@ class Engine:
                                          fused_attention=config.fused_attention, kernel_threads=self.kernel_threads,
                                          math=self.math)
         draft_is_head = bool(config.draft_dir) and is_head_dir(config.draft_dir)
+        draft_is_eagle3 = bool(config.draft_dir) and is_eagle3_dir(config.draft_dir)
         if draft_is_head:
             self.draft = load_head(config.draft_dir, kernels=kernels, kernel_threads=self.kernel_threads)
+        elif draft_is_eagle3:
+            self.draft = load_eagle3(config.draft_dir)
         else:
             self.draft = load_for_inference(config.draft_dir, kernels=kernels, fused_attention=config.fused_attention,
                                             kernel_threads=self.kernel_threads) if config.draft_dir else None
@@ -132,12 +136,21 @@ class Engine:
             raise ValueError("draft and target vocabularies differ")
         if draft_is_head and self.draft.cfg.hidden_size != cfg.hidden_size:
             raise ValueError(f"{config.draft_dir}: the draft head's hidden size differs from the target's")
+        if draft_is_eagle3:
+            if self.draft.cfg.target_hidden_size != cfg.hidden_size or self.draft.cfg.hidden_size != cfg.hidden_size:
+                raise ValueError(f"{config.draft_dir}: the EAGLE-3 draft's hidden sizes differ from the target's "
+                                 "(it embeds with the target's table)")
+            try:
+                check_aux_layer_ids(self.draft.cfg.aux_layer_ids, cfg.num_hidden_layers)
+            except ValueError as error:
+                raise ValueError(f"{config.draft_dir}: {error}") from None
         self.max_context = min(config.max_context or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if config.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {config.max_batch}")
         # Static caches, one slot per batch place, sized for the context; a window never writes past it.
         target_cache = KVCache(cfg, self.max_context, slots=config.max_batch)
-        draft_cache = KVCache(self.draft.cfg, self.max_context, slots=config.max_batch) if self.draft else None
+        draft_cache = (self.draft.new_cache(self.max_context, slots=config.max_batch) if draft_is_eagle3
+                       else KVCache(self.draft.cfg, self.max_context, slots=config.max_batch) if self.draft else None)
         self.decode_step_seconds = self._calibrate_decode_step(target_cache)
         self.info = self._model_info()
         # What the server checks before any work (service/limits.py): context and prompt bytes.
@@ -153,7 +166,9 @@ class Engine:
             draft=self.draft,
             draft_cache=draft_cache,
             target_features=(torch.zeros(config.max_batch, self.max_context, cfg.hidden_size)
-                             if draft_is_head else None),
+                             if draft_is_head else
+                             torch.zeros(config.max_batch, self.max_context, self.draft.fc.in_features)
+                             if draft_is_eagle3 else None),
             head_chain=(self.draft.chain_weights(self.target.embed_tokens.weight, draft_cache)
                         if draft_is_head else None),
             adaptive=AdaptiveState(cfg.num_experts, cfg.num_experts_per_tok, self.decode_step_seconds),

@@ -70,8 +70,10 @@ class ModelRunner:
         tokens = torch.tensor([t for c in chunks for t in c.tokens()])
         batch = RaggedBatch.build([c.seq.slot for c in chunks], [c.start for c in chunks], [c.length for c in chunks])
         # A draft head reads the target's features of the prompt too (one more MLP per pass).
-        head_users = rt.draft_is_head and any(uses_head(c.seq) for c in chunks)
-        features = rt.target.fill_cache(tokens, batch, rt.target_cache, features=head_users)
+        head_users = (rt.draft_is_head or rt.draft_is_eagle3) and any(uses_head(c.seq) for c in chunks)
+        # An EAGLE-3 draft reads the captured layer outputs instead of the final features.
+        features = rt.target.fill_cache(tokens, batch, rt.target_cache, features=head_users,
+                                        capture=rt.target_capture if head_users else ())
         if features is not None:
             rt.target_features[batch.token_slot, batch.positions] = features
         self._prefill_dense_draft(chunks)
@@ -81,7 +83,7 @@ class ModelRunner:
         same prefill pass: their first step then drafts at once instead of catching up on the whole
         prompt (prefill work, timed as prefill, as llama.cpp's speculative decoding times it)."""
         rt = self.rt
-        if rt.draft is None or rt.draft_is_head:
+        if rt.draft is None or rt.draft_is_head or rt.draft_is_eagle3:
             return
         dense = [c for c in chunks if uses_head(c.seq) and c.seq.draft_valid == c.start]
         if not dense:
@@ -101,9 +103,13 @@ class ModelRunner:
         windows = [[s.ids[-1], *p.drafts] for s, p in zip(seqs, proposals, strict=True)]  # [w_b]
         lengths = [len(w) for w in windows]
         batch = RaggedBatch.build([s.slot for s in seqs], [len(s.ids) - 1 for s in seqs], lengths)
-        out = rt.target.forward_ragged(torch.tensor([t for w in windows for t in w]), batch, rt.target_cache)
+        capture = rt.target_capture if any(uses_head(s) for s in seqs) else ()
+        out = rt.target.forward_ragged(torch.tensor([t for w in windows for t in w]), batch, rt.target_cache,
+                                       capture=capture)
         if rt.draft_is_head and any(uses_head(s) for s in seqs):  # what the head's next catch-up reads
             rt.target_features[batch.token_slot, batch.positions] = out.features
+        elif capture:  # what an EAGLE-3 draft's next catch-up reads
+            rt.target_features[batch.token_slot, batch.positions] = out.aux
         accepted = accept_pass(seqs, proposals, out.logits, lengths)
         return VerifyOutput(proposals, windows, lengths, out.routed_ids, accepted, start_ns, t0, t1,
                             time.perf_counter())

@@ -19,6 +19,7 @@ import torch
 
 from service.engine.kernels.head import HeadWeights
 from service.engine.model.draft_head import DraftHead
+from service.engine.model.eagle3 import Eagle3Draft
 from service.engine.model.ragged import KVCache
 from service.engine.model.transformer import Transformer
 from service.engine.spec.adaptive.state import AdaptiveState
@@ -49,10 +50,11 @@ class StepClock:
 class Runtime:  # (not frozen: a test makes another token the EOS)
     target: Transformer
     target_cache: KVCache  # S slots of C positions
-    draft: Transformer | DraftHead | None  # a dense draft model, the draft head, or none (n-gram only)
+    # a dense draft model, the draft head, an EAGLE-3 draft, or none (n-gram only)
+    draft: Transformer | DraftHead | Eagle3Draft | None
     draft_cache: KVCache | None
-    # [S, C, H] the target's features per slot and position: what the draft head's catch-up reads
-    # (None without a head).
+    # [S, C, H] the target's features per slot and position: what the draft head's catch-up reads;
+    # for an EAGLE-3 draft [S, C, n*H], the target's captured layer outputs (None for other drafts).
     target_features: torch.Tensor | None
     head_chain: HeadWeights | None  # the head's drafting chain in one C call (None: the torch rounds run)
     adaptive: AdaptiveState
@@ -65,6 +67,15 @@ class Runtime:  # (not frozen: a test makes another token the EOS)
     @property
     def draft_is_head(self) -> bool:
         return isinstance(self.draft, DraftHead)
+
+    @property
+    def draft_is_eagle3(self) -> bool:
+        return isinstance(self.draft, Eagle3Draft)
+
+    @property
+    def target_capture(self) -> tuple[int, ...]:
+        """The target layers whose outputs the draft reads (an EAGLE-3 draft's aux layers; else none)."""
+        return self.draft.cfg.aux_layer_ids if isinstance(self.draft, Eagle3Draft) else ()
 
     @property
     def num_layers(self) -> int:

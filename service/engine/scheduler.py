@@ -231,7 +231,10 @@ class Scheduler:
             if seq.step_policy.drafter is Drafter.MODEL and k > 0:
                 # The draft cache holds the old tokens plus drafts 1..k-1. A dense draft's entries of
                 # accepted drafts stay valid; a head's read its own feature estimates, so they are redone.
-                seq.draft_valid = len(seq.ids) + (0 if rt.draft_is_head else min(n_ok, k - 1))
+                # An EAGLE-3 draft's entries run one position behind the tokens (entry p reads the target at
+                # p and token p + 1): its true entries end before the window's first token.
+                seq.draft_valid = (len(seq.ids) - 1 if rt.draft_is_eagle3
+                                   else len(seq.ids) + (0 if rt.draft_is_head else min(n_ok, k - 1)))
             record = records.step_record(seq, k, n_ok, window, ids, unique, proposal.seconds, verify_s, step_unit,
                                          pass_record, proposal.planned, overlap)
             try:

@@ -46,6 +46,8 @@ class ForwardOutput:
     logits: torch.Tensor  # [w, V]
     routed_ids: torch.Tensor | None  # [L, w, m] for MoE models
     features: torch.Tensor | None = None  # [w, H] final hidden states after the norm (what a draft head reads)
+    # [N, n*H] the residual stream after each captured layer, concatenated (what an EAGLE-3 draft reads)
+    aux: torch.Tensor | None = None
 
 
 class Transformer(nn.Module):
@@ -117,7 +119,7 @@ class Transformer(nn.Module):
         return self.forward_ragged(tokens, RaggedBatch.build([slot], [start], [tokens.shape[0]]), cache)
 
     def forward_ragged(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache,
-                       logit_rows: torch.Tensor | None = None) -> ForwardOutput:
+                       logit_rows: torch.Tensor | None = None, capture: tuple[int, ...] = ()) -> ForwardOutput:
         """tokens [N]: the windows of `batch` back to back -> logits [N, V] (or [R, V] for the rows
         `logit_rows` [R] picks: the output layer is the largest weight a pass reads, so a caller that
         needs only some rows asks for those), routed ids [L, N, m].
@@ -125,27 +127,38 @@ class Transformer(nn.Module):
         Everything but attention is per token, so it runs on all N at once (the MoE layer sees the
         whole pass: its union is the batch union). Attention: with the fused kernel one call per layer,
         each token at its own slot and position; without it one padded SDPA call per layer.
+
+        `capture`: layer ids whose outputs (the residual stream after the layer, pre-norm) come back in
+        `aux` [N, len(capture) * H], for every token of the pass. Without it nothing else changes.
         """
-        x, routed = self._layers(tokens, batch, cache, last_mlp=True)
+        x, routed, aux = self._layers(tokens, batch, cache, last_mlp=True, capture=capture)
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
         features = self.norm(x)
-        return ForwardOutput(logits=self.output_logits(features), routed_ids=routed, features=features)
+        return ForwardOutput(logits=self.output_logits(features), routed_ids=routed, features=features, aux=aux)
 
     def fill_cache(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache,
-                   features: bool = False) -> torch.Tensor | None:
+                   features: bool = False, capture: tuple[int, ...] = ()) -> torch.Tensor | None:
         """Prefill: write the keys and values of `tokens` to the cache and compute nothing else. No
         prompt row's logits are read (the last prompt token opens the first verify window), and the
         last layer's MLP feeds only those logits, so both are skipped: the same cache, less work.
         With `features`, the whole last layer runs and the normed final hidden states [N, H] are
-        returned (a draft head reads them)."""
-        x, _ = self._layers(tokens, batch, cache, last_mlp=features)
+        returned (a draft head reads them). With `capture` (layer ids), the captured layers' outputs
+        [N, len(capture) * H] are returned instead (an EAGLE-3 draft reads them; see forward_ragged)."""
+        x, _, aux = self._layers(tokens, batch, cache, last_mlp=features, capture=capture)
+        if capture:
+            return aux
         return self.norm(x) if features else None
 
-    def _layers(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache,
-                last_mlp: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The decoder layers over one pass -> final hidden states [N, H] (before the norm) and the
-        routed ids [L', N, m] of the MoE layers that ran (None for a dense model)."""
+    def _layers(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache, last_mlp: bool,
+                capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The decoder layers over one pass -> final hidden states [N, H] (before the norm), the
+        routed ids [L', N, m] of the MoE layers that ran (None for a dense model) and the outputs of
+        the layers in `capture` concatenated [N, n*H] (None without). A capture runs the per-layer
+        loop (the same kernels, one call per layer) instead of the whole-stack call, which hands
+        back only the last layer; a pass without one takes exactly the path it took before."""
+        if capture and (max(capture) >= len(self.layers) - (0 if last_mlp else 1) or min(capture) < 0):
+            raise ValueError(f"capture layers {list(capture)} outside the {len(self.layers)} layers this pass runs")
         # [N, H]; the function, not the module: a module call's hooks machinery cost more than the lookup
         # of a decode step's one row.
         x = F.embedding(tokens, self.embed_tokens.weight)
@@ -156,12 +169,12 @@ class Transformer(nn.Module):
             where = AttentionPass(batch.positions, batch.token_slot, cache.k, cache.v, self.rope_cos, self.rope_sin,
                                   batch.position_range, batch.slot_range)
             pool = self.kernel_threads.attention(x.shape[0])
-            if self.decoder_stack is not None and x.shape[0] <= self.decoder_stack_max:
-                return self.kernels.decoder_layers(self.decoder_stack, where, x, last_mlp, pool,
-                                                   self.kernel_threads.moe(x.shape[0]), overwrite=True)
+            if self.decoder_stack is not None and x.shape[0] <= self.decoder_stack_max and not capture:
+                return (*self.kernels.decoder_layers(self.decoder_stack, where, x, last_mlp, pool,
+                                                     self.kernel_threads.moe(x.shape[0]), overwrite=True), None)
         else:
             cos, sin = self._rope(batch)
-        ids = []
+        ids, captured = [], []
         for i, layer in enumerate(self.layers):
             if where is not None and not last_mlp and i == len(self.layers) - 1:
                 # A prefill's last layer: only its keys and values are read later (its MLP is skipped below).
@@ -180,7 +193,9 @@ class Transformer(nn.Module):
             else:
                 h = layer.mlp(h)
             x = x + h
-        return x, torch.stack(ids) if ids else None
+            if i in capture:
+                captured.append(x.clone())  # a later in-place kernel may reuse x's storage
+        return x, torch.stack(ids) if ids else None, torch.cat(captured, dim=-1) if captured else None
 
     def _rope(self, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, 1, D] at each token's position (eager attention)."""

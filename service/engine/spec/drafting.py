@@ -19,7 +19,7 @@ import torch
 
 from service.engine.runtime import Runtime
 from service.engine.sequence import Sequence
-from service.engine.spec import model_drafting, ngram
+from service.engine.spec import eagle3_drafting, model_drafting, ngram
 from service.engine.spec.adaptive.controller import DraftConfidence, adapts
 from service.engine.spec.sampling import point_mass
 from service.types import Drafter
@@ -72,7 +72,8 @@ def draft(rt: Runtime, seqs: list[Sequence]) -> list[Proposal]:
                 fed += lag + k - 1
     if model_rows:
         t0 = time.perf_counter()
-        draft_rounds = model_drafting.draft_with_head if rt.draft_is_head else model_drafting.draft_dense
+        draft_rounds = (model_drafting.draft_with_head if rt.draft_is_head
+                        else eagle3_drafting.draft_with_eagle3 if rt.draft_is_eagle3 else model_drafting.draft_dense)
         rows = [seqs[i] for i, _ in model_rows]
         drafted = draft_rounds(rt, rows, [k for _, k in model_rows], [s.controller.wants_confidence for s in rows])
         seconds = time.perf_counter() - t0
