@@ -95,6 +95,39 @@ def evaluate_draft(target: Transformer, draft: Eagle3Draft, data: torch.Tensor, 
             "vocab_covers_target_greedy": round(in_vocab, 3)}
 
 
+def greedy_acceptance(draft_dir: Path, prompts: list[str], draft_length: int, max_new_tokens: int) -> dict:
+    """Greedy requests (greedy drafts) on `prompts` through the embedded engine with `draft_dir`:
+    the share of drafted tokens accepted and the tokens committed per verify step."""
+    from service.engine import Engine, EngineConfig
+    from service.types import DraftPolicy, GenerationRequest, SamplingParams
+
+    engine = Engine(EngineConfig(draft_dir=draft_dir, threads=1, math="fp32"))
+    drafted = accepted = steps = committed = 0
+    try:
+        for prompt in prompts:
+            result = engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=max_new_tokens,
+                                                       sampling=SamplingParams(temperature=0)),
+                                     DraftPolicy(draft_length=draft_length, draft_temperature=0))
+            drafted += sum(s.drafted for s in result.steps)
+            accepted += sum(s.accepted for s in result.steps)
+            steps += len(result.steps)
+            committed += sum(s.committed for s in result.steps)
+    finally:
+        engine.close()
+    return {"accepted_share": round(accepted / max(drafted, 1), 3), "tokens_per_step": round(committed / steps, 3)}
+
+
+def compare_acceptance(eagle3_dir: Path, prompts: int, draft_length: int, max_new_tokens: int) -> dict:
+    """The EAGLE-3 draft against the shipped draft head on the shipped held-out prompts."""
+    from service.engine.model.weights import DEFAULT_HEAD_DIR
+
+    lines = (MODELS_DIR.parent / "prompts" / "heldout.jsonl").read_text().splitlines()[:prompts]
+    texts = [json.loads(line)["prompt"] for line in lines]
+    return {"prompts": len(texts), "draft_length": draft_length, "max_new_tokens": max_new_tokens,
+            "eagle3": greedy_acceptance(eagle3_dir, texts, draft_length, max_new_tokens),
+            "draft_head": greedy_acceptance(DEFAULT_HEAD_DIR, texts, draft_length, max_new_tokens)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=40)
@@ -104,17 +137,26 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--out", type=Path, default=DEFAULT_EAGLE3_DIR)
     ap.add_argument("--resume", action="store_true", help="continue training the draft in --out (new batches)")
-    ap.add_argument("--evaluate", action="store_true", help="only evaluate the draft in --out into the report")
+    ap.add_argument("--evaluate", action="store_true", help="only evaluate the draft in --out (printed)")
+    ap.add_argument("--compare", action="store_true",
+                    help="only measure greedy acceptance of the draft in --out and of the draft head on the "
+                         "held-out prompts, into the report")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     from tokenizers import Tokenizer
 
+    report_path = MODELS_DIR / "training_report.json"
+    if args.compare:
+        report = json.loads(report_path.read_text())
+        report.setdefault("eagle3", {})["greedy_acceptance"] = compare_acceptance(args.out, 16, 3, 48)
+        report_path.write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report["eagle3"]["greedy_acceptance"], indent=2))
+        return
     tok = Tokenizer.from_file(str(DEFAULT_TARGET_DIR / "tokenizer.json"))
     train_files, heldout_files = corpus_files()
     train_ids, heldout_ids = encode(tok, train_files), encode(tok, heldout_files)
     target = load_model(DEFAULT_TARGET_DIR)
-    report_path = MODELS_DIR / "training_report.json"
     if args.evaluate:
         metrics = evaluate_draft(target, load_eagle3(args.out), heldout_ids)
         print(json.dumps(metrics, indent=2))
