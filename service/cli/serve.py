@@ -75,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "%(default)s")
     parser.add_argument("--draft-model", type=Path, default=None,
                         help="torch backend: the model drafter's weights, a draft head directory (default: the "
-                             "shipped service/models/draft-head) or a dense draft model directory "
+                             "shipped service/models/draft-head), an EAGLE-3 draft in SGLang's format "
+                             "(service/models/eagle3) or a dense draft model directory "
                              "(service/models/draft, the one SGLang's STANDALONE mode loads)")
     parser.add_argument("--drafter", choices=[d.value for d in Drafter], default=Drafter.MODEL.value,
                         help="initial draft policy: drafter")
