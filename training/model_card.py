@@ -83,7 +83,7 @@ same ids; `<|endoftext|>` (id 0) separates files and ends generation.
 
 Total training wall time: {report['wall_minutes']} min for the target and dense draft, {h['minutes']} min for the head,
 on {report['threads']} CPU thread(s) (a 2-core machine shared with other work).
-"""
+{_eagle3(report)}"""
 
 
 def _quality(report: dict) -> str:
@@ -101,6 +101,43 @@ def _quality(report: dict) -> str:
                      f"(its vocabulary holds the target's greedy token {covers:.1f}% of the time); dense draft "
                      f"{e['dense_draft_greedy_agreement']}")
     return "\n".join(lines) or f"- held-out: dense draft {report['greedy_agreement']}"
+
+
+def _eagle3(report: dict) -> str:
+    """The EAGLE-3 draft's section (training/eagle3.py), where the report has one."""
+    e = report.get("eagle3")
+    if not e or "steps" not in e:
+        return ""
+    head = report["draft_head"]["evaluation"]["heldout_stdlib"]
+    chain = " / ".join(str(a) for a in e["greedy_agreement_by_chain_position"])
+    head_chain = " / ".join(str(a) for a in head["head_greedy_agreement_by_chain_position"])
+    size = (MODELS_DIR / "eagle3" / "model.safetensors").stat().st_size / 2**20
+    text = f"""
+## EAGLE-3 draft (`eagle3/`)
+
+One decoder layer in SGLang's `LlamaForCausalLMEagle3` checkpoint format ({size:.1f} MiB; see
+`docs/eagle3.md`): `fc` over the target's residual stream after layers {e['aux_layer_ids']}
+(3 x 256 -> 256), attention over concat(embedding, hidden) (512 -> q/k/v), SwiGLU intermediate
+{e['intermediate']}, the head's {e['draft_vocab']}-token draft vocabulary mapped by `d2t`, the target's
+embedding. Trained by `python -m training.eagle3 --minutes {e['minutes']:g} --threads {e['threads']}`
+on the frozen target, same corpus as the head: {e['steps']} steps x {e['batch']} x {e['seq']} tokens
+({e['tokens'] / 1e6:.1f}M tokens), {e['minutes']} min, AdamW peak lr {e['peak_lr']}, soft
+cross-entropy on the target's distribution over the draft vocabulary at {e['unroll']} unrolled drafting
+steps (weights 1 / 0.8 / 0.64; later steps read the draft's own hidden state).
+
+- held-out standard-library code (the head's 24 windows): EAGLE-3 **{chain}** at chain positions 1 / 2 / 3 vs the
+  draft head's {head_chain} (teacher-forced greedy agreement)"""
+    g = e.get("greedy_acceptance")
+    if g:
+        text += f"""
+- greedy requests through the engine ({g['prompts']} held-out prompts, {g['max_new_tokens']} new tokens, draft length
+  {g['draft_length']}, greedy drafts): drafted tokens accepted {g['eagle3']['accepted_share']} (EAGLE-3) vs
+  {g['draft_head']['accepted_share']} (head); tokens per verify step {g['eagle3']['tokens_per_step']} vs
+  {g['draft_head']['tokens_per_step']}"""
+    return text + """
+- the draft head stays the embedded engine's default model drafter (`--draft-model service/models/eagle3` serves this
+  one).
+"""
 
 
 def main() -> None:
