@@ -1,12 +1,15 @@
 """moespec's SGLang plugin: the code that runs inside SGLang's scheduler process.
 
 SGLang loads `load` from the `sglang.srt.plugins` entry point first thing in every scheduler
-process. It does nothing unless the moespec backend switched it on for that engine (wire.TAP_ENV in
-the environment the scheduler inherits), so a user's other SGLang servers in the same environment
-are untouched. Switched on, it registers two hooks (hook_points.py) that measure every target pass
-(tap.py, statistics.py) and push one record per pass to the moespec server (sender.py). What crosses
-the process boundary, and in which format, is written in wire.py alone; the server side reads it in
-service/sglang_backend/stats_channel.py.
+process. It does nothing unless the moespec backend switched a part of it on for that engine (an
+environment variable the scheduler inherits, named in wire.py), so a user's other SGLang servers in
+the same environment are untouched. Two independent parts:
+- the tap (wire.TAP_ENV): two hooks (hook_points.py) that measure every target pass (tap.py,
+  statistics.py) and push one record per pass to the moespec server (sender.py). What crosses the
+  process boundary, and in which format, is written in wire.py alone; the server side reads it in
+  service/sglang_backend/stats_channel.py;
+- the EAGLE target (wire.EAGLE_TARGET_ENV): one hook that gives a Qwen2-MoE target the embedding/head
+  lookup an EAGLE/EAGLE-3 draft needs (embed_head.py).
 """
 
 from __future__ import annotations
@@ -15,17 +18,24 @@ import os
 
 
 def load() -> None:
-    """The entry point: inert without wire.TAP_ENV."""
+    """The entry point: inert without wire.TAP_ENV and wire.EAGLE_TARGET_ENV."""
     from service.sglang_plugin import wire
 
     config = wire.TapConfig.from_env(os.environ.get(wire.TAP_ENV))
-    if config is None:
+    eagle_target = os.environ.get(wire.EAGLE_TARGET_ENV) == "1"
+    if config is None and not eagle_target:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from service.sglang_plugin import hook_points
-    from service.sglang_plugin.tap import TapState
 
-    state = TapState(config)
-    HookRegistry.register(hook_points.RECORDER_FACTORY, state.wrap_recorder, HookType.AFTER)
-    HookRegistry.register(hook_points.MODEL_FORWARD, state.around_forward, HookType.AROUND)
+    if eagle_target:
+        from service.sglang_plugin.embed_head import resolve_target_embed_and_head
+
+        HookRegistry.register(hook_points.TARGET_EMBED_AND_HEAD, resolve_target_embed_and_head, HookType.AROUND)
+    if config is not None:
+        from service.sglang_plugin.tap import TapState
+
+        state = TapState(config)
+        HookRegistry.register(hook_points.RECORDER_FACTORY, state.wrap_recorder, HookType.AFTER)
+        HookRegistry.register(hook_points.MODEL_FORWARD, state.around_forward, HookType.AROUND)

@@ -19,6 +19,8 @@ RECORDER_CALLS = ("with_current_layer", "on_select_experts", "with_forward_pass"
 RECORDER_CLASS = "sglang.srt.eplb.expert_distribution.ExpertDistributionRecorder"
 FORWARD_BATCH_FIELDS = ("forward_mode", "rids", "batch_size", "input_ids", "positions")
 FORWARD_BATCH_CLASS = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
+# Where every EAGLE-family draft worker asks the target for its embedding and LM head (embed_head.py).
+TARGET_EMBED_AND_HEAD = "sglang.srt.speculative.pp_draft_embedding.resolve_target_embed_and_head"
 
 
 class HookPointError(RuntimeError):
@@ -26,7 +28,7 @@ class HookPointError(RuntimeError):
 
 
 def check_hook_points() -> None:
-    """Raises HookPointError naming the first missing hook point."""
+    """Raises HookPointError naming the first missing hook point of the tap."""
     try:
         factory = pkgutil.resolve_name(RECORDER_FACTORY)
         forward = pkgutil.resolve_name(MODEL_FORWARD)
@@ -46,3 +48,14 @@ def check_hook_points() -> None:
         if not ok:
             raise HookPointError(f"SGLang has no {name} as the moespec plugin expects "
                                  f"(it hooks SGLang {SGLANG_VERSION})")
+
+
+def check_eagle_target_hook_point() -> None:
+    """Raises HookPointError unless the EAGLE target hook point is there, called as embed_head.py expects."""
+    try:
+        resolve = pkgutil.resolve_name(TARGET_EMBED_AND_HEAD)
+    except (ImportError, AttributeError) as e:
+        raise HookPointError(f"{e} (the moespec plugin hooks SGLang {SGLANG_VERSION})") from None
+    if list(inspect.signature(resolve).parameters)[:1] != ["target_model"]:
+        raise HookPointError(f"SGLang has no {TARGET_EMBED_AND_HEAD}(target_model, ...) as the moespec plugin "
+                             f"expects (it hooks SGLang {SGLANG_VERSION})")

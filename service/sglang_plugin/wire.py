@@ -38,6 +38,8 @@ import numpy as np
 
 VERSION = 2
 TAP_ENV = "MOESPEC_SGLANG_TAP"  # JSON {"endpoint": "ipc://...", "capture_topk": bool}; absent: plugin inert
+# "1": give a Qwen2-MoE target the embedding/head lookup EAGLE drafts need (embed_head.py); absent: untouched.
+EAGLE_TARGET_ENV = "MOESPEC_SGLANG_EAGLE_TARGET"
 
 
 class WireError(ValueError):
