@@ -43,13 +43,19 @@ from service.sglang_backend.engine_thread import EngineThread
 from service.sglang_backend.ep import EPConfig
 from service.sglang_backend.meta_info import SpecMeta, finish_reason
 from service.sglang_backend.model_config import MoeGeometry
-from service.sglang_backend.policy import SpecConfig, effective_policy, engine_key, speculative_kwargs
+from service.sglang_backend.policy import (
+    SpecConfig,
+    effective_policy,
+    engine_key,
+    needs_eagle_target,
+    speculative_kwargs,
+)
 from service.sglang_backend.sampling import sampling_params
 from service.sglang_backend.stats_channel import StatsChannel
 from service.sglang_backend.steps import expected_steps, spec_stats, steps_from_meta, steps_from_windows
 from service.sglang_backend.swap_gate import SwapGate
 from service.sglang_backend.tap_windows import windows_from_tap
-from service.sglang_plugin.wire import TAP_ENV
+from service.sglang_plugin.wire import EAGLE_TARGET_ENV, TAP_ENV
 from service.types import (
     DraftPolicy,
     GenerationRequest,
@@ -199,6 +205,10 @@ class SGLangBackend:
             hellos = self._channel.hellos
         else:
             os.environ.pop(TAP_ENV, None)
+        if needs_eagle_target(spec_kwargs):  # the plugin's embed_head hook: EAGLE drafts on a Qwen2-MoE target
+            os.environ[EAGLE_TARGET_ENV] = "1"
+        else:
+            os.environ.pop(EAGLE_TARGET_ENV, None)
         if self.config.recorder_dir is not None:
             os.environ[RECORDER_DIR_ENV] = str(self.config.recorder_dir)
             kwargs["expert_distribution_recorder_mode"] = "per_token"

@@ -19,9 +19,10 @@ from service.sglang_backend.checkpoint import sglang_model_dir
 from service.sglang_backend.ep import EPConfig, ep_config
 from service.sglang_backend.info import build_info
 from service.sglang_backend.model_config import ModelDirError
-from service.sglang_backend.policy import MODEL_ALGORITHMS, NEEDS_DRAFT_PATH, SpecConfig
+from service.sglang_backend.policy import MODEL_ALGORITHMS, NEEDS_DRAFT_PATH, SHARES_TARGET_EMBEDDING, SpecConfig
 from service.sglang_backend.preflight import (
     check_draft,
+    check_eagle_target_hook,
     check_plugin_hooks,
     check_target,
     import_sglang,
@@ -31,6 +32,9 @@ from service.sglang_backend.preflight import (
 from service.types import Drafter, DraftPolicy, InvalidRequest
 
 ALGORITHMS = (*MODEL_ALGORITHMS, "NGRAM")
+# The shipped EAGLE-3 draft (SGLang's LlamaForCausalLMEagle3 format), trained against the shipped target:
+# what --speculative-algorithm EAGLE3 drafts with unless --draft-model-path names another.
+DEFAULT_EAGLE3_DRAFT = Path(__file__).resolve().parents[1] / "models" / "eagle3"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "sgl-kernel's CPU ops, see service/sglang_backend/README.md)")
     group.add_argument("--model-path", type=Path, help="target MoE model directory (Hugging Face layout)")
     group.add_argument("--draft-model-path", type=Path,
-                       help="draft model directory (STANDALONE: a small model with the target's tokenizer)")
+                       help="draft model directory (STANDALONE: a small model with the target's tokenizer; "
+                            "EAGLE3: an EAGLE-3 checkpoint, default the shipped service/models/eagle3)")
     group.add_argument("--speculative-algorithm", type=str.upper, choices=ALGORITHMS,
                        help="SGLang algorithm behind the model drafter (default STANDALONE with "
                             "--draft-model-path); NGRAM offers the n-gram drafter only")
@@ -76,10 +81,11 @@ def create_backend(args: argparse.Namespace):
     record_steps = record_steps_path(args)
     algorithm = args.speculative_algorithm or ("STANDALONE" if args.draft_model_path else "NGRAM")
     model_algorithm = None if algorithm == "NGRAM" else algorithm
-    draft_name = check_draft(args.draft_model_path, model_algorithm, NEEDS_DRAFT_PATH)
+    draft_path = args.draft_model_path or (DEFAULT_EAGLE3_DRAFT if algorithm == "EAGLE3" else None)
+    draft_name = check_draft(draft_path, model_algorithm, NEEDS_DRAFT_PATH)
     spec = SpecConfig(
         model_algorithm=model_algorithm,
-        draft_model_path=str(args.draft_model_path) if args.draft_model_path else None,
+        draft_model_path=str(draft_path) if draft_path else None,
         ngram=algorithm == "NGRAM" or not args.sglang_no_ngram,
         ngram_max_trie_depth=args.sglang_ngram_max_trie_depth,
     )
@@ -94,6 +100,8 @@ def create_backend(args: argparse.Namespace):
         require_cpu_kernels()
     if not args.sglang_no_expert_record:
         check_plugin_hooks()
+    if model_algorithm in SHARES_TARGET_EMBEDDING:
+        check_eagle_target_hook()
     cleanup = []
     try:
         served, is_view = sglang_model_dir(args.model_path)

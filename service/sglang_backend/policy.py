@@ -27,6 +27,9 @@ from service.types import Drafter, DraftPolicy, InvalidRequest
 MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3", "NEXTN")
 # Algorithms whose draft is a separate checkpoint; NEXTN can use the target's own MTP layers.
 NEEDS_DRAFT_PATH = ("STANDALONE", "EAGLE", "EAGLE3")
+# Algorithms whose draft shares the target's embedding (and head), which SGLang 0.5.23 asks a target for
+# through a method its Qwen2-MoE class lacks: the plugin supplies it (service/sglang_plugin/embed_head.py).
+SHARES_TARGET_EMBEDDING = ("EAGLE", "EAGLE3")
 EFFECTIVE_DRAFT_TEMPERATURE = 0.0
 
 
@@ -70,6 +73,11 @@ def speculative_kwargs(policy: DraftPolicy, spec: SpecConfig) -> dict:
     if spec.draft_model_path:
         out["speculative_draft_model_path"] = spec.draft_model_path
     return out
+
+
+def needs_eagle_target(spec_kwargs: dict) -> bool:
+    """Whether an engine with these speculative arguments needs the plugin's target embedding/head lookup."""
+    return spec_kwargs.get("speculative_algorithm") in SHARES_TARGET_EMBEDDING
 
 
 def engine_key(policy: DraftPolicy, spec: SpecConfig) -> tuple:

@@ -98,3 +98,14 @@ def check_plugin_hooks() -> None:
     except HookPointError as e:
         raise SGLangUnavailable(f"--backend sglang: {e}; run with --sglang-no-expert-record to serve without "
                                 "routing statistics") from None
+
+
+def check_eagle_target_hook() -> None:
+    """EAGLE/EAGLE3: the hook point through which the plugin gives a Qwen2-MoE target the embedding/head
+    lookup the draft needs exists in this install (service/sglang_plugin/embed_head.py)."""
+    from service.sglang_plugin.hook_points import HookPointError, check_eagle_target_hook_point
+
+    try:
+        check_eagle_target_hook_point()
+    except HookPointError as e:
+        raise SGLangUnavailable(f"--backend sglang --speculative-algorithm EAGLE/EAGLE3: {e}") from None

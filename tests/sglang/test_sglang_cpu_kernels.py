@@ -12,6 +12,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from service.cli import main
 from service.sglang_backend import cli as sglang_cli
@@ -46,3 +47,147 @@ def test_the_check_refuses_a_missing_module_and_accepts_the_stand_ins(monkeypatc
     importlib.invalidate_caches()
     require_cpu_kernels()  # found, not imported
     assert CPU_KERNELS not in sys.modules
+
+
+# -- the stand-in EAGLE CPU ops, each against a plain re-statement of its definition ----------------
+# The definitions are those of SGLang 0.5.23's Triton twins and call sites (kernels/ops/speculative/
+# eagle.py, cache_locs.py, spec_tree.py, multi_layer_eagle.py; layers/attention/intel_amx_backend.py),
+# restated here independently of the stand-ins' loops: masks, cumulative sums and chain arithmetic.
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The stand-in package, imported for this module only (the preflight tests above need it absent)."""
+    sys.path.insert(0, str(STAND_INS))
+    importlib.invalidate_caches()
+    try:
+        module = importlib.import_module(CPU_KERNELS)
+    finally:
+        sys.path.remove(str(STAND_INS))
+    yield module
+    for name in [n for n in sys.modules if n == CPU_KERNELS or n.startswith(CPU_KERNELS + ".")]:
+        del sys.modules[name]
+
+
+def pool(requests: int, pool_len: int, seed: int) -> torch.Tensor:
+    """A req_to_token table of distinct KV slots, int32 as SGLang's."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(requests * pool_len * 2, generator=g)[:requests * pool_len].view(requests, pool_len).int()
+
+
+def packed_ranges(req_to_token: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, end: torch.Tensor):
+    """req_to_token[rows[i], start[i]:end[i]] for every i, packed request after request (row-major mask)."""
+    table = req_to_token[rows.long()]
+    column = torch.arange(table.shape[1]).unsqueeze(0)
+    return table[(column >= start.unsqueeze(1)) & (column < end.unsqueeze(1))].long()
+
+
+def test_assign_extend_cache_locs_packs_each_requests_slot_range(kernels):
+    req_to_token = pool(5, 16, seed=1)
+    rows, start, end = torch.tensor([3, 0, 4]), torch.tensor([2, 0, 7]), torch.tensor([6, 3, 7])
+    out = torch.full((7,), -5, dtype=torch.int64)
+    kernels.assign_extend_cache_locs_cpu(rows, req_to_token, start, end, out, 16)
+    assert out.tolist() == packed_ranges(req_to_token, rows, start, end).tolist()
+
+
+def test_assign_draft_cache_locs_contiguous_takes_topk_times_steps_slots_after_the_prefix(kernels):
+    req_to_token = pool(4, 32, seed=2)
+    rows, seq_lens, topk, steps = torch.tensor([2, 1]), torch.tensor([5, 11]), 1, 3
+    out = torch.full((2 * topk * steps,), -5, dtype=torch.int64)
+    kernels.assign_draft_cache_locs_contiguous_cpu(rows, req_to_token, seq_lens, out, 32, topk, steps)
+    assert out.tolist() == packed_ranges(req_to_token, rows, seq_lens, seq_lens + topk * steps).tolist()
+
+
+def test_build_draft_decode_metadata_for_a_chain_is_each_requests_own_row(kernels):
+    req_to_token = pool(6, 8, seed=3)
+    rows = torch.tensor([5, 2, 0])
+    draft = kernels.build_draft_decode_metadata_cpu(req_to_token, rows, torch.tensor([3, 4, 1]), 1, 3, 8)
+    # Row r of the draft table is what arange(bs * topk)[r] addresses: request r's prefix and draft slots.
+    assert all(torch.equal(draft[r], req_to_token[rows[r]]) for r in range(3))
+    with pytest.raises(NotImplementedError, match="topk"):
+        kernels.build_draft_decode_metadata_cpu(req_to_token, rows, torch.tensor([3, 4, 1]), 2, 3, 8)
+
+
+def test_fill_bonus_tokens_takes_each_requests_last_accepted_token(kernels):
+    accept_tokens = torch.tensor([[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34]])
+    accept_lens = torch.tensor([2, 4, 1])  # the bonus token included
+    bonus = torch.zeros(3, dtype=torch.int64)
+    kernels.fill_bonus_tokens_cpu(accept_tokens, accept_lens, bonus, 4)
+    assert bonus.tolist() == accept_tokens[torch.arange(3), accept_lens - 1].tolist() == [12, 24, 31]
+
+
+def test_fill_accept_out_cache_loc_compacts_the_accepted_slots_in_order(kernels):
+    accept_index = torch.tensor([[0, 1, -1, -1], [4, 5, 6, -1], [8, -1, -1, -1]])
+    out_cache_loc = torch.arange(100, 112)
+    got = torch.full((12,), -5, dtype=torch.int64)
+    kernels.fill_accept_out_cache_loc_cpu(accept_index, out_cache_loc, got)
+    # The Triton definition: entry p (not -1) goes to slot (number of non -1 entries before p).
+    flat = accept_index.reshape(-1)
+    kept = flat != -1
+    destination = torch.cumsum(kept.long(), 0) - 1
+    expected = torch.full((12,), -5, dtype=torch.int64)
+    expected[destination[kept]] = out_cache_loc[flat[kept]]
+    assert got.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("select", [False, True], ids=["last", "select_index"])
+def test_rotate_input_ids_shifts_each_request_left_and_puts_its_new_token(kernels, select):
+    ids = torch.arange(10, 19)  # requests of 4, 2 and 3 extend tokens
+    start, lens, new = torch.tensor([0, 4, 6]), torch.tensor([4, 2, 3]), torch.tensor([[90], [91], [92]])
+    chosen = torch.tensor([1, 5, 7]) if select else None
+    expected = ids.tolist()
+    for i, (s, n) in enumerate(zip(start.tolist(), lens.tolist(), strict=True)):
+        expected[s:s + n] = ids.tolist()[s + 1:s + n] + [ids.tolist()[s + n - 1]]
+        expected[int(chosen[i]) if select else s + n - 1] = int(new[i])
+    kernels.rotate_input_ids_cpu(ids, start, lens, new, chosen)
+    assert ids.tolist() == expected
+
+
+def chain_inputs(bs: int, steps: int):
+    """What SGLang's organize_draft_results hands the tree builder for topk 1: every step's one candidate
+    selected in order, candidate c's parent candidate c - 1 (parent_list [-1, 0, 1, ...])."""
+    parent_list = torch.arange(-1, steps - 1).repeat(bs, 1)
+    selected = torch.arange(steps).repeat(bs, 1)
+    return parent_list, selected
+
+
+def test_build_tree_for_a_chain_is_the_chain(kernels):
+    """topk 1, CPU's QLEN_ONLY mask: node i sits at seq_len + i, sees nodes 0..i, its next token is i + 1."""
+    bs, steps = 3, 3
+    n = steps + 1
+    seq_lens = torch.tensor([7, 2, 12])
+    parent_list, selected = chain_inputs(bs, steps)
+    mask = torch.ones(bs * n * n, dtype=torch.bool)
+    positions = torch.empty(bs * n, dtype=torch.int64)
+    index, next_token, next_sibling = torch.full((3, bs, n), -1, dtype=torch.int64)
+    kernels.build_tree_kernel_efficient_cpu(parent_list, selected, seq_lens, mask, positions, index, next_token,
+                                            next_sibling, 1, steps, n, 1)  # 1: TreeMaskMode.QLEN_ONLY
+    nodes = torch.arange(n)
+    assert positions.view(bs, n).tolist() == (seq_lens.unsqueeze(1) + nodes).tolist()
+    assert index.tolist() == (torch.arange(bs).unsqueeze(1) * n + nodes).tolist()
+    assert next_token.tolist() == [[*range(1, n), -1]] * bs
+    assert next_sibling.tolist() == [[-1] * n] * bs
+    assert mask.view(bs, n, n).tolist() == [torch.ones(n, n, dtype=torch.bool).tril().tolist()] * bs
+
+
+def test_verify_tree_greedy_on_a_chain_accepts_the_longest_matching_prefix(kernels):
+    """Accept drafts while draft i + 1 equals the target's argmax after node i; the predicts of the
+    accepted nodes are the target's tokens (the last one the bonus)."""
+    bs, n = 3, 4
+    candidates = torch.tensor([[5, 6, 7, 8], [5, 16, 17, 18], [5, 26, 27, 28]])  # node 0: the last verified token
+    target = torch.tensor([[6, 7, 9, 1], [3, 17, 18, 2], [26, 27, 28, 4]]).reshape(-1)  # argmax after each node
+    index, next_token, next_sibling = (torch.arange(bs * n).view(bs, n), torch.tensor([[1, 2, 3, -1]] * bs),
+                                       torch.full((bs, n), -1))
+    predicts, accept_index = torch.zeros(bs * n, dtype=torch.int64), torch.full((bs, n), -1, dtype=torch.int64)
+    accept_num = torch.zeros(bs, dtype=torch.int64)
+    kernels.verify_tree_greedy_cpu(predicts=predicts, accept_index=accept_index, accept_token_num=accept_num,
+                                   candidates=candidates, retrive_index=index, retrive_next_token=next_token,
+                                   retrive_next_sibling=next_sibling, target_predict=target)
+    matches = candidates[:, 1:] == target.view(bs, n)[:, :-1]  # draft i + 1 against the argmax after node i
+    accepted = torch.cumprod(matches.long(), dim=1).sum(dim=1)  # the matching prefix's length
+    assert accept_num.tolist() == accepted.tolist() == [2, 0, 3]
+    expected_predicts = torch.zeros(bs * n, dtype=torch.int64)
+    for b, a in enumerate(accepted.tolist()):
+        assert accept_index[b].tolist() == [b * n + j for j in range(a + 1)] + [-1] * (n - a - 1)
+        expected_predicts[b * n:b * n + a + 1] = target[b * n:b * n + a + 1]
+    assert predicts.tolist() == expected_predicts.tolist()

@@ -1,0 +1,84 @@
+"""EAGLE-3 on a real SGLang 0.5.23 on this CPU, through `moespec serve --backend sglang` and gRPC.
+
+The draft is a small random-init checkpoint in SGLang's EAGLE-3 format written into a temp dir
+(tests/sglang/eagle3_draft.py): greedy speculation is lossless whatever the draft proposes, so its
+output must equal plain greedy decoding token for token, and the target still verifies every draft
+position, so each verify window's per-layer expert union is real routing over k + 1 positions. One
+server, started straight at EAGLE3 k = 3 (no calibration run, so one engine start); the plain
+reference is the embedded engine's greedy output, which test_sglang_cpu.py shows SGLang's own plain
+decoding equals on these prompts (fp32). What EAGLE3 needs from moespec here: the plugin's
+embedding/head lookup for the Qwen2-MoE target (without it SGLang's draft worker dies at start-up),
+the stand-in EAGLE CPU ops (tests/sglang_cpu/site) and the tap measuring EAGLE3's verify passes.
+Runs only in the SGLang venv (scripts/test.sh), like test_sglang_cpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from service.engine.model.weights import MODELS_DIR
+from service.server.client import MoespecClient
+from service.types import Drafter, DraftPolicy
+from tests.sglang.eagle3_draft import write_eagle3_draft
+from tests.sglang.test_sglang_cpu import SERVE_SGLANG, greedy, require_sglang, sglang_env
+from tests.support.engine_helpers import heldout_prompts, make_engine
+from tuner.drivers.server_proc import start_server
+
+pytestmark = pytest.mark.sglang_cpu
+
+TOKEN = "sglang-cpu-eagle3-test"
+PROMPTS = heldout_prompts(4)
+MAX_NEW = 24
+K = 3
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    require_sglang()
+    draft = write_eagle3_draft(tmp_path_factory.mktemp("eagle3") / "draft", MODELS_DIR / "target")
+    args = ("--backend", "sglang", *SERVE_SGLANG, "--speculative-algorithm", "EAGLE3", "--draft-model-path",
+            str(draft), "--sglang-no-ngram", "--sglang-no-calibrate", "--drafter", "model",
+            "--draft-length", str(K), "--log-level", "INFO")
+    proc = start_server(sglang_env(), TOKEN, args, ready_timeout=900)
+    yield proc
+    proc.stop(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with MoespecClient(server.address, admin_token=TOKEN) as c:
+        c.wait_ready(timeout=60)
+        yield c
+
+
+@pytest.fixture(scope="module")
+def plain_greedy() -> dict[str, tuple[int, ...]]:
+    engine = make_engine()
+    return {p: engine.generate(greedy(p, MAX_NEW), DraftPolicy()).token_ids for p in PROMPTS}
+
+
+def test_eagle3_greedy_equals_plain_and_its_verify_windows_are_measured(client, plain_greedy):
+    info = client.model_info()
+    top_k, experts, layers = info.top_k, info.num_experts, info.num_layers
+    for prompt in PROMPTS:
+        reply = client.generate(greedy(prompt, MAX_NEW), timeout=600)
+        assert reply.token_ids == plain_greedy[prompt]  # lossless
+        spec = reply.spec
+        assert (spec.drafter, spec.draft_length) == (Drafter.MODEL, K)
+        # SGLang's counts and moespec's agree with each other: every verify pass drafted K tokens,
+        # committed its accepted ones plus one, and the first token came from the prefill.
+        assert spec.verify_steps > 0
+        assert spec.drafted_tokens == K * spec.verify_steps
+        assert 0 <= spec.accepted_tokens <= spec.drafted_tokens
+        assert spec.committed_tokens == len(reply.token_ids) - 1
+        assert spec.committed_tokens <= spec.verify_steps + spec.accepted_tokens
+        assert spec.committed_tokens >= spec.verify_steps + spec.accepted_tokens - K  # only the last step clips
+        assert sum(spec.accepted_per_position) == spec.accepted_tokens
+        # Routing statistics from the plugin over each K + 1 position window: at least one token's top-k,
+        # at most every position's, per layer.
+        assert len(spec.unique_experts_max) == len(spec.unique_experts_mean) == layers
+        assert all(top_k <= u <= min(experts, (K + 1) * top_k) for u in spec.unique_experts_max)
+        assert all(top_k <= u <= min(experts, (K + 1) * top_k) for u in spec.unique_experts_mean)
+        # K + 1 distinct positions each routed to top_k experts: across a whole request, some window touches
+        # more than one token's worth (a window of identical expert sets on every layer, every step, is not routing).
+        assert max(spec.unique_experts_max) > top_k
