@@ -6,7 +6,8 @@ PULL socket the backend binds on a private `ipc://` path (service/sglang_backend
 ZeroMQ because SGLang already ships it and speaks it between its own processes; PUSH/PULL because
 records flow one way, are queued by ZeroMQ's I/O thread without blocking the scheduler, and stay in
 order per connection. The endpoint and options reach the scheduler in one environment variable
-(`TAP_ENV`), set by the backend just before it starts the engine; without it the plugin is inert.
+(`TAP_ENV`), set by the backend just before it starts the engine; without it the tap is inert.
+(`EAGLE_TARGET_ENV` switches the plugin's other part, embed_head.py, which sends nothing.)
 
 Messages are multipart: frame 0 a small JSON header, the rest raw little-endian arrays (no pickle:
 nothing the server reads can run code). Version 2:
