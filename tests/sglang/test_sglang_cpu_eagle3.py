@@ -9,10 +9,17 @@ reference is the embedded engine's greedy output, which test_sglang_cpu.py shows
 decoding equals on these prompts (fp32). What EAGLE3 needs from moespec here: the plugin's
 embedding/head lookup for the Qwen2-MoE target (without it SGLang's draft worker dies at start-up),
 the stand-in EAGLE CPU ops (tests/sglang_cpu/site) and the tap measuring EAGLE3's verify passes.
+The first test shows the first of those on SGLang alone (a bare engine without moespec's switch
+dies at start-up), and that SGLang's own plugin loader registers the lookup only when switched on.
 Runs only in the SGLang venv (scripts/test.sh), like test_sglang_cpu.py.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -22,7 +29,7 @@ from service.types import Drafter, DraftPolicy
 from tests.sglang.eagle3_draft import write_eagle3_draft
 from tests.sglang.test_sglang_cpu import SERVE_SGLANG, greedy, require_sglang, sglang_env
 from tests.support.engine_helpers import heldout_prompts, make_engine
-from tuner.drivers.server_proc import start_server
+from tuner.drivers.server_proc import REPO_ROOT, start_server
 
 pytestmark = pytest.mark.sglang_cpu
 
@@ -30,6 +37,51 @@ TOKEN = "sglang-cpu-eagle3-test"
 PROMPTS = heldout_prompts(4)
 MAX_NEW = 24
 K = 3
+
+
+BARE_EAGLE3_ENGINE = """
+import sys
+import sglang
+from service.sglang_backend import device
+
+if __name__ == "__main__":  # SGLang spawns its scheduler: the script must not start one on import
+    sglang.Engine(model_path=sys.argv[1], speculative_algorithm="EAGLE3", speculative_draft_model_path=sys.argv[2],
+                  speculative_num_steps=2, speculative_eagle_topk=1, speculative_num_draft_tokens=3,
+                  dtype="float32", disable_shared_experts_fusion=True, **device.engine_kwargs("cpu")).shutdown()
+    print("started")
+"""
+
+
+def test_sglang_alone_cannot_start_eagle3_on_the_target_and_the_plugins_lookup_is_what_it_lacks(tmp_path):
+    """The reason for embed_head.py, on the real thing: a bare EAGLE3 engine (moespec's switch off) dies in
+    the draft worker's start-up asking the Qwen2-MoE target for get_embed_and_head; SGLang's own plugin
+    loader registers exactly that one hook when the switch is on, and nothing without it."""
+    require_sglang()
+    from service.sglang_plugin import hook_points
+    from service.sglang_plugin.wire import EAGLE_TARGET_ENV, TAP_ENV
+
+    hook_points.check_eagle_target_hook_point()  # this SGLang has the hook point
+    draft = write_eagle3_draft(tmp_path / "draft", MODELS_DIR / "target")
+    script = tmp_path / "bare.py"
+    script.write_text(BARE_EAGLE3_ENGINE)
+    env = {k: v for k, v in os.environ.items() if k not in (TAP_ENV, EAGLE_TARGET_ENV)}
+    env.update(sglang_env(), SGLANG_USE_CPU_ENGINE="1", TORCHDYNAMO_DISABLE="1")
+    done = subprocess.run([sys.executable, str(script), str(MODELS_DIR / "target"), str(draft)], env=env,
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and "started" not in done.stdout
+    assert "'Qwen2MoeForCausalLM' object has no attribute 'get_embed_and_head'" in done.stderr
+    loader = ("import json, sglang.srt.plugins as p\n"
+              "from sglang.srt.plugins.hook_registry import HookRegistry\n"
+              "p.load_plugins()\n"
+              "print(json.dumps(sorted(HookRegistry._hooks)))")
+    seen = {}
+    for switched in (False, True):
+        run_env = {**env, EAGLE_TARGET_ENV: "1"} if switched else env
+        loaded = subprocess.run([sys.executable, "-c", loader], env=run_env, cwd=REPO_ROOT, capture_output=True,
+                                text=True, timeout=300)
+        assert loaded.returncode == 0, loaded.stderr[-3000:]
+        seen[switched] = json.loads(loaded.stdout.strip().splitlines()[-1])
+    assert seen == {False: [], True: [hook_points.TARGET_EMBED_AND_HEAD]}
 
 
 @pytest.fixture(scope="module")
