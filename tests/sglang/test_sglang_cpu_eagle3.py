@@ -25,9 +25,10 @@ import pytest
 
 from service.engine.model.weights import MODELS_DIR
 from service.server.client import MoespecClient
+from service.sglang_backend.attribution import RequestTokens, unique_experts
 from service.types import Drafter, DraftPolicy
 from tests.sglang.eagle3_draft import write_eagle3_draft
-from tests.sglang.test_sglang_cpu import SERVE_SGLANG, greedy, require_sglang, sglang_env
+from tests.sglang.test_sglang_cpu import SERVE_SGLANG, greedy, recorder_windows, require_sglang, sglang_env, tokenize
 from tests.support.engine_helpers import heldout_prompts, make_engine
 from tuner.drivers.server_proc import REPO_ROOT, start_server
 
@@ -85,12 +86,22 @@ def test_sglang_alone_cannot_start_eagle3_on_the_target_and_the_plugins_lookup_i
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def record_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("eagle3-records")
+
+
+@pytest.fixture(scope="module")
+def replies() -> list:
+    return []  # (prompt ids, reply) of every EAGLE3 request, recounted from SGLang's recorder at the end
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, record_dir):
     require_sglang()
     draft = write_eagle3_draft(tmp_path_factory.mktemp("eagle3") / "draft", MODELS_DIR / "target")
     args = ("--backend", "sglang", *SERVE_SGLANG, "--speculative-algorithm", "EAGLE3", "--draft-model-path",
             str(draft), "--sglang-no-ngram", "--sglang-no-calibrate", "--drafter", "model",
-            "--draft-length", str(K), "--log-level", "INFO")
+            "--draft-length", str(K), "--sglang-record-dir", str(record_dir), "--log-level", "INFO")
     proc = start_server(sglang_env(), TOKEN, args, ready_timeout=900)
     yield proc
     proc.stop(timeout=60)
@@ -109,11 +120,12 @@ def plain_greedy() -> dict[str, tuple[int, ...]]:
     return {p: engine.generate(greedy(p, MAX_NEW), DraftPolicy()).token_ids for p in PROMPTS}
 
 
-def test_eagle3_greedy_equals_plain_and_its_verify_windows_are_measured(client, plain_greedy):
+def test_eagle3_greedy_equals_plain_and_its_verify_windows_are_measured(client, plain_greedy, replies):
     info = client.model_info()
     top_k, experts, layers = info.top_k, info.num_experts, info.num_layers
-    for prompt in PROMPTS:
+    for prompt, prompt_ids in zip(PROMPTS, tokenize(PROMPTS), strict=True):
         reply = client.generate(greedy(prompt, MAX_NEW), timeout=600)
+        replies.append((prompt_ids, reply))
         assert reply.token_ids == plain_greedy[prompt]  # lossless
         spec = reply.spec
         assert (spec.drafter, spec.draft_length) == (Drafter.MODEL, K)
@@ -134,3 +146,22 @@ def test_eagle3_greedy_equals_plain_and_its_verify_windows_are_measured(client, 
         # K + 1 distinct positions each routed to top_k experts: across a whole request, some window touches
         # more than one token's worth (a window of identical expert sets on every layer, every step, is not routing).
         assert max(spec.unique_experts_max) > top_k
+
+
+def test_the_plugins_unions_equal_a_recount_from_sglangs_own_recorder(client, server, record_dir, replies):
+    """SGLang's per_token recorder ran beside the plugin and dumps when the engine stops (here: the server
+    stops). Each EAGLE3 request's verify windows, found in the dump by its tokens and positions, recounted
+    with torch.unique: as many as the reply's verify steps, the same acceptance, and per layer the same
+    largest and mean number of distinct experts as the plugin measured."""
+    assert len(replies) == len(PROMPTS)
+    info = client.model_info()
+    moe = tuple(range(info.num_layers))
+    server.stop(timeout=120)  # the engine stops: the recorder dumps
+    tokens = [RequestTokens(tuple(ids), reply.token_ids) for ids, reply in replies]
+    for (_, reply), windows in zip(replies, recorder_windows(record_dir, tokens, K + 1, moe), strict=True):
+        assert len(windows) == reply.spec.verify_steps > 0
+        assert sum(w.accepted for w in windows) == reply.spec.accepted_tokens
+        recount = [unique_experts(w.topk_ids, moe, info.num_experts) for w in windows]  # [steps][L]
+        assert tuple(max(column) for column in zip(*recount, strict=True)) == reply.spec.unique_experts_max
+        means = [sum(column) / len(column) for column in zip(*recount, strict=True)]
+        assert list(reply.spec.unique_experts_mean) == pytest.approx(means)
