@@ -19,6 +19,8 @@
                               plain and the best static policy on a 1 / 16 client workload, interleaved
     moespec bench llamacpp    llama.cpp beside the embedded engine on the shipped checkpoints, interleaved
                               (scripts/setup_llama_cpp.sh builds it): decode, prefill, speculative, batched
+    moespec bench verify-cost  cost(w, U) of verify windows on a real MoE geometry (presets or a HF config.json),
+                              a fitted cost model, and the profile `moespec whatif --cost-profile` reads
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ SUITES: dict[str, tuple[str, str]] = {
     "sglang": ("service.bench.sglang", "the SGLang backend by policy, the embedded engine beside it"),
     "sglang-batching": ("service.bench.sglang_batching", "the SGLang backend's batching gain beside SGLang alone's"),
     "adaptive": ("service.bench.adaptive", "draft-length controllers vs static policies on a mixed workload"),
+    "verify-cost": ("service.bench.verify_cost.command",
+                    "cost of verify windows by size and expert union on a model geometry; a cost profile"),
     "llamacpp": ("service.bench.llama_cpp", "llama.cpp beside the embedded engine on the shipped checkpoints"),
 }
 

@@ -1,0 +1,168 @@
+"""`moespec bench verify-cost`: what a verify window of w positions touching U distinct experts per
+layer costs on this machine, for a real model's geometry (random weights), in ms and plain decode steps,
+with a fitted cost model; writes the profile `moespec whatif --cost-profile` reads.
+
+CPU (default): the embedded engine's fused MoE kernel (`Kernels.moe_block`) in its own panel format.
+CUDA (`--device cuda`): plain torch grouped expert products in bf16, CUDA-event timing (`--impl torch`
+runs that code on the CPU too). Several layers deep (`--layers`), so that a geometry whose layers do not
+fit in cache is measured from memory, as it is served."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+from service.errors import UsageError
+
+DEFAULT_WINDOWS = "1-16"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
+    parser.add_argument("--geometry", default="target",
+                        help="a preset (target, qwen3-30b-a3b, qwen2-57b-a14b, deepseek-v3, mixtral-8x7b, "
+                             "olmoe-1b-7b, ling-mini-2.0) or a HuggingFace config.json path")
+    parser.add_argument("--layers", type=int, default=4, help="MoE layers per pass (default 4)")
+    parser.add_argument("--windows", default=DEFAULT_WINDOWS, help="window sizes, e.g. 1-16 or 1,2,4,8 (max 16)")
+    parser.add_argument("--unions", type=int, default=4, help="union values per window, spread from k to min(w k, E)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median and spread over them)")
+    parser.add_argument("--repeats", type=int, default=5, help="passes per point and round (their median)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--impl", choices=("fused", "torch"), default=None,
+                        help="fused: the engine's CPU kernel (cpu default); torch: grouped torch products (cuda)")
+    parser.add_argument("--math", choices=("bf16", "fp32"), default=None,
+                        help="the fused kernel's arithmetic (default: the engine's choice on this CPU)")
+    parser.add_argument("--threads", type=int, default=1, help="kernel threads (fused)")
+    parser.add_argument("--context", type=int, default=0,
+                        help="attention context length; only 0 (MoE blocks alone) is supported so far")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("reports/bench/verify-cost"),
+                        help="folder for verify-cost-GEOMETRY.json / .png")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+
+def parse_windows(text: str) -> list[int]:
+    out: set[int] = set()
+    try:
+        for part in text.split(","):
+            if "-" in part:
+                a, b = (int(x) for x in part.split("-"))
+                out.update(range(a, b + 1))
+            else:
+                out.add(int(part))
+    except ValueError:
+        raise UsageError(f"--windows {text!r}: expected sizes like 1-16 or 1,2,4,8") from None
+    if not out or min(out) < 1 or max(out) > 16:
+        raise UsageError(f"--windows {text!r}: sizes must lie in 1..16")
+    return sorted(out | {1})  # the plain decode step is the unit
+
+
+def plan_points(g, windows: list[int], unions: int) -> list[tuple[int, int]]:
+    from service.bench.verify_cost.windows import union_grid
+
+    points = []
+    for w in windows:
+        points += [(w, u) for u in union_grid(w, g.top_k, g.experts, unions)]
+    return points
+
+
+def run(args: argparse.Namespace) -> int:
+    from service.bench.verify_cost import fit, memory, presets, report
+    from service.bench.verify_cost.measure import measure
+
+    try:
+        g = presets.resolve_geometry(args.geometry)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.context:
+        raise UsageError("--context: the attention part is not implemented yet; run with --context 0")
+    for name in ("rounds", "repeats", "threads", "unions"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    impl = args.impl or ("fused" if args.device == "cpu" else "torch")
+    if impl == "fused" and args.device != "cpu":
+        raise UsageError("--impl fused is the engine's CPU kernel: use --device cpu or --impl torch")
+    windows = parse_windows(args.windows)
+    try:
+        available = _available_bytes(args.device)
+        memory.check_fits(g, args.layers, 2, False, available)  # bf16 weights
+    except memory.MemoryGuardError as e:
+        raise UsageError(str(e)) from None
+    layers, math, timer, device_name = _build_layers(g, args, impl)
+    points = plan_points(g, windows, args.unions)
+    print(f"{g.name}: E={g.experts} k={g.top_k} H={g.hidden} I={g.expert_intermediate} shared={g.shared_intermediate}; "
+          f"{args.layers} layers, {impl} on {device_name} ({math}), {len(points)} (w, U) points x {args.rounds} rounds",
+          flush=True)
+    try:
+        timings = measure(layers, points, args.rounds, args.repeats, args.seed, timer,
+                          progress=lambda s: print(s, flush=True))
+    finally:
+        layers.close()
+    plain = next(t.median for t in timings if (t.window, t.union) == (1, g.top_k))
+    pts = [(t.window, t.union) for t in timings]
+    secs = [t.median for t in timings]
+    model = fit.fit_cost_model(pts, secs)
+    held = fit.held_out_error(pts, secs)
+    rows = report.summary(g, model, plain)
+    print(report.format_table(g, timings, plain, model, held, rows))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"verify-cost-{g.name}"
+    data = report.profile_json(g, args.device, impl, math, args.layers, args.threads, args.rounds, args.repeats,
+                               timings, plain, model, held, rows, device_name)
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    written = [str(stem.with_suffix(".json"))]
+    if not args.no_plot:
+        try:
+            report.plot(g, timings, plain, model, stem.with_suffix(".png"))
+            written.append(str(stem.with_suffix(".png")))
+        except ImportError:
+            print("matplotlib is not installed: no PNG")
+    print("wrote " + " and ".join(written))
+    return 0
+
+
+def _available_bytes(device: str) -> int:
+    from service.bench.verify_cost import memory
+
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is visible")
+        free, _ = torch.cuda.mem_get_info()
+        return free
+    return memory.available_bytes()
+
+
+def _build_layers(g, args: argparse.Namespace, impl: str):
+    from service.bench.verify_cost.measure import cpu_timer, cuda_timer
+
+    if impl == "torch":
+        from service.bench.verify_cost.torch_layers import TorchLayers
+
+        name = _device_name(args.device)
+        return TorchLayers(g, args.layers, args.device, seed=args.seed), "bf16", \
+            cuda_timer if args.device == "cuda" else cpu_timer, name
+    from service.bench.verify_cost.fused_cpu import WINDOW_MAX, FusedCpuLayers
+    from service.engine.kernels import library
+
+    if g.hidden < WINDOW_MAX:
+        raise UsageError(f"geometry {g.name!r}: hidden size {g.hidden} is below {WINDOW_MAX}")
+    kernels = library.build()
+    if kernels is None:
+        raise UsageError("the fused kernels did not build (no C compiler?): use --impl torch")
+    math = args.math or kernels.default_math()
+    return FusedCpuLayers(kernels, g, args.layers, math, args.threads, args.seed), math, cpu_timer, _device_name("cpu")
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name()
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "cpu"

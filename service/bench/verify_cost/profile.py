@@ -1,0 +1,49 @@
+"""The verify-cost profile file (`moespec bench verify-cost` writes it, `moespec whatif --cost-profile`
+reads it): device, geometry, data type, the measured cost per window size and union, and the fitted
+model. Format in docs/contracts.md. Reading it needs neither torch nor the kernels."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from service.bench.verify_cost.fit import CostModel
+from service.bench.verify_cost.geometry import Geometry
+
+FORMAT = "moespec.verify-cost/1"
+
+
+class ProfileError(ValueError):
+    """A file that is not a readable verify-cost profile; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    geometry: Geometry
+    layers_benched: int
+    model: CostModel  # seconds of a pass over `layers_benched` layers
+    device: str
+    plain_step_seconds: float  # measured (w = 1, U = k) over the benched layers
+
+    def pass_seconds(self, window: float, union: float, layers: int | None = None) -> float:
+        """A pass of `window` positions touching `union` experts per layer (mean over layers), over
+        `layers` MoE layers (default: the geometry's), scaled from the benched layers."""
+        layers = self.geometry.layers if layers is None else layers
+        return max(0.0, self.model.seconds(window, union)) * layers / self.layers_benched
+
+
+def load_profile(path: Path) -> CostProfile:
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ProfileError(f"cannot read cost profile {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"cost profile {path} is not JSON: {e}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ProfileError(f"{path}: not a verify-cost profile (format {FORMAT!r} expected)")
+    try:
+        return CostProfile(Geometry.from_json(data["geometry"]), int(data["layers_benched"]),
+                           CostModel(**data["model"]), str(data["device"]), float(data["plain_step_seconds"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProfileError(f"{path}: a malformed cost profile ({e!r})") from None
