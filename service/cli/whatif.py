@@ -4,6 +4,10 @@ FILE is a step recording (`moespec serve --record-steps FILE`). Prints a table (
 position, committed tokens per step, per-layer unions, verify / draft ms, ms per committed token),
 and writes FILE.whatif.json and FILE.whatif.png (or under --out). With --ep-size P the table adds
 the expert-parallel view of each k' (ranks touched per layer, dispatch bytes per committed token).
+With --cost-profile P (written by `moespec bench verify-cost`) every verify pass is priced by the
+profile's fitted model at its window and recorded unions instead of the recording's own timings: what
+the recorded routing would cost on the profile's machine and geometry (approximations:
+service/whatif/profile_pricing.py).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for whatif.json / whatif.png (default: beside FILE)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the replay's draws of untested positions")
+    parser.add_argument("--cost-profile", type=Path, default=None,
+                        help="price verify passes with this verify-cost profile (moespec bench verify-cost) "
+                             "instead of the recording's timings")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,9 +65,18 @@ def run(args: argparse.Namespace) -> int:
             placement = expert_parallel.make_placement(args.ep_size, header["num_layers"], header["num_experts"], p2l)
         except expert_parallel.PlacementError as e:
             raise UsageError(str(e)) from None
+    pricing = None
+    if args.cost_profile is not None:
+        from service.bench.verify_cost.profile import ProfileError, load_profile
+        from service.whatif.profile_pricing import ProfilePricing
+
+        try:
+            pricing = ProfilePricing(load_profile(args.cost_profile), header["top_k"], header["num_experts"])
+        except ProfileError as e:
+            raise UsageError(f"--cost-profile: {e}") from None
     try:
         result = predict(requests, header["top_k"], placement,
-                         header.get("hidden_size", 0) * expert_parallel.ACTIVATION_BYTES, args.seed)
+                         header.get("hidden_size", 0) * expert_parallel.ACTIVATION_BYTES, args.seed, pricing)
     except ValueError as e:
         raise UsageError(f"{args.file}: {e}") from None
     print(present.format_table(result))

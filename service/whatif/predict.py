@@ -57,6 +57,7 @@ from service.whatif.replay import (
 
 if TYPE_CHECKING:  # the EP view imports torch: only a prediction with a placement needs it
     from service.routing import expert_parallel
+    from service.whatif.profile_pricing import ProfilePricing
 
 REPLAY_DRAWS = 32  # random draws of the untested positions; the spread is reported
 
@@ -99,6 +100,7 @@ class WhatIf:
     draft_curve: DraftCurve
     predictions: tuple[LengthPrediction, ...]  # k' = 0..k
     speculative_curve: CostCurve | None = None  # windows >= 2, fitted on those passes alone (if identified)
+    cost_profile: str | None = None  # the profile that priced the verify passes (None: the recording's timings)
 
     @property
     def best(self) -> LengthPrediction:
@@ -120,6 +122,7 @@ class _Pricer:
     union_by_window: dict[int, float]  # window size -> mean union of recorded windows cut to that size
     ids: list[np.ndarray]  # [L, w, m] per recorded step
     num_experts: int  # at least the largest recorded id + 1: enough columns for the overlap's expert sets
+    profile: ProfilePricing | None = None  # prices every verify pass when given (profile_pricing.py)
     _unions: dict[tuple[int, int, int], float] = field(default_factory=dict)
 
     def union(self, g: int, i: int, w: int) -> float:
@@ -134,6 +137,8 @@ class _Pricer:
         return self._unions[key]
 
     def verify(self, g: int, i: int, w: int) -> float:
+        if self.profile is not None:
+            return self.profile.seconds(w, self.union(g, i, w))
         if w in self.window_seconds:
             return self.window_seconds[w]
         line = self.speculative_curve if w >= 2 and self.speculative_curve is not None else self.curve
@@ -147,7 +152,9 @@ class _Pricer:
 
 def predict(requests: Sequence[Sequence[StepRecord]], top_k: int,
             placement: expert_parallel.Placement | None = None, ep_token_bytes: int = 0,
-            seed: int = 0) -> WhatIf:
+            seed: int = 0, profile: ProfilePricing | None = None) -> WhatIf:
+    """profile: price every verify pass (recorded windows truncated and replayed ones) with a verify-cost
+    profile's model instead of the recording's own timings (service/whatif/profile_pricing.py)."""
     steps = [s for r in requests for s in r]
     if not steps:
         raise ValueError("no recorded steps to replay")
@@ -168,7 +175,7 @@ def predict(requests: Sequence[Sequence[StepRecord]], top_k: int,
                        for w in range(1, max(r.shape[1] for r in ids) + 1)}
     # A step whose drafter offered nothing still looked (n-gram): its lookup costs what any lookup does.
     pricer = _Pricer(curve, speculative_curve, window_seconds, draft_curve, draft_curve.seconds(0),
-                     union_by_window, ids, max(int(r.max()) for r in ids) + 1)
+                     union_by_window, ids, max(int(r.max()) for r in ids) + 1, profile)
     outcomes = [position_outcomes(r) for r in requests]
     offset = 0
     walks = []  # per request: outcomes, offers, (global recorded step, offset), drafter runs, per position
@@ -182,7 +189,8 @@ def predict(requests: Sequence[Sequence[StepRecord]], top_k: int,
     predictions = [_predict_length(kp, steps, ids, walks, p_continue, pricer, placement, ep_token_bytes, seed)
                    for kp in range(k + 1)]
     return WhatIf(first.drafter.value, first.draft_temperature, k, len(steps), len(requests), measured, curve,
-                  window_seconds, draft_curve, tuple(predictions), speculative_curve=speculative_curve)
+                  window_seconds, draft_curve, tuple(predictions), speculative_curve=speculative_curve,
+                  cost_profile=profile.describe() if profile is not None else None)
 
 
 def _replay_length(kp: int, walks: list, p_continue: float, pricer: _Pricer, seed: int) -> dict:

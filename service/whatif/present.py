@@ -36,6 +36,9 @@ def format_table(result: WhatIf) -> str:
         *([] if (sc := result.speculative_curve) is None else [
             f"windows >= 2 (their own line): verify ms = {sc.intercept * 1e3:.3f} + {sc.per_position * 1e3:.3f} * "
             f"window + {sc.per_expert * 1e3:.4f} * mean union"]),
+        *([] if result.cost_profile is None else [
+            f"verify passes priced by the cost profile: {result.cost_profile} (MoE blocks only; draft time as "
+            "recorded)"]),
         f"predicted best draft length: {result.best.draft_length}",
     ]
     return "\n".join(lines)
