@@ -19,15 +19,15 @@ class TorchLayers:
     routes_itself = False  # the ids are given, not routed
 
     def __init__(self, g: Geometry, layers: int, device: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
-        generator = torch.Generator(device="cpu").manual_seed(seed)
         self.n_layers = layers
         self.geometry, self.device, self.dtype = g, torch.device(device), dtype
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         E, H, I, Is = g.experts, g.hidden, g.expert_intermediate, g.shared_intermediate
 
-        def draw(*shape: int) -> torch.Tensor:  # drawn on the CPU (seeded alike on any device), moved once
-            t = torch.empty(*shape, dtype=dtype)
+        def draw(*shape: int) -> torch.Tensor:  # drawn where it lives (tens of GB drawn on a CPU take minutes)
+            t = torch.empty(*shape, dtype=dtype, device=self.device)
             t.normal_(0.0, 0.02, generator=generator)
-            return t.to(self.device)
+            return t
 
         self.layers = [dict(router=draw(E, H), gate_up=draw(E, 2 * I, H), down=draw(E, H, I),
                             shared_gate_up=draw(2 * Is, H) if Is else None, shared_down=draw(H, Is) if Is else None)
