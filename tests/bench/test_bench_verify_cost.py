@@ -262,3 +262,18 @@ def test_bad_arguments_are_refused_with_the_reason(tmp_path: Path) -> None:
         with pytest.raises(UsageError, match=reason):
             command.run(parser.parse_args([*argv, "--out", str(tmp_path)]))
     assert not list(tmp_path.iterdir())  # refused before measuring or writing anything
+
+
+def test_against_engine_compares_each_window_at_its_own_unions_in_seconds_and_plain_steps() -> None:
+    from service.bench.verify_cost.against_engine import compare
+
+    model = fit.CostModel(fixed=1e-4, per_expert=1e-5, per_position=2e-5)
+    # The engine's passes cost 1.25x the profile's prediction at their own unions (4 layers, benched 2).
+    passes = [(1, 8.0, 1.25 * 2 * model.seconds(1, 8)), (1, 8.0, 1.25 * 2 * model.seconds(1, 8)),
+              (3, 20.0, 1.25 * 2 * model.seconds(3, 20)), (3, 12.0, 1.25 * 2 * model.seconds(3, 12)),
+              (12, 30.0, 1.0)]  # past window 9: not compared
+    rows = compare(passes, model, scale=2.0, top_k=8)
+    assert [r["window"] for r in rows] == [1, 3]
+    assert all(r["error"] == pytest.approx(-0.2) for r in rows)
+    assert all(r["error_in_plain_steps"] == pytest.approx(0.0, abs=1e-12) for r in rows)
+    assert rows[1]["passes"] == 2

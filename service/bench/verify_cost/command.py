@@ -41,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("reports/bench/verify-cost"),
                         help="folder for verify-cost-GEOMETRY.json / .png")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument("--against-engine", action="store_true",
+                        help="with --geometry target: interleave each profile round with the embedded engine over "
+                             "held-out prompts; compare its verify passes (windows 1-9) with the profile's prediction")
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per engine round (--against-engine)")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens per engine request (--against-engine)")
 
 
 def parse_windows(text: str) -> list[int]:
@@ -70,7 +75,7 @@ def plan_points(g, windows: list[int], unions: int) -> list[tuple[int, int]]:
 
 def run(args: argparse.Namespace) -> int:
     from service.bench.verify_cost import fit, memory, presets, report
-    from service.bench.verify_cost.measure import measure
+    from service.bench.verify_cost.measure import PointTiming, measure
 
     try:
         g = presets.resolve_geometry(args.geometry)
@@ -85,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     if impl == "fused" and args.device != "cpu":
         raise UsageError("--impl fused is the engine's CPU kernel: use --device cpu or --impl torch")
     windows = parse_windows(args.windows)
+    if args.against_engine and (args.geometry != "target" or impl != "fused"):
+        raise UsageError("--against-engine compares with the embedded engine: use --geometry target on the CPU")
     try:
         available = _available_bytes(args.device)
         memory.check_fits(g, args.layers, 2, False, available)  # bf16 weights
@@ -95,11 +102,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"{g.name}: E={g.experts} k={g.top_k} H={g.hidden} I={g.expert_intermediate} shared={g.shared_intermediate}; "
           f"{args.layers} layers, {impl} on {device_name} ({math}), {len(points)} (w, U) points x {args.rounds} rounds",
           flush=True)
+    engine = _start_engine(args, math) if args.against_engine else None
+    passes: list = []
+    per_round = []
     try:
-        timings = measure(layers, points, args.rounds, args.repeats, args.seed, timer,
-                          progress=lambda s: print(s, flush=True))
+        for r in range(args.rounds):  # one round of every point, then (if asked) one engine round
+            per_round.append(measure(layers, points, 1, args.repeats, args.seed + r, timer))
+            if engine is not None:
+                from service.bench.verify_cost.against_engine import engine_round, heldout_prompts
+
+                passes += engine_round(engine, heldout_prompts(args.prompts), args.max_new_tokens)
+            print(f"round {r + 1}/{args.rounds} done", flush=True)
     finally:
         layers.close()
+        if engine is not None:
+            engine.close()
+    timings = [PointTiming(t.window, t.union, tuple(rnd[i].seconds[0] for rnd in per_round))
+               for i, t in enumerate(per_round[0])]
     plain = next(t.median for t in timings if (t.window, t.union) == (1, g.top_k))
     pts = [(t.window, t.union) for t in timings]
     secs = [t.median for t in timings]
@@ -111,6 +130,13 @@ def run(args: argparse.Namespace) -> int:
     stem = args.out / f"verify-cost-{g.name}"
     data = report.profile_json(g, args.device, impl, math, args.layers, args.threads, args.rounds, args.repeats,
                                timings, plain, model, held, rows, device_name)
+    if engine is not None:
+        from service.bench.verify_cost import against_engine
+
+        compared = against_engine.compare(passes, model, g.layers / args.layers, g.top_k)
+        print("profile (MoE blocks) against the engine's verify passes, same rounds:")
+        print(against_engine.format_rows(compared))
+        data["against_engine"] = compared
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
     written = [str(stem.with_suffix(".json"))]
     if not args.no_plot:
@@ -121,6 +147,12 @@ def run(args: argparse.Namespace) -> int:
             print("matplotlib is not installed: no PNG")
     print("wrote " + " and ".join(written))
     return 0
+
+
+def _start_engine(args: argparse.Namespace, math: str):
+    from service.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(threads=args.threads, capture_topk=True, math=math))
 
 
 def _available_bytes(device: str) -> int:
