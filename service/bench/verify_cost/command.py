@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     rows = report.summary(g, model, plain)
     print(report.format_table(g, timings, plain, model, held, rows))
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"verify-cost-{g.name}"
+    json_path, png_path = (args.out / f"verify-cost-{g.name}{ext}" for ext in (".json", ".png"))  # names hold dots
     data = report.profile_json(g, args.device, impl, math, args.layers, args.threads, args.rounds, args.repeats,
                                timings, plain, model, held, rows, device_name)
     if engine is not None:
@@ -137,12 +137,12 @@ def run(args: argparse.Namespace) -> int:
         print("profile (MoE blocks) against the engine's verify passes, same rounds:")
         print(against_engine.format_rows(compared))
         data["against_engine"] = compared
-    stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    written = [str(stem.with_suffix(".json"))]
+    json_path.write_text(json.dumps(data, indent=1))
+    written = [str(json_path)]
     if not args.no_plot:
         try:
-            report.plot(g, timings, plain, model, stem.with_suffix(".png"))
-            written.append(str(stem.with_suffix(".png")))
+            report.plot(g, timings, plain, model, png_path)
+            written.append(str(png_path))
         except ImportError:
             print("matplotlib is not installed: no PNG")
     print("wrote " + " and ".join(written))
