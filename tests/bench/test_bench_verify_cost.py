@@ -231,19 +231,20 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("impl", ["fused", "torch"])
 def test_a_tiny_real_run_through_the_command_line_writes_a_profile(tmp_path: Path, impl: str) -> None:
-    config = tmp_path / "config.json"
+    config = tmp_path / "tiny-2.0" / "config.json"  # the geometry is named after the folder, dots and all
+    config.parent.mkdir()
     config.write_text(json.dumps(dict(CONFIGS["qwen2_moe"][0], mlp_only_layers=[])))
     done = run_cli("--geometry", str(config), "--layers", "2", "--windows", "1,2,4,8", "--unions", "3",
                    "--rounds", "2", "--repeats", "2", "--impl", impl, "--out", str(tmp_path), "--no-plot")
     assert done.returncode == 0, done.stderr
     assert "held-out" in done.stdout and "plain decode steps" in done.stdout
-    data = json.loads((tmp_path / f"verify-cost-{tmp_path.name}.json").read_text())
+    data = json.loads((tmp_path / "verify-cost-tiny-2.0.json").read_text())
     assert {(p["window"], p["union"]) for p in data["points"]} == {
         (1, 4), (2, 4), (2, 6), (2, 8), (4, 4), (4, 10), (4, 16), (8, 4), (8, 18), (8, 32)}
     assert all(len(p["seconds"]) == 2 and p["seconds_median"] > 0 for p in data["points"])
     plain = next(p for p in data["points"] if (p["window"], p["union"]) == (1, 4))
     assert plain["plain_steps"] == 1.0 and data["impl"] == impl
-    profile = load_profile(tmp_path / f"verify-cost-{tmp_path.name}.json")
+    profile = load_profile(tmp_path / "verify-cost-tiny-2.0.json")
     assert profile.layers_benched == 2 and profile.geometry.experts == 60
 
 
