@@ -425,6 +425,11 @@ class ModelInfo:
     # fixes speculation at start-up, so a change swaps engines (the last swap's wall time).
     policy_switch_seconds: float = 0.0
     policy_switches: int = 0
+    # Draft lengths a change among which swaps no engine (SGLang's adaptive EAGLE states, pinned at run
+    # time), and the last such change's wall time / how many so far. () = every change swaps (or none does).
+    prepared_draft_lengths: tuple[int, ...] = ()
+    length_switch_seconds: float = 0.0
+    length_switches: int = 0
     # Whether requests under different policies can run at once (a traffic split of several arms).
     # False unless a backend says so: a backend that fixes its policy at start-up cannot.
     concurrent_policies: bool = False

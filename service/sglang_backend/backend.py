@@ -7,7 +7,9 @@ Contract:
 - A request whose policy needs other start-up arguments than the running engine drains the requests
   in flight, then swaps the engine (stop, start, warm-up); requests arriving meanwhile wait and run
   on the new engine (swap_gate.py). The measured wall time of each swap is published as
-  `info.policy_switch_seconds`. policy_id / draft_temperature changes swap nothing.
+  `info.policy_switch_seconds`. policy_id / draft_temperature changes swap nothing. A change between
+  prepared draft lengths (policy.step_switch) drains the same way but then only pins the running
+  adaptive engine's step count through the plugin: `info.length_switch_seconds` / `length_switches`.
 - Routing statistics come from moespec's plugin inside SGLang's scheduler (service/sglang_plugin/):
   one record per target pass, keyed by request id, pushed over a private socket (stats_channel.py)
   and joined here with the request's tokens (acceptance) and SGLang's own counts (meta_info).
@@ -49,13 +51,14 @@ from service.sglang_backend.policy import (
     engine_key,
     needs_eagle_target,
     speculative_kwargs,
+    step_switch,
 )
 from service.sglang_backend.sampling import sampling_params
 from service.sglang_backend.stats_channel import StatsChannel
 from service.sglang_backend.steps import expected_steps, spec_stats, steps_from_meta, steps_from_windows
 from service.sglang_backend.swap_gate import SwapGate
 from service.sglang_backend.tap_windows import windows_from_tap
-from service.sglang_plugin.wire import EAGLE_TARGET_ENV, TAP_ENV
+from service.sglang_plugin.wire import EAGLE_TARGET_ENV, STEP_PIN_ENV, TAP_ENV
 from service.types import (
     DraftPolicy,
     GenerationRequest,
@@ -102,6 +105,7 @@ class SGLangBackend:
         self._sglang = sglang
         self._info_lock = threading.Lock()
         self._engine: EngineThread | None = None
+        self._engine_spec: dict = {}  # the running engine's speculative arguments, its step count as pinned
         self._channel = StatsChannel() if config.stats else None
         self._gate = SwapGate(lambda p: engine_key(p, config.spec), self._swap)
         self._tokenizer = _load_tokenizer(config.tokenizer_path)
@@ -175,11 +179,17 @@ class SGLangBackend:
 
     # ------------------------------------------------------------------ engine swaps
     def _swap(self, policy: DraftPolicy) -> None:
-        """Called by the gate with no request in flight: stop the engine, start the policy's, warm it up."""
+        """Called by the gate with no request in flight: pin the running engine's step count where it
+        prepared the policy's length, else stop the engine, start the policy's and warm it up."""
         spec_kwargs = speculative_kwargs(policy, self.config.spec)
+        steps = step_switch(self._engine_spec, spec_kwargs) if self._engine is not None else None
+        if steps is not None:
+            self._pin(steps, spec_kwargs)
+            return
         t0 = time.perf_counter()
         self._stop_engine()
         self._engine = self._start_engine(spec_kwargs)
+        self._engine_spec = spec_kwargs
         warm = self._run(list(range(1, 9)), GenerationRequest(prompt_token_ids=tuple(range(1, 9)),
                                                                max_new_tokens=WARMUP_TOKENS), None, None, None,
                          greedy=True)
@@ -195,6 +205,16 @@ class SGLangBackend:
         if not spec_kwargs:
             self._calibrate(warm)
 
+    def _pin(self, steps: int, spec_kwargs: dict) -> None:
+        t0 = time.perf_counter()
+        self._engine.pin_draft_steps(steps)
+        seconds = time.perf_counter() - t0
+        self._engine_spec = spec_kwargs
+        with self._info_lock:
+            self.info = dataclasses.replace(self.info, length_switch_seconds=seconds,
+                                            length_switches=self.info.length_switches + 1)
+        log.info("policy change pinned %d draft steps in %.3f s (no engine swap)", steps, seconds)
+
     def _start_engine(self, spec_kwargs: dict) -> EngineThread:
         kwargs = {**self.config.base_kwargs, **spec_kwargs}
         # The scheduler process SGLang spawns inherits this environment: the plugin reads its switch and
@@ -209,6 +229,10 @@ class SGLangBackend:
             os.environ[EAGLE_TARGET_ENV] = "1"
         else:
             os.environ.pop(EAGLE_TARGET_ENV, None)
+        if spec_kwargs.get("speculative_adaptive"):  # the plugin's step pin: moespec, not SGLang's rule, sets k
+            os.environ[STEP_PIN_ENV] = "1"
+        else:
+            os.environ.pop(STEP_PIN_ENV, None)
         if self.config.recorder_dir is not None:
             os.environ[RECORDER_DIR_ENV] = str(self.config.recorder_dir)
             kwargs["expert_distribution_recorder_mode"] = "per_token"
@@ -221,7 +245,7 @@ class SGLangBackend:
         return engine
 
     def _stop_engine(self) -> None:
-        engine, self._engine = self._engine, None
+        engine, self._engine, self._engine_spec = self._engine, None, {}
         if engine is None:
             return
         if self.config.recorder_dir is not None:

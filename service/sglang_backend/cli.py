@@ -7,8 +7,10 @@ only in create_backend. Options that exist only for this backend carry an --sgla
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from service.errors import UsageError
@@ -19,17 +21,25 @@ from service.sglang_backend.checkpoint import sglang_model_dir
 from service.sglang_backend.ep import EPConfig, ep_config
 from service.sglang_backend.info import build_info
 from service.sglang_backend.model_config import ModelDirError
-from service.sglang_backend.policy import MODEL_ALGORITHMS, NEEDS_DRAFT_PATH, SHARES_TARGET_EMBEDDING, SpecConfig
+from service.sglang_backend.policy import (
+    ADAPTIVE_ALGORITHMS,
+    MODEL_ALGORITHMS,
+    NEEDS_DRAFT_PATH,
+    SHARES_TARGET_EMBEDDING,
+    SpecConfig,
+    adaptive_config,
+)
 from service.sglang_backend.preflight import (
     check_draft,
     check_eagle_target_hook,
     check_plugin_hooks,
+    check_step_pin_hooks,
     check_target,
     import_sglang,
     require_cpu_kernels,
     require_cuda,
 )
-from service.types import Drafter, DraftPolicy, InvalidRequest
+from service.types import MAX_DRAFT_LENGTH, Drafter, DraftPolicy, InvalidRequest
 
 ALGORITHMS = (*MODEL_ALGORITHMS, "NGRAM")
 # The shipped EAGLE-3 draft (SGLang's LlamaForCausalLMEagle3 format), trained against the shipped target:
@@ -49,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speculative-algorithm", type=str.upper, choices=ALGORITHMS,
                        help="SGLang algorithm behind the model drafter (default STANDALONE with "
                             "--draft-model-path); NGRAM offers the n-gram drafter only")
+    group.add_argument("--sglang-prepared-lengths", default="auto", metavar="LIST",
+                       help="EAGLE/EAGLE3: draft lengths one engine serves, switched at run time without an "
+                            f"engine restart (comma-separated, e.g. 1,2,4; default auto = 1-{MAX_DRAFT_LENGTH}; "
+                            "none: every length change restarts the engine). Other algorithms: none")
     group.add_argument("--sglang-no-ngram", action="store_true",
                        help="do not offer SGLang's NGRAM as a second drafter")
     group.add_argument("--sglang-tp", type=int, default=1, help="tensor-parallel GPUs")
@@ -83,11 +97,13 @@ def create_backend(args: argparse.Namespace):
     model_algorithm = None if algorithm == "NGRAM" else algorithm
     draft_path = args.draft_model_path or (DEFAULT_EAGLE3_DRAFT if algorithm == "EAGLE3" else None)
     draft_name = check_draft(draft_path, model_algorithm, NEEDS_DRAFT_PATH)
+    prepared = prepared_lengths(args.sglang_prepared_lengths, model_algorithm)
     spec = SpecConfig(
         model_algorithm=model_algorithm,
         draft_model_path=str(draft_path) if draft_path else None,
         ngram=algorithm == "NGRAM" or not args.sglang_no_ngram,
         ngram_max_trie_depth=args.sglang_ngram_max_trie_depth,
+        prepared_lengths=prepared,
     )
     base = base_kwargs(args)
     policy = initial_policy(args, spec)
@@ -102,6 +118,8 @@ def create_backend(args: argparse.Namespace):
         check_plugin_hooks()
     if model_algorithm in SHARES_TARGET_EMBEDDING:
         check_eagle_target_hook()
+    if prepared:
+        check_step_pin_hooks()
     cleanup = []
     try:
         served, is_view = sglang_model_dir(args.model_path)
@@ -116,6 +134,12 @@ def create_backend(args: argparse.Namespace):
             private_dir(record_dir)
         except OSError as e:
             raise UsageError(f"--sglang-record-dir: {e}") from None
+    if prepared:  # SGLang reads its adaptive config from a file: a private one, removed at close
+        folder = Path(tempfile.mkdtemp(prefix="moespec-sglang-adaptive-"))
+        cleanup.append(folder)
+        adaptive_path = folder / "adaptive.json"
+        adaptive_path.write_text(json.dumps(adaptive_config(prepared)))
+        spec = dataclasses.replace(spec, adaptive_config_path=str(adaptive_path))
     max_context = args.sglang_context_length or target.max_context
     config = BackendConfig(
         target=target,
@@ -132,6 +156,27 @@ def create_backend(args: argparse.Namespace):
         record_steps=record_steps,
     )
     return SGLangBackend(config, sglang, policy)
+
+
+def prepared_lengths(value: str, model_algorithm: str | None) -> tuple[int, ...]:
+    """--sglang-prepared-lengths: auto (every length, where the algorithm can), none, or a list."""
+    adaptive = model_algorithm in ADAPTIVE_ALGORITHMS
+    if value == "none":
+        return ()
+    if value == "auto":
+        return tuple(range(1, MAX_DRAFT_LENGTH + 1)) if adaptive else ()
+    if not adaptive:
+        raise UsageError(f"--sglang-prepared-lengths: SGLang switches draft lengths at run time for "
+                         f"{' and '.join(ADAPTIVE_ALGORITHMS)} only (this server drafts with "
+                         f"{model_algorithm or 'NGRAM'})")
+    try:
+        lengths = tuple(sorted({int(part) for part in value.split(",")}))
+    except ValueError:
+        raise UsageError(f"--sglang-prepared-lengths wants auto, none or comma-separated lengths, got {value!r}") \
+            from None
+    if not lengths or not all(1 <= k <= MAX_DRAFT_LENGTH for k in lengths):
+        raise UsageError(f"--sglang-prepared-lengths: lengths must be in 1-{MAX_DRAFT_LENGTH}, got {value!r}")
+    return lengths
 
 
 def ep_from_args(args: argparse.Namespace, target) -> EPConfig | None:

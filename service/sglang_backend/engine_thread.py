@@ -104,6 +104,16 @@ class EngineThread:
         """SGLang's per_token recorder writes what it holds to its directory (cross-check mode only)."""
         self._call(self.engine.tokenizer_manager.dump_expert_distribution_record())
 
+    def pin_draft_steps(self, steps: int) -> None:
+        """An adaptive EAGLE engine drafts `steps` per verify pass from its next batch on (the plugin's
+        step pin answers the RPC in every scheduler rank; service/sglang_plugin/step_pin.py)."""
+        from service.sglang_plugin.step_pin import PIN_METHOD
+
+        try:  # SGLang's RPC socket is its own (not the loop's): a blocking call from this thread is safe
+            self.engine.collective_rpc(PIN_METHOD, steps=steps)
+        except AssertionError as e:  # collective_rpc asserts the scheduler's answer
+            raise RuntimeError(f"SGLang did not pin {steps} draft steps: {e}") from None
+
     def _call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 

@@ -1,5 +1,6 @@
 """The ModelInfo the SGLang backend reports; `policy_switch_seconds` / `policy_switches` start at 0
-and are updated by the backend each time a policy change swaps engines (see backend.py)."""
+and are updated by the backend each time a policy change swaps engines, `length_switch_seconds` /
+`length_switches` each time one pins a prepared draft length instead (see backend.py)."""
 
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ def build_info(target: MoeGeometry, draft_name: str, spec: SpecConfig, max_conte
         concurrent_policies=False,  # speculation is fixed at engine start-up: one policy at a time
         shared_passes=True,  # SGLang's scheduler batches the requests in flight into shared passes
         device=device,
-        # SGLang 0.5.23's own --speculative-adaptive runs for EAGLE / EAGLE3 only, with the built-in
-        # worker: not for this backend's STANDALONE draft model or n-gram drafter.
+        # moespec's per-step controllers run in the torch backend. SGLang's own acceptance rule
+        # (--speculative-adaptive) would fight the tuner: moespec pins its step count instead.
         controllers=(Controller.STATIC,),
-        controllers_note=("adaptive draft lengths are not offered: SGLang's own adaptive mode needs EAGLE or "
-                          "EAGLE3 drafting, and this backend drafts with a STANDALONE draft model or n-gram; "
-                          "moespec's controllers run in the torch backend"),
+        controllers_note=("per-step draft-length controllers run in the torch backend; SGLang's EAGLE/EAGLE3 "
+                          "engines switch among prepared_draft_lengths at run time, set by SetPolicy or the "
+                          "tuner, never by SGLang's own acceptance rule"),
+        prepared_draft_lengths=spec.prepared_lengths,
     )

@@ -15,6 +15,9 @@ Mapping (server-argument names from python/sglang/srt/arg_groups/fields/spec.py 
   temperature. So it is never listed as tunable and StepRecords carry 0.0 (argmax).
 All of these are start-up arguments, so a policy whose arguments differ needs another engine
 (`swap_gate.py` drains and swaps it; backend.py measures the cost). policy_id and draft_temperature changes are free.
+Except for prepared lengths: EAGLE/EAGLE3 engines start with speculative_adaptive and one runtime
+state per prepared length (SpecConfig.prepared_lengths), and a change among them is a pin of the step
+count through the plugin (`step_switch`), not another engine.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ NEEDS_DRAFT_PATH = ("STANDALONE", "EAGLE", "EAGLE3")
 # Algorithms whose draft shares the target's embedding (and head), which SGLang 0.5.23 asks a target for
 # through a method its Qwen2-MoE class lacks: the plugin supplies it (service/sglang_plugin/embed_head.py).
 SHARES_TARGET_EMBEDDING = ("EAGLE", "EAGLE3")
+# Algorithms SGLang 0.5.23 runs with speculative_adaptive (one runtime state per step count, topk 1).
+ADAPTIVE_ALGORITHMS = ("EAGLE", "EAGLE3")
+# What differs between two engines of prepared lengths: the step count and the window it implies.
+STEP_ARGUMENTS = ("speculative_num_steps", "speculative_num_draft_tokens")
 EFFECTIVE_DRAFT_TEMPERATURE = 0.0
 
 
@@ -41,6 +48,10 @@ class SpecConfig:
     draft_model_path: str | None
     ngram: bool = True  # offer SGLang's NGRAM drafter
     ngram_max_trie_depth: int | None = None
+    # Model-drafter lengths one adaptive engine serves (ADAPTIVE_ALGORITHMS only), and SGLang's adaptive
+    # config file listing them (adaptive_config); () = every length is an engine of its own.
+    prepared_lengths: tuple[int, ...] = ()
+    adaptive_config_path: str | None = None
 
     def drafters(self) -> tuple[Drafter, ...]:
         return tuple(d for d, ok in ((Drafter.MODEL, self.model_algorithm is not None), (Drafter.NGRAM, self.ngram))
@@ -72,7 +83,29 @@ def speculative_kwargs(policy: DraftPolicy, spec: SpecConfig) -> dict:
     }
     if spec.draft_model_path:
         out["speculative_draft_model_path"] = spec.draft_model_path
+    if k in spec.prepared_lengths:
+        out["speculative_adaptive"] = True
+        out["speculative_adaptive_config"] = spec.adaptive_config_path
     return out
+
+
+def adaptive_config(prepared_lengths: tuple[int, ...]) -> dict:
+    """SGLang's speculative_adaptive_config for these lengths: one slot for every batch size (the key is
+    the smallest batch it covers), its candidate step counts the lengths. Its acceptance rule never runs
+    while moespec pins the count (step_pin.py), so the rule's own settings are left at SGLang's defaults."""
+    return {"1": {"candidate_steps": sorted(prepared_lengths)}}
+
+
+def step_switch(running: dict, wanted: dict) -> int | None:
+    """The step count to pin where the engine started with `running` speculative arguments serves `wanted`
+    as it is (both adaptive, equal but for the step count); None where `wanted` needs another engine."""
+    if not (running.get("speculative_adaptive") and wanted.get("speculative_adaptive")):
+        return None
+
+    def rest(kwargs: dict) -> dict:
+        return {k: v for k, v in kwargs.items() if k not in STEP_ARGUMENTS}
+
+    return wanted["speculative_num_steps"] if rest(running) == rest(wanted) else None
 
 
 def needs_eagle_target(spec_kwargs: dict) -> bool:

@@ -109,3 +109,15 @@ def check_eagle_target_hook() -> None:
         check_eagle_target_hook_point()
     except HookPointError as e:
         raise SGLangUnavailable(f"--backend sglang --speculative-algorithm EAGLE/EAGLE3: {e}") from None
+
+
+def check_step_pin_hooks() -> None:
+    """Prepared draft lengths: the hook points through which the plugin pins an adaptive EAGLE engine's
+    step count exist in this install (service/sglang_plugin/step_pin.py)."""
+    from service.sglang_plugin.hook_points import HookPointError, check_step_pin_hook_points
+
+    try:
+        check_step_pin_hook_points()
+    except HookPointError as e:
+        raise SGLangUnavailable(f"--sglang-prepared-lengths: {e}; pass --sglang-prepared-lengths none to change "
+                                "draft lengths by engine restarts") from None

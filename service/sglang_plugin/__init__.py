@@ -3,13 +3,15 @@
 SGLang loads `load` from the `sglang.srt.plugins` entry point first thing in every scheduler
 process. It does nothing unless the moespec backend switched a part of it on for that engine (an
 environment variable the scheduler inherits, named in wire.py), so a user's other SGLang servers in
-the same environment are untouched. Two independent parts:
+the same environment are untouched. Three independent parts:
 - the tap (wire.TAP_ENV): two hooks (hook_points.py) that measure every target pass (tap.py,
   statistics.py) and push one record per pass to the moespec server (sender.py). What crosses the
   process boundary, and in which format, is written in wire.py alone; the server side reads it in
   service/sglang_backend/stats_channel.py;
 - the EAGLE target (wire.EAGLE_TARGET_ENV): one hook that gives a Qwen2-MoE target the embedding/head
-  lookup an EAGLE/EAGLE-3 draft needs (embed_head.py).
+  lookup an EAGLE/EAGLE-3 draft needs (embed_head.py);
+- the step pin (wire.STEP_PIN_ENV): three hooks that let moespec set an adaptive EAGLE engine's draft
+  step count at run time, and keep SGLang's own acceptance rule from moving it (step_pin.py).
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import os
 
 
 def load() -> None:
-    """The entry point: inert without wire.TAP_ENV and wire.EAGLE_TARGET_ENV."""
+    """The entry point: inert without wire.TAP_ENV, wire.EAGLE_TARGET_ENV and wire.STEP_PIN_ENV."""
     from service.sglang_plugin import wire
 
     config = wire.TapConfig.from_env(os.environ.get(wire.TAP_ENV))
     eagle_target = os.environ.get(wire.EAGLE_TARGET_ENV) == "1"
-    if config is None and not eagle_target:
+    step_pin = os.environ.get(wire.STEP_PIN_ENV) == "1"
+    if config is None and not eagle_target and not step_pin:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -33,6 +36,12 @@ def load() -> None:
         from service.sglang_plugin.embed_head import resolve_target_embed_and_head
 
         HookRegistry.register(hook_points.TARGET_EMBED_AND_HEAD, resolve_target_embed_and_head, HookType.AROUND)
+    if step_pin:
+        from service.sglang_plugin import step_pin as pin
+
+        HookRegistry.register(hook_points.ADAPTIVE_STEPS_FOR_BATCH, pin.get_steps_for_batch, HookType.AROUND)
+        HookRegistry.register(hook_points.ADAPTIVE_VERIFY_COMPLETE, pin.on_verify_complete, HookType.AROUND)
+        HookRegistry.register(hook_points.SCHEDULER_RPC, pin.handle_rpc_request, HookType.AROUND)
     if config is not None:
         from service.sglang_plugin.tap import TapState
 

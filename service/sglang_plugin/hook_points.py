@@ -21,6 +21,16 @@ FORWARD_BATCH_FIELDS = ("forward_mode", "rids", "batch_size", "input_ids", "posi
 FORWARD_BATCH_CLASS = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
 # Where every EAGLE-family draft worker asks the target for its embedding and LM head (embed_head.py).
 TARGET_EMBED_AND_HEAD = "sglang.srt.speculative.pp_draft_embedding.resolve_target_embed_and_head"
+# The adaptive EAGLE step count's policy object and the scheduler's RPC entry (step_pin.py).
+ADAPTIVE_PARAMS = "sglang.srt.speculative.adaptive_spec_params.AdaptiveSpeculativeParams"
+ADAPTIVE_STEPS_FOR_BATCH = f"{ADAPTIVE_PARAMS}.get_steps_for_batch"
+ADAPTIVE_VERIFY_COMPLETE = f"{ADAPTIVE_PARAMS}.on_verify_complete"
+SCHEDULER_RPC = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
+STEP_PIN_SIGNATURES = {
+    ADAPTIVE_STEPS_FOR_BATCH: ["self", "batch_size"],
+    ADAPTIVE_VERIFY_COMPLETE: ["self", "num_correct_drafts_per_req", "batch_size"],
+    SCHEDULER_RPC: ["self", "recv_req"],
+}
 
 
 class HookPointError(RuntimeError):
@@ -59,3 +69,15 @@ def check_eagle_target_hook_point() -> None:
     if list(inspect.signature(resolve).parameters)[:1] != ["target_model"]:
         raise HookPointError(f"SGLang has no {TARGET_EMBED_AND_HEAD}(target_model, ...) as the moespec plugin "
                              f"expects (it hooks SGLang {SGLANG_VERSION})")
+
+
+def check_step_pin_hook_points() -> None:
+    """Raises HookPointError unless the step pin's three hook points are there, called as step_pin.py expects."""
+    for name, parameters in STEP_PIN_SIGNATURES.items():
+        try:
+            function = pkgutil.resolve_name(name)
+        except (ImportError, AttributeError) as e:
+            raise HookPointError(f"{e} (the moespec plugin hooks SGLang {SGLANG_VERSION})") from None
+        if list(inspect.signature(function).parameters) != parameters:
+            raise HookPointError(f"SGLang has no {name}({', '.join(parameters[1:])}) as the moespec plugin "
+                                 f"expects (it hooks SGLang {SGLANG_VERSION})")

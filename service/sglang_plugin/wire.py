@@ -7,7 +7,8 @@ ZeroMQ because SGLang already ships it and speaks it between its own processes; 
 records flow one way, are queued by ZeroMQ's I/O thread without blocking the scheduler, and stay in
 order per connection. The endpoint and options reach the scheduler in one environment variable
 (`TAP_ENV`), set by the backend just before it starts the engine; without it the tap is inert.
-(`EAGLE_TARGET_ENV` switches the plugin's other part, embed_head.py, which sends nothing.)
+(`EAGLE_TARGET_ENV` and `STEP_PIN_ENV` switch the plugin's other parts, embed_head.py and
+step_pin.py, which send nothing.)
 
 Messages are multipart: frame 0 a small JSON header, the rest raw little-endian arrays (no pickle:
 nothing the server reads can run code). Version 2:
@@ -41,6 +42,8 @@ VERSION = 2
 TAP_ENV = "MOESPEC_SGLANG_TAP"  # JSON {"endpoint": "ipc://...", "capture_topk": bool}; absent: plugin inert
 # "1": give a Qwen2-MoE target the embedding/head lookup EAGLE drafts need (embed_head.py); absent: untouched.
 EAGLE_TARGET_ENV = "MOESPEC_SGLANG_EAGLE_TARGET"
+# "1": moespec sets the draft step count of an adaptive EAGLE engine (step_pin.py); absent: SGLang's rule does.
+STEP_PIN_ENV = "MOESPEC_SGLANG_STEP_PIN"
 
 
 class WireError(ValueError):

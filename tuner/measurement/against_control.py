@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from service.types import DraftPolicy
+from service.types import Drafter, DraftPolicy, ModelInfo
 from tuner.loop import study as st
 from tuner.loop.space import policy_key
 from tuner.measurement.admin import PolicyAdmin
@@ -48,7 +48,7 @@ class AgainstControl:
         to sampled requests, plain read ~1.3x a drafting incumbent that was in truth dearer)."""
         if fresh_control:
             self._interleaved.forget_control()
-        mode, window = self._mode, self.window()
+        mode, window = self._mode, self.window(policy, control.policy if control is not None else None)
         if control is None or mode is TrialMode.SEQUENTIAL or control.key == policy_key(policy):
             self._interleaved.forget_control()
             prune_against = control.mean if control is not None and prune else None
@@ -60,14 +60,24 @@ class AgainstControl:
                                                  window, prune)
         return self._interleaved.measure(policy, control, progress, heartbeat, window, prune)
 
-    def window(self) -> WindowSpec:
+    def window(self, policy: DraftPolicy | None = None, control: DraftPolicy | None = None) -> WindowSpec:
         """The trial window, stretched where a policy switch is expensive: every window lasts at
-        least `switch_window_factor` x the backend's last measured switch, so switching costs at most
-        ~1/factor of the time spent measuring."""
+        least `switch_window_factor` x what the backend last measured for the kind of switch this
+        trial makes, so switching costs at most ~1/factor of the time spent measuring."""
         base = self._measurer.window
         factor = self._switch_window_factor
-        switch = self._admin.model_info().policy_switch_seconds if factor > 0 else 0.0
+        switch = switch_seconds(self._admin.model_info(), policy, control) if factor > 0 else 0.0
         if switch <= 0:
             return base
         floor = factor * switch
         return replace(base, min_seconds=max(base.min_seconds, floor), max_seconds=base.max_seconds + floor)
+
+
+def switch_seconds(info: ModelInfo, policy: DraftPolicy | None, control: DraftPolicy | None) -> float:
+    """What the backend last measured for switching between a trial's candidate and its control: a pin of
+    the draft length where both are model-drafter lengths it prepared (SGLang's adaptive EAGLE engine),
+    else an engine swap (0 on a backend that switches policies for free)."""
+    if policy is not None and control is not None and all(
+            p.drafter is Drafter.MODEL and p.draft_length in info.prepared_draft_lengths for p in (policy, control)):
+        return info.length_switch_seconds
+    return info.policy_switch_seconds

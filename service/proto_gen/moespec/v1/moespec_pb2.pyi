@@ -126,7 +126,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("backend", "model_name", "draft_model_name", "num_layers", "num_experts", "top_k", "shared_experts", "vocab_size", "max_context", "max_draft_length", "drafters", "tunable", "expert_bytes", "decode_step_seconds", "max_draft_temperature", "policy_switch_seconds", "policy_switches", "concurrent_policies", "device", "shared_passes", "instance_id", "controllers", "controllers_note", "policy_tables")
+    __slots__ = ("backend", "model_name", "draft_model_name", "num_layers", "num_experts", "top_k", "shared_experts", "vocab_size", "max_context", "max_draft_length", "drafters", "tunable", "expert_bytes", "decode_step_seconds", "max_draft_temperature", "policy_switch_seconds", "policy_switches", "concurrent_policies", "device", "shared_passes", "instance_id", "controllers", "controllers_note", "policy_tables", "prepared_draft_lengths", "length_switch_seconds", "length_switches")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,9 @@ class ModelInfo(_message.Message):
     CONTROLLERS_FIELD_NUMBER: _ClassVar[int]
     CONTROLLERS_NOTE_FIELD_NUMBER: _ClassVar[int]
     POLICY_TABLES_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_DRAFT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_SWITCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_SWITCHES_FIELD_NUMBER: _ClassVar[int]
     backend: str
     model_name: str
     draft_model_name: str
@@ -175,7 +178,10 @@ class ModelInfo(_message.Message):
     controllers: _containers.RepeatedScalarFieldContainer[DraftPolicy.Controller]
     controllers_note: str
     policy_tables: bool
-    def __init__(self, backend: _Optional[str] = ..., model_name: _Optional[str] = ..., draft_model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., shared_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DraftPolicy.Drafter, str]]] = ..., tunable: _Optional[_Iterable[str]] = ..., expert_bytes: _Optional[int] = ..., decode_step_seconds: _Optional[float] = ..., max_draft_temperature: _Optional[float] = ..., policy_switch_seconds: _Optional[float] = ..., policy_switches: _Optional[int] = ..., concurrent_policies: _Optional[bool] = ..., device: _Optional[str] = ..., shared_passes: _Optional[bool] = ..., instance_id: _Optional[str] = ..., controllers: _Optional[_Iterable[_Union[DraftPolicy.Controller, str]]] = ..., controllers_note: _Optional[str] = ..., policy_tables: _Optional[bool] = ...) -> None: ...
+    prepared_draft_lengths: _containers.RepeatedScalarFieldContainer[int]
+    length_switch_seconds: float
+    length_switches: int
+    def __init__(self, backend: _Optional[str] = ..., model_name: _Optional[str] = ..., draft_model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., shared_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DraftPolicy.Drafter, str]]] = ..., tunable: _Optional[_Iterable[str]] = ..., expert_bytes: _Optional[int] = ..., decode_step_seconds: _Optional[float] = ..., max_draft_temperature: _Optional[float] = ..., policy_switch_seconds: _Optional[float] = ..., policy_switches: _Optional[int] = ..., concurrent_policies: _Optional[bool] = ..., device: _Optional[str] = ..., shared_passes: _Optional[bool] = ..., instance_id: _Optional[str] = ..., controllers: _Optional[_Iterable[_Union[DraftPolicy.Controller, str]]] = ..., controllers_note: _Optional[str] = ..., policy_tables: _Optional[bool] = ..., prepared_draft_lengths: _Optional[_Iterable[int]] = ..., length_switch_seconds: _Optional[float] = ..., length_switches: _Optional[int] = ...) -> None: ...
 
 class DraftPolicy(_message.Message):
     __slots__ = ("drafter", "draft_length", "draft_temperature", "policy_id", "controller", "cost_weight", "cells")

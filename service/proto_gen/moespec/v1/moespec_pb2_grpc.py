@@ -5,7 +5,7 @@ import warnings
 
 from service.proto_gen.moespec.v1 import moespec_pb2 as moespec_dot_v1_dot_moespec__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

@@ -1,0 +1,134 @@
+"""Draft lengths switched at run time on a real SGLang 0.5.23 (CPU, stand-in ops), without an engine swap.
+
+`moespec serve --backend sglang --speculative-algorithm EAGLE3` starts SGLang's adaptive EAGLE engine
+with one runtime state per prepared length (default 1-8), and a SetPolicy among them pins the step
+count through the plugin (service/sglang_plugin/step_pin.py) instead of restarting SGLang. What is
+checked, with load clients running all along: every reply after a change drafts exactly the new k per
+verify pass, measured from SGLang's own target passes by the tap (the window width each pass reports),
+so neither the old count nor a count chosen by SGLang's acceptance rule survives; every output equals
+plain greedy decoding; no request fails; the swap counters say no engine was swapped for those
+changes and one was for a change to another drafter. Runs only in the SGLang venv (scripts/test.sh).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from service.server.client import MoespecClient
+from service.types import Drafter, DraftPolicy
+from tests.sglang.test_sglang_cpu import SERVE_SGLANG, greedy, require_sglang, sglang_env
+from tests.support.engine_helpers import heldout_prompts, make_engine
+from tuner.drivers.server_proc import start_server
+
+pytestmark = pytest.mark.sglang_cpu
+
+TOKEN = "sglang-cpu-step-pin-test"
+PROMPTS = heldout_prompts(4)
+MAX_NEW = 24
+# The engine starts at k = 1, where SGLang's own rule, were it running, would move it up within a few
+# batches (a draft accepted more than half the time); then changes that go up and down.
+K = 1
+SWITCHES = (4, 2, 3)
+LOAD_CLIENTS = 3
+
+
+@pytest.fixture(scope="module")
+def server():
+    require_sglang()
+    args = ("--backend", "sglang", *SERVE_SGLANG, "--speculative-algorithm", "EAGLE3", "--sglang-no-calibrate",
+            "--drafter", "model", "--draft-length", str(K), "--log-level", "INFO")
+    proc = start_server(sglang_env(), TOKEN, args, ready_timeout=900)
+    yield proc
+    proc.stop(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with MoespecClient(server.address, admin_token=TOKEN) as c:
+        c.wait_ready(timeout=60)
+        yield c
+
+
+@pytest.fixture(scope="module")
+def plain_greedy() -> dict[str, tuple[int, ...]]:
+    engine = make_engine()
+    return {p: engine.generate(greedy(p, MAX_NEW), DraftPolicy()).token_ids for p in PROMPTS}
+
+
+class Load:
+    """Clients sending greedy requests back to back until stopped; every reply checked against plain decoding."""
+
+    def __init__(self, address: str, plain: dict[str, tuple[int, ...]]):
+        self._address, self._plain = address, plain
+        self._stop = threading.Event()
+        self.replies, self.failures = 0, []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(LOAD_CLIENTS)]
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=600)
+
+    def _run(self, index: int) -> None:
+        with MoespecClient(self._address) as c:
+            i = index
+            while not self._stop.is_set():
+                prompt = PROMPTS[i % len(PROMPTS)]
+                i += 1
+                try:
+                    reply = c.generate(greedy(prompt, MAX_NEW), timeout=600)
+                    ok = reply.token_ids == self._plain[prompt]
+                except Exception as e:  # a failed request is what the test is about: keep it
+                    with self._lock:
+                        self.failures.append(repr(e))
+                    continue
+                with self._lock:
+                    self.replies += 1
+                    if not ok:
+                        self.failures.append(f"output of {prompt!r} differs from plain greedy decoding")
+
+
+def test_length_changes_among_prepared_lengths_pin_the_running_engine(client, server, plain_greedy):
+    info = client.model_info()
+    assert info.prepared_draft_lengths == tuple(range(1, info.max_draft_length + 1))
+    top_k, experts = info.top_k, info.num_experts
+    swaps, pins = info.policy_switches, info.length_switches
+    with Load(server.address, plain_greedy) as load:
+        for k in (K, *SWITCHES):
+            policy_id = "default" if k == K else f"eagle3-k{k}"
+            if k != K:
+                client.set_policy(DraftPolicy(drafter=Drafter.MODEL, draft_length=k, policy_id=policy_id))
+            # Twice over the prompts at the start-up length: past the warm-up batches of SGLang's rule.
+            for prompt in PROMPTS * (2 if k == K else 1):
+                reply = client.generate(greedy(prompt, MAX_NEW), timeout=600)
+                spec = reply.spec
+                assert reply.token_ids == plain_greedy[prompt]
+                assert (spec.draft_length, spec.policy_id) == (k, policy_id)
+                assert spec.verify_steps > 0
+                # From the tap: SGLang's target verified k + 1 positions per request in every pass.
+                assert spec.drafted_tokens == k * spec.verify_steps
+                assert all(u <= min(experts, (k + 1) * top_k) for u in spec.unique_experts_max)
+    assert load.failures == []
+    assert load.replies >= LOAD_CLIENTS
+    info = client.model_info()
+    assert info.policy_switches == swaps  # no engine swap for any of them
+    assert info.length_switches == pins + len(SWITCHES)
+    assert 0 < info.length_switch_seconds < 5
+
+
+def test_a_change_to_another_drafter_still_swaps_engines(client, plain_greedy):
+    before = client.model_info()
+    client.set_policy(DraftPolicy(drafter=Drafter.NGRAM, draft_length=2, policy_id="ngram-k2"))
+    reply = client.generate(greedy(PROMPTS[0], MAX_NEW), timeout=600)
+    assert reply.token_ids == plain_greedy[PROMPTS[0]]
+    assert reply.spec.drafter is Drafter.NGRAM
+    after = client.model_info()
+    assert (after.policy_switches, after.length_switches) == (before.policy_switches + 1, before.length_switches)
