@@ -15,6 +15,7 @@
     moespec bench whatif      what-if predictions of shorter draft lengths vs running them for real
     moespec bench sglang      the SGLang backend by policy beside the embedded engine (SGLang venv)
     moespec bench sglang-batching  the SGLang backend's batching gain beside SGLang alone's (SGLang venv)
+    moespec bench sglang-switch  a draft-length change under load: prepared lengths against engine swaps (SGLang venv)
     moespec bench adaptive    draft-length controllers (moespec's rule, SGLang's, transformers', Cascade's) vs
                               plain and the best static policy on a 1 / 16 client workload, interleaved
     moespec bench llamacpp    llama.cpp beside the embedded engine on the shipped checkpoints, interleaved
@@ -41,6 +42,8 @@ SUITES: dict[str, tuple[str, str]] = {
     "whatif": ("service.bench.whatif", "what-if predictions of shorter draft lengths vs measured runs"),
     "sglang": ("service.bench.sglang", "the SGLang backend by policy, the embedded engine beside it"),
     "sglang-batching": ("service.bench.sglang_batching", "the SGLang backend's batching gain beside SGLang alone's"),
+    "sglang-switch": ("service.bench.sglang_switch", "a draft-length change under load on the SGLang backend: "
+                                                     "prepared lengths against engine swaps"),
     "adaptive": ("service.bench.adaptive", "draft-length controllers vs static policies on a mixed workload"),
     "verify-cost": ("service.bench.verify_cost.command",
                     "cost of verify windows by size and expert union on a model geometry; a cost profile"),

@@ -202,7 +202,7 @@ class SGLangBackend:
                 log.warning("policy change swapped the sglang engine in %.1f s (%s)", seconds,
                             spec_kwargs or "plain")
             self._starts += 1
-        if not spec_kwargs:
+        if policy.draft_length == 0:
             self._calibrate(warm)
 
     def _pin(self, steps: int, spec_kwargs: dict) -> None:

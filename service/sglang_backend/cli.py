@@ -61,8 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "--draft-model-path); NGRAM offers the n-gram drafter only")
     group.add_argument("--sglang-prepared-lengths", default="auto", metavar="LIST",
                        help="EAGLE/EAGLE3: draft lengths one engine serves, switched at run time without an "
-                            f"engine restart (comma-separated, e.g. 1,2,4; default auto = 1-{MAX_DRAFT_LENGTH}; "
-                            "none: every length change restarts the engine). Other algorithms: none")
+                            f"engine restart (comma-separated, e.g. 0,2,4; 0 = plain decoding on that engine; "
+                            f"default auto = 0-{MAX_DRAFT_LENGTH}; none: every length change restarts the "
+                            "engine). Other algorithms: none")
     group.add_argument("--sglang-no-ngram", action="store_true",
                        help="do not offer SGLang's NGRAM as a second drafter")
     group.add_argument("--sglang-tp", type=int, default=1, help="tensor-parallel GPUs")
@@ -164,7 +165,7 @@ def prepared_lengths(value: str, model_algorithm: str | None) -> tuple[int, ...]
     if value == "none":
         return ()
     if value == "auto":
-        return tuple(range(1, MAX_DRAFT_LENGTH + 1)) if adaptive else ()
+        return tuple(range(MAX_DRAFT_LENGTH + 1)) if adaptive else ()
     if not adaptive:
         raise UsageError(f"--sglang-prepared-lengths: SGLang switches draft lengths at run time for "
                          f"{' and '.join(ADAPTIVE_ALGORITHMS)} only (this server drafts with "
@@ -174,8 +175,8 @@ def prepared_lengths(value: str, model_algorithm: str | None) -> tuple[int, ...]
     except ValueError:
         raise UsageError(f"--sglang-prepared-lengths wants auto, none or comma-separated lengths, got {value!r}") \
             from None
-    if not lengths or not all(1 <= k <= MAX_DRAFT_LENGTH for k in lengths):
-        raise UsageError(f"--sglang-prepared-lengths: lengths must be in 1-{MAX_DRAFT_LENGTH}, got {value!r}")
+    if not lengths or not all(0 <= k <= MAX_DRAFT_LENGTH for k in lengths):
+        raise UsageError(f"--sglang-prepared-lengths: lengths must be in 0-{MAX_DRAFT_LENGTH}, got {value!r}")
     return lengths
 
 

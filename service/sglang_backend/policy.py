@@ -48,8 +48,8 @@ class SpecConfig:
     draft_model_path: str | None
     ngram: bool = True  # offer SGLang's NGRAM drafter
     ngram_max_trie_depth: int | None = None
-    # Model-drafter lengths one adaptive engine serves (ADAPTIVE_ALGORITHMS only), and SGLang's adaptive
-    # config file listing them (adaptive_config); () = every length is an engine of its own.
+    # Model-drafter lengths one adaptive engine serves (ADAPTIVE_ALGORITHMS only; 0 = plain decoding on
+    # it), and SGLang's adaptive config file listing them (adaptive_config); () = an engine per length.
     prepared_lengths: tuple[int, ...] = ()
     adaptive_config_path: str | None = None
 
@@ -59,13 +59,15 @@ class SpecConfig:
 
 
 def speculative_kwargs(policy: DraftPolicy, spec: SpecConfig) -> dict:
-    """The speculative_* engine arguments for a policy ({} = speculation off)."""
+    """The speculative_* engine arguments for a policy ({} = speculation off). k = 0 where 0 is a prepared
+    length: the adaptive model-drafter engine at 0 steps (SGLang verifies each request's one next token
+    without drafting: a plain decode step, plus the draft's KV catch-up), so plain costs no swap either."""
     k = policy.draft_length
-    if k == 0:
+    if k == 0 and 0 not in spec.prepared_lengths:
         return {}
-    if policy.drafter not in spec.drafters():
+    if k and policy.drafter not in spec.drafters():
         raise InvalidRequest("policy.drafter", f"this server offers {[d.value for d in spec.drafters()]}")
-    if policy.drafter is Drafter.NGRAM:
+    if k and policy.drafter is Drafter.NGRAM:
         out = {
             "speculative_algorithm": "NGRAM",
             "speculative_num_draft_tokens": k + 1,

@@ -7,7 +7,8 @@ checked, with load clients running all along: every reply after a change drafts 
 verify pass, measured from SGLang's own target passes by the tap (the window width each pass reports),
 so neither the old count nor a count chosen by SGLang's acceptance rule survives; every output equals
 plain greedy decoding; no request fails; the swap counters say no engine was swapped for those
-changes and one was for a change to another drafter. Runs only in the SGLang venv (scripts/test.sh).
+changes (k = 0 among them: plain decoding on the same engine, one position per pass) and one was
+for a change to another drafter. Runs only in the SGLang venv (scripts/test.sh).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ TOKEN = "sglang-cpu-step-pin-test"
 PROMPTS = heldout_prompts(4)
 MAX_NEW = 24
 # The engine starts at k = 1, where SGLang's own rule, were it running, would move it up within a few
-# batches (a draft accepted more than half the time); then changes that go up and down.
+# batches (a draft accepted more than half the time); then changes that go up and down, through plain
+# decoding on the same engine (0 steps).
 K = 1
-SWITCHES = (4, 2, 3)
+SWITCHES = (4, 0, 2, 3)
 LOAD_CLIENTS = 3
 
 
@@ -98,7 +100,7 @@ class Load:
 
 def test_length_changes_among_prepared_lengths_pin_the_running_engine(client, server, plain_greedy):
     info = client.model_info()
-    assert info.prepared_draft_lengths == tuple(range(1, info.max_draft_length + 1))
+    assert info.prepared_draft_lengths == tuple(range(info.max_draft_length + 1))
     top_k, experts = info.top_k, info.num_experts
     swaps, pins = info.policy_switches, info.length_switches
     with Load(server.address, plain_greedy) as load:
@@ -112,10 +114,10 @@ def test_length_changes_among_prepared_lengths_pin_the_running_engine(client, se
                 spec = reply.spec
                 assert reply.token_ids == plain_greedy[prompt]
                 assert (spec.draft_length, spec.policy_id) == (k, policy_id)
-                assert spec.verify_steps > 0
                 # From the tap: SGLang's target verified k + 1 positions per request in every pass.
                 assert spec.drafted_tokens == k * spec.verify_steps
                 assert all(u <= min(experts, (k + 1) * top_k) for u in spec.unique_experts_max)
+                assert spec.verify_steps > 0 if k else spec.unique_experts_max == (top_k,) * info.num_layers
     assert load.failures == []
     assert load.replies >= LOAD_CLIENTS
     info = client.model_info()

@@ -19,6 +19,8 @@ from tuner.measurement.against_control import switch_seconds
 
 EAGLE3 = SpecConfig(model_algorithm="EAGLE3", draft_model_path="/drafts/eagle3", prepared_lengths=(1, 2, 4),
                     adaptive_config_path="/tmp/adaptive.json")
+WITH_PLAIN = SpecConfig(model_algorithm="EAGLE3", draft_model_path="/drafts/eagle3", prepared_lengths=(0, 1, 2, 4),
+                        adaptive_config_path="/tmp/adaptive.json")
 
 
 def model(k: int) -> DraftPolicy:
@@ -27,7 +29,7 @@ def model(k: int) -> DraftPolicy:
 
 def test_prepared_lengths_default_to_every_length_where_sglang_can_switch_and_none_elsewhere():
     assert prepared_lengths("auto", "EAGLE3") == prepared_lengths("auto", "EAGLE") == tuple(
-        range(1, MAX_DRAFT_LENGTH + 1))
+        range(MAX_DRAFT_LENGTH + 1))
     assert prepared_lengths("auto", "STANDALONE") == prepared_lengths("auto", None) == ()
     assert prepared_lengths("none", "EAGLE3") == ()
     assert prepared_lengths("4,1,2,2", "EAGLE3") == (1, 2, 4)
@@ -36,8 +38,8 @@ def test_prepared_lengths_default_to_every_length_where_sglang_can_switch_and_no
 @pytest.mark.parametrize(("value", "algorithm", "names"), [
     ("1,2", "STANDALONE", "EAGLE and EAGLE3 only"),
     ("1,2", None, "NGRAM"),
-    ("0,2", "EAGLE3", f"1-{MAX_DRAFT_LENGTH}"),
-    (f"{MAX_DRAFT_LENGTH + 1}", "EAGLE3", f"1-{MAX_DRAFT_LENGTH}"),
+    ("-1,2", "EAGLE3", f"0-{MAX_DRAFT_LENGTH}"),
+    (f"{MAX_DRAFT_LENGTH + 1}", "EAGLE3", f"0-{MAX_DRAFT_LENGTH}"),
     ("two", "EAGLE3", "comma-separated"),
 ])
 def test_bad_prepared_lengths_are_a_usage_error_naming_the_problem(value, algorithm, names):
@@ -52,7 +54,11 @@ def test_a_prepared_length_starts_an_adaptive_engine_and_others_do_not():
         "speculative_num_draft_tokens": 3, "speculative_draft_model_path": "/drafts/eagle3",
         "speculative_adaptive": True, "speculative_adaptive_config": "/tmp/adaptive.json"}
     assert "speculative_adaptive" not in speculative_kwargs(model(3), EAGLE3)  # not prepared
-    assert speculative_kwargs(model(0), EAGLE3) == {}
+    assert speculative_kwargs(model(0), EAGLE3) == {}  # 0 not prepared: a plain engine
+    plain_on_it = speculative_kwargs(model(0), WITH_PLAIN)  # 0 prepared: the adaptive engine at 0 steps
+    assert (plain_on_it["speculative_num_steps"], plain_on_it["speculative_num_draft_tokens"]) == (0, 1)
+    assert plain_on_it["speculative_adaptive"] is True
+    assert speculative_kwargs(DraftPolicy(drafter=Drafter.NGRAM, draft_length=0), WITH_PLAIN) == plain_on_it
     assert "speculative_adaptive" not in speculative_kwargs(
         DraftPolicy(drafter=Drafter.NGRAM, draft_length=2), EAGLE3)
     assert adaptive_config((1, 2, 4)) == {"1": {"candidate_steps": [1, 2, 4]}}
@@ -65,7 +71,9 @@ def test_only_a_change_between_prepared_lengths_of_one_engine_is_a_pin():
     assert step_switch(kwargs(model(2)), kwargs(model(4))) == 4
     assert step_switch(kwargs(model(4)), kwargs(model(1))) == 1
     assert step_switch(kwargs(model(2)), kwargs(model(3))) is None  # 3 was not prepared
-    assert step_switch(kwargs(model(2)), kwargs(model(0))) is None  # plain: another engine
+    assert step_switch(kwargs(model(2)), kwargs(model(0))) is None  # plain, not prepared: another engine
+    assert step_switch(kwargs(model(2), WITH_PLAIN), kwargs(model(0), WITH_PLAIN)) == 0
+    assert step_switch(kwargs(model(0), WITH_PLAIN), kwargs(model(4), WITH_PLAIN)) == 4
     assert step_switch(kwargs(model(2)), kwargs(DraftPolicy(drafter=Drafter.NGRAM, draft_length=2))) is None
     assert step_switch({}, kwargs(model(2))) is None  # from a plain engine
     other_draft = SpecConfig(model_algorithm="EAGLE3", draft_model_path="/drafts/other", prepared_lengths=(1, 2, 4),
@@ -107,4 +115,7 @@ def test_the_tuner_charges_a_trial_between_prepared_lengths_a_pin_and_any_other_
     assert switch_seconds(info, model(3), model(2)) == 9.5
     assert switch_seconds(info, DraftPolicy(drafter=Drafter.NGRAM, draft_length=2), model(2)) == 9.5
     assert switch_seconds(info, model(0), model(2)) == 9.5
+    with_plain = model_info(prepared_draft_lengths=(0, 1, 2, 4), length_switch_seconds=0.004,
+                            policy_switch_seconds=9.5)
+    assert switch_seconds(with_plain, DraftPolicy(drafter=Drafter.NGRAM, draft_length=0), model(2)) == 0.004
     assert switch_seconds(info, model(2), None) == 9.5  # no control: whatever runs now may be another engine

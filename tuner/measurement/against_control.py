@@ -75,9 +75,11 @@ class AgainstControl:
 
 def switch_seconds(info: ModelInfo, policy: DraftPolicy | None, control: DraftPolicy | None) -> float:
     """What the backend last measured for switching between a trial's candidate and its control: a pin of
-    the draft length where both are model-drafter lengths it prepared (SGLang's adaptive EAGLE engine),
-    else an engine swap (0 on a backend that switches policies for free)."""
-    if policy is not None and control is not None and all(
-            p.drafter is Drafter.MODEL and p.draft_length in info.prepared_draft_lengths for p in (policy, control)):
+    the draft length where both are lengths it prepared (SGLang's adaptive EAGLE engine: model-drafter
+    lengths, and 0), else an engine swap (0 on a backend that switches policies for free)."""
+    def prepared(p: DraftPolicy) -> bool:  # k = 0 is plain decoding whichever drafter the policy names
+        return p.draft_length in info.prepared_draft_lengths and (p.draft_length == 0 or p.drafter is Drafter.MODEL)
+
+    if policy is not None and control is not None and prepared(policy) and prepared(control):
         return info.length_switch_seconds
     return info.policy_switch_seconds
