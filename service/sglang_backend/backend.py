@@ -51,6 +51,7 @@ from service.sglang_backend.policy import (
     engine_key,
     needs_eagle_target,
     speculative_kwargs,
+    start_arguments,
     step_switch,
 )
 from service.sglang_backend.sampling import sampling_params
@@ -188,8 +189,12 @@ class SGLangBackend:
             return
         t0 = time.perf_counter()
         self._stop_engine()
-        self._engine = self._start_engine(spec_kwargs)
-        self._engine_spec = spec_kwargs
+        start_kwargs = start_arguments(spec_kwargs, self.config.spec)
+        self._engine = self._start_engine(start_kwargs)
+        self._engine_spec = start_kwargs
+        if spec_kwargs.get("speculative_adaptive"):  # from its start on, moespec sets the count, not SGLang's rule
+            self._engine.pin_draft_steps(spec_kwargs["speculative_num_steps"])
+            self._engine_spec = spec_kwargs
         warm = self._run(list(range(1, 9)), GenerationRequest(prompt_token_ids=tuple(range(1, 9)),
                                                                max_new_tokens=WARMUP_TOKENS), None, None, None,
                          greedy=True)

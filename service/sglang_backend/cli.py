@@ -177,6 +177,8 @@ def prepared_lengths(value: str, model_algorithm: str | None) -> tuple[int, ...]
             from None
     if not lengths or not all(0 <= k <= MAX_DRAFT_LENGTH for k in lengths):
         raise UsageError(f"--sglang-prepared-lengths: lengths must be in 0-{MAX_DRAFT_LENGTH}, got {value!r}")
+    if max(lengths) == 0:
+        raise UsageError("--sglang-prepared-lengths: 0 alone prepares no draft length (add one >= 1, or say none)")
     return lengths
 
 

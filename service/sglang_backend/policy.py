@@ -98,6 +98,17 @@ def adaptive_config(prepared_lengths: tuple[int, ...]) -> dict:
     return {"1": {"candidate_steps": sorted(prepared_lengths)}}
 
 
+def start_arguments(wanted: dict, spec: SpecConfig) -> dict:
+    """The speculative arguments to start an engine with for `wanted`: itself, except that an adaptive engine
+    wanted at 0 steps starts at the smallest positive prepared length and is pinned to 0 once up. SGLang
+    keeps a request's speculative counts (meta_info's verify count and acceptance histogram) from the
+    start-up step count, and started at 0 it keeps none for the lengths pinned later."""
+    if not wanted.get("speculative_adaptive") or wanted["speculative_num_steps"]:
+        return wanted
+    steps = min(k for k in spec.prepared_lengths if k > 0)
+    return {**wanted, "speculative_num_steps": steps, "speculative_num_draft_tokens": steps + 1}
+
+
 def step_switch(running: dict, wanted: dict) -> int | None:
     """The step count to pin where the engine started with `running` speculative arguments serves `wanted`
     as it is (both adaptive, equal but for the step count); None where `wanted` needs another engine."""

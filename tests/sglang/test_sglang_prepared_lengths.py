@@ -11,7 +11,13 @@ import pytest
 
 from service.errors import UsageError
 from service.sglang_backend.cli import prepared_lengths
-from service.sglang_backend.policy import SpecConfig, adaptive_config, speculative_kwargs, step_switch
+from service.sglang_backend.policy import (
+    SpecConfig,
+    adaptive_config,
+    speculative_kwargs,
+    start_arguments,
+    step_switch,
+)
 from service.sglang_plugin import step_pin
 from service.types import MAX_DRAFT_LENGTH, Drafter, DraftPolicy
 from tests.support.tuner_fixtures import model_info
@@ -41,6 +47,7 @@ def test_prepared_lengths_default_to_every_length_where_sglang_can_switch_and_no
     ("-1,2", "EAGLE3", f"0-{MAX_DRAFT_LENGTH}"),
     (f"{MAX_DRAFT_LENGTH + 1}", "EAGLE3", f"0-{MAX_DRAFT_LENGTH}"),
     ("two", "EAGLE3", "comma-separated"),
+    ("0", "EAGLE3", "0 alone"),
 ])
 def test_bad_prepared_lengths_are_a_usage_error_naming_the_problem(value, algorithm, names):
     with pytest.raises(UsageError, match="--sglang-prepared-lengths") as e:
@@ -79,6 +86,18 @@ def test_only_a_change_between_prepared_lengths_of_one_engine_is_a_pin():
     other_draft = SpecConfig(model_algorithm="EAGLE3", draft_model_path="/drafts/other", prepared_lengths=(1, 2, 4),
                              adaptive_config_path="/tmp/adaptive.json")
     assert step_switch(kwargs(model(2)), kwargs(model(4), other_draft)) is None
+
+
+def test_an_engine_wanted_at_0_steps_starts_at_the_smallest_positive_prepared_length():
+    """SGLang keeps a request's speculative counts from the start-up step count: never start at 0."""
+    at_zero = speculative_kwargs(model(0), WITH_PLAIN)
+    started = start_arguments(at_zero, WITH_PLAIN)
+    assert (started["speculative_num_steps"], started["speculative_num_draft_tokens"]) == (1, 2)
+    assert {k: v for k, v in started.items() if not k.endswith(("_steps", "_tokens"))} == {
+        k: v for k, v in at_zero.items() if not k.endswith(("_steps", "_tokens"))}
+    assert step_switch(started, at_zero) == 0  # then pinned to 0
+    for wanted in (speculative_kwargs(model(2), WITH_PLAIN), speculative_kwargs(model(0), EAGLE3)):
+        assert start_arguments(wanted, WITH_PLAIN) == wanted
 
 
 class _Params:
