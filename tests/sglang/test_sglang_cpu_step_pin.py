@@ -1,15 +1,16 @@
 """Draft lengths switched at run time on a real SGLang 0.5.23 (CPU, stand-in ops), without an engine swap.
 
 `moespec serve --backend sglang --speculative-algorithm EAGLE3` starts SGLang's adaptive EAGLE engine
-with one runtime state per prepared length (default 1-8), and a SetPolicy among them pins the step
+with one runtime state per prepared length (default 0-8), and a SetPolicy among them pins the step
 count through the plugin (service/sglang_plugin/step_pin.py) instead of restarting SGLang. What is
-checked, with load clients running all along (the server's defaults: its calibration run
-starts the engine for plain decoding, and the start-up length is already a pin): every reply after a
-change drafts exactly the new k per verify pass, measured from SGLang's own target passes by the tap (the window width each pass reports),
-so neither the old count nor a count chosen by SGLang's acceptance rule survives; every output equals
-plain greedy decoding; no request fails; the swap counters say no engine was swapped for those
-changes (k = 0 among them: plain decoding on the same engine, one position per pass) and one was
-for a change to another drafter. Runs only in the SGLang venv (scripts/test.sh).
+checked, with load clients running all along (the server's defaults: its calibration run starts the
+engine for plain decoding, and the start-up length is already a pin): every reply after a change
+drafts exactly the new k per verify pass, measured from SGLang's own target passes by the tap (the
+window width each pass reports), with real per-layer unions, so neither the old count nor a count
+chosen by SGLang's acceptance rule survives; every output equals plain greedy decoding; no request
+fails; the swap counters say no engine was swapped for those changes (k = 0 among them: plain
+decoding on the same engine, one position per pass) and one was for a change to another drafter.
+Runs only in the SGLang venv (scripts/test.sh).
 """
 
 from __future__ import annotations
