@@ -107,7 +107,7 @@ class EngineThread:
     def pin_draft_steps(self, steps: int) -> None:
         """An adaptive EAGLE engine drafts `steps` per verify pass from its next batch on (the plugin's
         step pin answers the RPC in every scheduler rank; service/sglang_plugin/step_pin.py)."""
-        from service.sglang_plugin.step_pin import PIN_METHOD
+        from service.sglang_plugin.wire import PIN_METHOD
 
         try:  # SGLang's RPC socket is its own (not the loop's): a blocking call from this thread is safe
             self.engine.collective_rpc(PIN_METHOD, steps=steps)

@@ -14,7 +14,8 @@ so every request runs at one step count from its first verify pass to its last.
 
 from __future__ import annotations
 
-PIN_METHOD = "moespec_pin_draft_steps"
+from service.sglang_plugin.wire import PIN_METHOD
+
 PIN_ATTRIBUTE = "_moespec_pinned_steps"  # set on SGLang's AdaptiveSpeculativeParams of this scheduler
 
 

@@ -44,6 +44,8 @@ TAP_ENV = "MOESPEC_SGLANG_TAP"  # JSON {"endpoint": "ipc://...", "capture_topk":
 EAGLE_TARGET_ENV = "MOESPEC_SGLANG_EAGLE_TARGET"
 # "1": moespec sets the draft step count of an adaptive EAGLE engine (step_pin.py); absent: SGLang's rule does.
 STEP_PIN_ENV = "MOESPEC_SGLANG_STEP_PIN"
+# The scheduler method `Engine.collective_rpc` names to pin the draft step count, parameter `steps`: int.
+PIN_METHOD = "moespec_pin_draft_steps"
 
 
 class WireError(ValueError):
