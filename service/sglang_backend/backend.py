@@ -311,11 +311,16 @@ class SGLangBackend:
         decode_seconds = run.seconds - run.ttft
         tokens = RequestTokens(tuple(run.prompt), run.output_ids)
         windows = windows_from_tap(run.records, tokens, self.config.target)
-        if self._channel is not None and len(windows) == expected:
+        if any(w.drafted > policy.draft_length for w in windows):
+            # The engine drafted more than the policy asks (it runs another step count than pinned): the
+            # windows are not this policy's, and SGLang's counts are all this request can report.
+            log.error("SGLang drafted up to %d tokens per verify pass under a k = %d policy; this request "
+                      "reports SGLang's counts only", max(w.drafted for w in windows), policy.draft_length)
+        elif self._channel is not None and len(windows) == expected:
             return steps_from_windows(windows, policy, self.config.target, decode_seconds=decode_seconds,
                                       decode_step_seconds=decode_step, capture_topk=self._capture_topk,
                                       ep=self.config.ep)
-        if self._channel is not None and not run.cancelled:
+        elif self._channel is not None and not run.cancelled:
             log.error("the plugin reported %d of %d steps of a request; it reports SGLang's counts only, "
                       "without expert unions", len(windows), expected)
         return steps_from_meta(meta, len(run.output_ids), policy, self.config.target, decode_seconds=decode_seconds,
