@@ -7,10 +7,10 @@ are not counted: a verify window's union only matters in MoE layers."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from service.bench.verify_cost.geometry import Geometry
+from service.bench.verify_cost.json_file import read_json_object
 
 
 class ConfigError(ValueError):
@@ -78,12 +78,5 @@ def geometry_from_config(config: dict, name: str | None = None) -> Geometry:
 
 
 def geometry_from_config_file(path: Path, name: str | None = None) -> Geometry:
-    try:
-        config = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path}: a config.json holds one JSON object")
+    config = read_json_object(path, "config.json", ConfigError)
     return geometry_from_config(config, name or Path(path).parent.name or Path(path).stem)

@@ -4,12 +4,12 @@ model. Format in docs/contracts.md. Reading it needs neither torch nor the kerne
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from service.bench.verify_cost.fit import CostModel
 from service.bench.verify_cost.geometry import Geometry
+from service.bench.verify_cost.json_file import read_json_object
 
 FORMAT = "moespec.verify-cost/1"
 
@@ -34,13 +34,8 @@ class CostProfile:
 
 
 def load_profile(path: Path) -> CostProfile:
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise ProfileError(f"cannot read cost profile {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ProfileError(f"cost profile {path} is not JSON: {e}") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
+    data = read_json_object(path, "cost profile", ProfileError)
+    if data.get("format") != FORMAT:
         raise ProfileError(f"{path}: not a verify-cost profile (format {FORMAT!r} expected)")
     try:
         return CostProfile(Geometry.from_json(data["geometry"]), int(data["layers_benched"]),
