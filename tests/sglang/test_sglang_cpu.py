@@ -95,6 +95,26 @@ def sglang_env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([str(SITE), str(REPO_ROOT)])}
 
 
+def serve(env: dict[str, str], token: str, args: tuple[str, ...]):
+    """A module's `moespec serve` (its server fixture yields from this), stopped after the module."""
+    proc = start_server(env, token, args, ready_timeout=900)
+    yield proc
+    proc.stop(timeout=60)
+
+
+def connect(server, token: str):
+    """A ready admin client of that server (a module's client fixture yields from this)."""
+    with MoespecClient(server.address, admin_token=token) as c:
+        c.wait_ready(timeout=60)
+        yield c
+
+
+def plain_greedy_outputs(prompts: list[str], max_new: int = MAX_NEW) -> dict[str, tuple[int, ...]]:
+    """Each prompt's greedy output from the embedded engine: what SGLang's must equal, token for token."""
+    engine = make_engine()
+    return {p: engine.generate(greedy(p, max_new), DraftPolicy()).token_ids for p in prompts}
+
+
 def require_sglang() -> None:
     if importlib.util.find_spec("sglang") is None:
         reason = ("sglang is not installed in this interpreter: build its venv with "
@@ -154,22 +174,17 @@ def server(sglang_alone, receiver, otlp_port, record_dir, steps_file):
     args = ("--backend", "sglang", *SERVE_SGLANG, "--draft-model-path", str(MODELS_DIR / "draft"),
             "--sglang-record-dir", str(record_dir), "--verify-span-ratio", "1",
             "--ep-size", str(EP_SIZE), "--record-steps", str(steps_file), "--log-level", "INFO")
-    proc = start_server(env, TOKEN, args, ready_timeout=900)
-    yield proc
-    proc.stop(timeout=60)
+    yield from serve(env, TOKEN, args)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with MoespecClient(server.address, admin_token=TOKEN) as c:
-        c.wait_ready(timeout=60)
-        yield c
+    yield from connect(server, TOKEN)
 
 
 @pytest.fixture(scope="module")
 def embedded_greedy() -> dict[str, tuple[int, ...]]:
-    engine = make_engine()
-    return {p: engine.generate(greedy(p), DraftPolicy()).token_ids for p in PROMPTS}
+    return plain_greedy_outputs(PROMPTS)
 
 
 @pytest.fixture(scope="module")

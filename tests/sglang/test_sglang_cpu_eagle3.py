@@ -25,13 +25,22 @@ import sys
 import pytest
 
 from service.engine.model.weights import MODELS_DIR
-from service.server.client import MoespecClient
 from service.sglang_backend.attribution import RequestTokens, unique_experts
 from service.types import Drafter, DraftPolicy
 from tests.sglang.eagle3_draft import write_eagle3_draft
-from tests.sglang.test_sglang_cpu import SERVE_SGLANG, greedy, recorder_windows, require_sglang, sglang_env, tokenize
+from tests.sglang.test_sglang_cpu import (
+    SERVE_SGLANG,
+    connect,
+    greedy,
+    plain_greedy_outputs,
+    recorder_windows,
+    require_sglang,
+    serve,
+    sglang_env,
+    tokenize,
+)
 from tests.support.engine_helpers import heldout_prompts, make_engine
-from tuner.drivers.server_proc import REPO_ROOT, start_server
+from tuner.drivers.server_proc import REPO_ROOT
 
 pytestmark = pytest.mark.sglang_cpu
 
@@ -103,22 +112,17 @@ def server(record_dir):
     args = ("--backend", "sglang", *SERVE_SGLANG, "--speculative-algorithm", "EAGLE3", "--sglang-no-ngram",
             "--sglang-no-calibrate", "--drafter", "model", "--draft-length", str(K), "--sglang-record-dir",
             str(record_dir), "--log-level", "INFO")
-    proc = start_server(sglang_env(), TOKEN, args, ready_timeout=900)
-    yield proc
-    proc.stop(timeout=60)
+    yield from serve(sglang_env(), TOKEN, args)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with MoespecClient(server.address, admin_token=TOKEN) as c:
-        c.wait_ready(timeout=60)
-        yield c
+    yield from connect(server, TOKEN)
 
 
 @pytest.fixture(scope="module")
 def plain_greedy() -> dict[str, tuple[int, ...]]:
-    engine = make_engine()
-    return {p: engine.generate(greedy(p, MAX_NEW), DraftPolicy()).token_ids for p in PROMPTS}
+    return plain_greedy_outputs(PROMPTS, MAX_NEW)
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,16 @@ import pytest
 
 from service.server.client import MoespecClient
 from service.types import Drafter, DraftPolicy
-from tests.sglang.test_sglang_cpu import SERVE_SGLANG, greedy, require_sglang, sglang_env
-from tests.support.engine_helpers import heldout_prompts, make_engine
-from tuner.drivers.server_proc import start_server
+from tests.sglang.test_sglang_cpu import (
+    SERVE_SGLANG,
+    connect,
+    greedy,
+    plain_greedy_outputs,
+    require_sglang,
+    serve,
+    sglang_env,
+)
+from tests.support.engine_helpers import heldout_prompts
 
 pytestmark = pytest.mark.sglang_cpu
 
@@ -44,22 +51,17 @@ def server():
     # Defaults otherwise: the calibration run starts the engine for k = 0, then k = K is a pin.
     args = ("--backend", "sglang", *SERVE_SGLANG, "--speculative-algorithm", "EAGLE3", "--drafter", "model",
             "--draft-length", str(K), "--log-level", "INFO")
-    proc = start_server(sglang_env(), TOKEN, args, ready_timeout=900)
-    yield proc
-    proc.stop(timeout=60)
+    yield from serve(sglang_env(), TOKEN, args)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with MoespecClient(server.address, admin_token=TOKEN) as c:
-        c.wait_ready(timeout=60)
-        yield c
+    yield from connect(server, TOKEN)
 
 
 @pytest.fixture(scope="module")
 def plain_greedy() -> dict[str, tuple[int, ...]]:
-    engine = make_engine()
-    return {p: engine.generate(greedy(p, MAX_NEW), DraftPolicy()).token_ids for p in PROMPTS}
+    return plain_greedy_outputs(PROMPTS, MAX_NEW)
 
 
 class Load:
