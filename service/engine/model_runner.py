@@ -110,6 +110,6 @@ class ModelRunner:
             rt.target_features[batch.token_slot, batch.positions] = out.features
         elif capture:  # what an EAGLE-3 draft's next catch-up reads
             rt.target_features[batch.token_slot, batch.positions] = out.aux
-        accepted = accept_pass(seqs, proposals, out.logits, lengths)
+        accepted = accept_pass(seqs, proposals, out.logits, lengths, out.argmax)
         return VerifyOutput(proposals, windows, lengths, out.routed_ids, accepted, start_ns, t0, t1,
                             time.perf_counter())

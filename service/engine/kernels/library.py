@@ -17,7 +17,9 @@ kernels (contract in moe.py); `linear(x, weight)`, x [w, H] @ weight^T for a pac
 with the same row independence (the output layer); `attention_block(weights, pass, layer, x)`, a
 layer's whole attention sub-block for the tokens of a ragged pass (attention.py);
 `decoder_layers(stack, pass, x, last_mlp)`, every layer of a pass in one call, bitwise the per-layer
-calls (decoder.py); `head_draft`, a draft head's drafting chain (head.py).
+calls (decoder.py); `forward_logits(stack, head, pass, tokens, rows)`, a short pass from token ids to
+logits and their argmax in one call, bitwise the separate calls (forward.py); `head_draft`, a draft
+head's drafting chain (head.py).
 
 `build` compiles the library with the system C compiler into a cache folder keyed by every C file
 and header, the flags, the compiler and this CPU's feature flags, and loads it with ctypes only once
@@ -39,12 +41,13 @@ from service.engine.kernels import head as head_kernel
 from service.engine.kernels import pool as kernel_pool
 from service.engine.kernels.attention import AttentionPass, AttentionWeights
 from service.engine.kernels.decoder import DecoderStack
+from service.engine.kernels.forward import OutputHead
 from service.engine.kernels.moe import MoeBlock
 from service.engine.kernels.packed import PackedWeight
 from service.engine.kernels.pool import ONE_THREAD, KernelPool, KernelThreads
 
 __all__ = ["AttentionPass", "AttentionWeights", "DecoderStack", "KernelThreads", "Kernels", "MoeBlock", "ONE_THREAD",
-           "PackedWeight", "build"]
+           "OutputHead", "PackedWeight", "build"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,10 @@ class Kernels:
         self._decoder.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr,
                                   ptr, ptr]
         self._decoder.restype = ctypes.c_int
+        self._forward = lib.forward_logits
+        self._forward.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr,
+                                  ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
+        self._forward.restype = ctypes.c_int
         self._head_draft = lib.head_draft
         self._head_draft.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
         self._head_draft.restype = ctypes.c_int
@@ -169,6 +176,40 @@ class Kernels:
         if not stack.moe:
             return out, None
         return out, ids if last_mlp else ids[:-1]
+
+    def forward_logits(self, stack: DecoderStack, head: OutputHead, where: AttentionPass, tokens: torch.Tensor,
+                       rows: torch.Tensor | None = None, attention_pool: KernelPool | None = None,
+                       moe_pool: KernelPool | None = None, lm_pool: KernelPool | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """tokens [N] (int64 ids) of a pass -> (features [R, H], logits [R, V], routed ids [L, N, m] or None
+        for a dense model, argmax [R]) of the rows `rows` [R] (indices into the pass; None: all N), in one
+        call (see forward.py), writing each layer's keys and values; bitwise the separate calls."""
+        N = where.n
+        if tokens.dtype != torch.int64 or tokens.shape != (N,) or not tokens.is_contiguous() or not tokens.is_cpu:
+            raise ValueError(f"forward_logits: tokens must be a contiguous int64 CPU tensor [{N}]")
+        if rows is not None and (rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous()
+                                 or not rows.is_cpu):
+            raise ValueError("forward_logits: rows must be a contiguous int64 CPU tensor [R]")
+        if (where.layers, where.K, where.D) != (stack.L, *stack.kv) or head.H != stack.H:
+            raise ValueError(f"forward_logits: the cache holds {where.layers} layers of {where.K} kv heads of "
+                             f"{where.D}, the model {stack.L} of {stack.kv[0]} of {stack.kv[1]}")
+        R = N if rows is None else rows.shape[0]
+        x = torch.empty(N, stack.H)
+        features, logits = torch.empty(R, stack.H), torch.empty(R, head.V)
+        ids, argmax = torch.empty(stack.L, N, stack.m, dtype=torch.long), torch.empty(R, dtype=torch.long)
+        rope_cos, rope_sin, positions, slots, k_cache, v_cache, S = where.args(0)
+        status = self._forward(tokens.data_ptr(), N, stack.H, stack.L, ctypes.addressof(stack.array),
+                               ctypes.addressof(head), rope_cos, rope_sin, positions, slots, k_cache, v_cache,
+                               where.layer_floats, S, ids.data_ptr(), _handle(attention_pool), _handle(moe_pool),
+                               _handle(lm_pool), None if rows is None else rows.data_ptr(), R, x.data_ptr(),
+                               features.data_ptr(), logits.data_ptr(), argmax.data_ptr())
+        if status == 2:
+            raise IndexError(f"forward_logits: a token id lies outside [0, {head.V})")
+        if status == 3:
+            raise IndexError(f"forward_logits: a logit row lies outside the pass's {N} tokens")
+        if status != 0:
+            raise MemoryError("forward_logits: out of memory")
+        return features, logits, ids if stack.moe else None, argmax
 
     def head_draft(self, weights: head_kernel.HeadWeights, tokens: torch.Tensor, features: torch.Tensor,
                    slot: int, start: int, k: int, temperature: float,

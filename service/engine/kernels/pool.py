@@ -2,10 +2,13 @@
 
 Why: a batched decode step of 16 requests makes ~9 kernel calls of 0.1-0.8 ms each; starting a thread
 per call cost ~85 us on the 2-core development machine (a fresh stack to fault in every time), more
-than splitting saved for attention. A pool's workers stay warm: after a task a worker spins for
-`spin_us` (the next call of the same step usually comes within that), then sleeps on a condition
-variable until the next task, so between steps and while one request decodes alone it leaves the core
-to the server's other threads.
+than splitting saved for attention. A pool's workers stay warm: after a task a worker polls for the
+next one, busy for 50 us (the next call of the same pass), then yielding its core between polls
+(sched_yield: any other runnable thread, the server's, takes it) until `spin_us`, then sleeps on a
+condition variable, so an idle engine leaves the core alone. Why `spin_us` is 1 ms: one request's
+decode loop spends a few hundred microseconds of its own work between two passes, and a worker asleep by
+then wakes tens of microseconds into the next pass, whose first calls run on the caller alone; polling
+through that gap made plain single-stream decoding ~1.2x faster (2-core Intel Xeon, interleaved).
 
 Contract of `pool_rows(pool, fn, ctx, n)` (csrc/kernel_pool.c, the first file of each library built from
 csrc/, declared in kernel_pool.h):
@@ -44,7 +47,7 @@ class KernelPool:
     """`threads - 1` started workers (the calling thread is the other); pass it to the kernels' calls.
     `close()` (or garbage collection) stops them; a closed pool's calls run on the calling thread."""
 
-    def __init__(self, lib: ctypes.CDLL, threads: int, spin_us: float = 100.0):
+    def __init__(self, lib: ctypes.CDLL, threads: int, spin_us: float = 1000.0):
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"kernel threads must be an int >= 1, got {threads!r}")
         handle = lib.kernel_pool_create(threads - 1, int(spin_us * 1000))
@@ -73,16 +76,18 @@ class KernelPool:
 class KernelThreads:
     """When a kernel call splits its work over the pool's threads: from a kernel's minimum number of
     positions in the pass on (no pool: never). Splitting never changes a bit of the result (every
-    position and output column is computed on its own). The MoE block splits by expert, so even a
-    one-position decode step pays: with the whole layer loop in one call (decoder.py) the
-    pool's workers are still spinning from the previous layer's call when the next one comes
-    (single-stream plain decoding with and without the split: docs/engine.md). Attention needs 2
-    positions (it splits tokens); the output layer splits its columns, so one position pays."""
+    position and output column is computed on its own). A one-position decode step pays in every
+    kernel: the MoE block splits by expert, attention (up to 4 positions) and the output layer by
+    output columns, so each weight is read once, by one thread; at the shipped model's size the
+    weights come from the shared cache, and reading them is most of a step. With the whole layer loop
+    in one call (decoder.py) the pool's workers are still polling from the previous call when the next
+    one comes (single-stream plain decoding with and without the split: docs/engine.md). Longer passes
+    split attention by token."""
 
     pool: KernelPool | None = None
     moe_min_positions: int = 1
     linear_min_positions: int = 1
-    attention_min_positions: int = 2
+    attention_min_positions: int = 1
 
     @property
     def threads(self) -> int:

@@ -33,6 +33,7 @@ from torch import nn
 
 from service.engine.kernels.attention import AttentionPass
 from service.engine.kernels.decoder import DecoderStack
+from service.engine.kernels.forward import OutputHead
 from service.engine.kernels.library import Kernels
 from service.engine.kernels.packed import PackedWeight, panel_format
 from service.engine.kernels.pool import ONE_THREAD, KernelThreads
@@ -48,6 +49,7 @@ class ForwardOutput:
     features: torch.Tensor | None = None  # [w, H] final hidden states after the norm (what a draft head reads)
     # [N, n*H] the residual stream after each captured layer, concatenated (what an EAGLE-3 draft reads)
     aux: torch.Tensor | None = None
+    argmax: torch.Tensor | None = None  # [w] each logit row's first maximum, where the one-call pass computed it
 
 
 class Transformer(nn.Module):
@@ -72,6 +74,7 @@ class Transformer(nn.Module):
         self.fused_attention = False
         self.decoder_stack: DecoderStack | None = None  # see fuse_for_inference
         self.decoder_stack_max = 0
+        self.output_head: OutputHead | None = None  # see fuse_for_inference
 
     def fuse_for_inference(self, kernels: Kernels | None = None, kernel_window_max: int = KERNEL_WINDOW_MAX,
                            fused_attention: bool = True, kernel_threads: KernelThreads = ONE_THREAD,
@@ -105,6 +108,9 @@ class Transformer(nn.Module):
         # the passes the per-layer MLP would run in its kernel (MoE: kernel_window_max, dense: 16 positions).
         self.decoder_stack = DecoderStack(self.layers, self.cfg.is_moe) if self.fused_attention else None
         self.decoder_stack_max = kernel_window_max if self.cfg.is_moe else UNION_WINDOW_MAX
+        # ...and those passes from token ids to logits in one call (kernels/forward.py).
+        self.output_head = None if self.decoder_stack is None else OutputHead.of(
+            self.embed_tokens.weight.detach(), self.norm.weight.detach(), self.norm.eps, self.lm_head_packed)
 
     def output_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [w, H] -> logits [w, V]; in the kernel up to kernel_window_max rows (the
@@ -131,11 +137,27 @@ class Transformer(nn.Module):
         `capture`: layer ids whose outputs (the residual stream after the layer, pre-norm) come back in
         `aux` [N, len(capture) * H], for every token of the pass. Without it nothing else changes.
         """
+        rows = tokens.shape[0] if logit_rows is None else logit_rows.shape[0]
+        if self.output_head is not None and self.decoder_stack is not None and not capture \
+                and tokens.shape[0] <= self.decoder_stack_max \
+                and rows <= self.kernel_window_max and tokens.is_cpu and not torch.is_grad_enabled():
+            return self._forward_in_one_call(tokens, batch, cache, logit_rows, rows)
         x, routed, aux = self._layers(tokens, batch, cache, last_mlp=True, capture=capture)
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
         features = self.norm(x)
         return ForwardOutput(logits=self.output_logits(features), routed_ids=routed, features=features, aux=aux)
+
+    def _forward_in_one_call(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache,
+                             logit_rows: torch.Tensor | None, rows: int) -> ForwardOutput:
+        """forward_ragged as one kernel call (kernels/forward.py): bitwise the per-part path below."""
+        where = AttentionPass(batch.positions, batch.token_slot, cache.k, cache.v, self.rope_cos, self.rope_sin,
+                              batch.position_range, batch.slot_range)
+        n, threads = tokens.shape[0], self.kernel_threads
+        features, logits, routed, argmax = self.kernels.forward_logits(
+            self.decoder_stack, self.output_head, where, tokens.contiguous(), logit_rows, threads.attention(n),
+            threads.moe(n), threads.linear(rows))
+        return ForwardOutput(logits=logits, routed_ids=routed, features=features, argmax=argmax)
 
     def fill_cache(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache,
                    features: bool = False, capture: tuple[int, ...] = ()) -> torch.Tensor | None:

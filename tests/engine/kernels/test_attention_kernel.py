@@ -111,8 +111,9 @@ def test_attention_weights_that_do_not_fit_are_refused_naming_the_tensor(attenti
 
 def test_every_pass_takes_the_attention_kernel_once_per_layer_unless_fused_attention_is_off(k):
     """Counted on the real kernels (wrapped, still run): a pass within the MoE kernel's window runs
-    all its layers in one decoder_layers call; a longer one calls the attention kernel once per layer
-    (prefill passes take it too); a model fused with fused_attention=False calls neither (eager SDPA)."""
+    all its layers in one call (forward_logits, around decoder_layers); a longer one calls the
+    attention kernel once per layer (prefill passes take it too); a model fused with
+    fused_attention=False calls neither (eager SDPA)."""
     from service.engine.model.ragged import KVCache
     from service.engine.model.weights import DEFAULT_TARGET_DIR, load_for_inference
 
@@ -126,6 +127,10 @@ def test_every_pass_takes_the_attention_kernel_once_per_layer_unless_fused_atten
         def decoder_layers(self, *args, **kwargs):
             calls.append("all layers")
             return super().decoder_layers(*args, **kwargs)
+
+        def forward_logits(self, *args, **kwargs):  # the layer loop, with the embedding and the logits
+            calls.append("all layers")
+            return super().forward_logits(*args, **kwargs)
 
     counting = Counting(k.path)
     ids = torch.randint(1, 4000, (32,), generator=torch.Generator().manual_seed(5))

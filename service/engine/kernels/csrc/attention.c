@@ -150,20 +150,15 @@ static void attend_group(const float *q, int64_t h0, int64_t h1, const float *ke
 #endif
 
 struct attention_args {
-    const float *x; int64_t H; const float *norm_w; float eps; const void *qkv_wt; const float *qkv_b;
+    const float *x; int64_t N, H; const float *norm_w; float eps; const void *qkv_wt; const float *qkv_b;
     int64_t A, K, D; const float *rope_cos, *rope_sin; const int64_t *positions, *slots; float *k_cache, *v_cache;
     int64_t S; const void *o_wt; int fmt; float *hn, *qkv, *att, *out; int kv_only;
 };
 
-/* Phase 1 for tokens [begin, end): norm, q/k/v, rope, and k and v into the cache (kv_only: k and v
-   alone, when the query columns fill whole panels; the same arithmetic for each of them). */
-static void attention_project_rows(const void *ctx, int64_t begin, int64_t end) {
-    const struct attention_args *a = ctx;
-    const int64_t H = a->H, D = a->D, K = a->K, Q = a->A * D, R = (a->A + 2 * K) * D, n = end - begin;
-    const int skip_q = a->kv_only && Q % PANEL == 0;
-    rms_norm(a->x + begin * H, n, H, a->norm_w, a->eps, a->hn + begin * H);
-    matmul_panels(a->hn + begin * H, n, H, a->qkv_wt, a->fmt, R, skip_q ? Q / PANEL : 0, (R + PANEL - 1) / PANEL,
-                  a->qkv_b, a->qkv + begin * R);
+/* Rope on tokens [begin, end)'s query and key heads (key heads alone when skip_q), and their keys and
+   values into the cache. */
+static void rope_and_store(const struct attention_args *a, int64_t begin, int64_t end, int skip_q) {
+    const int64_t D = a->D, K = a->K, Q = a->A * D, R = (a->A + 2 * K) * D;
     for (int64_t t = begin; t < end; t++) {
         const int64_t pos = a->positions[t];
         float *row = a->qkv + t * R;
@@ -177,21 +172,76 @@ static void attention_project_rows(const void *ctx, int64_t begin, int64_t end) 
     }
 }
 
+/* kv_only with query columns that fill whole panels: the query projection is skipped (the same
+   arithmetic for the key and value columns). */
+static int skips_queries(const struct attention_args *a) {
+    return a->kv_only && (a->A * a->D) % PANEL == 0;
+}
+
+/* Phase 1 for tokens [begin, end): norm, q/k/v, rope, and k and v into the cache. */
+static void attention_project_rows(const void *ctx, int64_t begin, int64_t end) {
+    const struct attention_args *a = ctx;
+    const int64_t H = a->H, Q = a->A * a->D, R = (a->A + 2 * a->K) * a->D, n = end - begin;
+    const int skip_q = skips_queries(a);
+    rms_norm(a->x + begin * H, n, H, a->norm_w, a->eps, a->hn + begin * H);
+    matmul_panels(a->hn + begin * H, n, H, a->qkv_wt, a->fmt, R, skip_q ? Q / PANEL : 0, (R + PANEL - 1) / PANEL,
+                  a->qkv_b, a->qkv + begin * R);
+    rope_and_store(a, begin, end, skip_q);
+}
+
+/* One token's query heads of one kv head (unit = token * K + kv head): softmax(q k^T / sqrt(D)) v. */
+static void attend_units(const void *ctx, int64_t begin, int64_t end) {
+    const struct attention_args *a = ctx;
+    const int64_t D = a->D, K = a->K, Q = a->A * D, R = (a->A + 2 * K) * D, group = a->A / K;
+    const float scale = 1.0f / sqrtf((float)D);
+    float scores0[a->S + 16], scores1[a->S + 16];  /* (the vector path rounds the keys up to 16) */
+    for (int64_t u = begin; u < end; u++) {
+        const int64_t t = u / K, kh = u % K, head = (a->slots[t] * K + kh) * a->S * D;
+        attend_group(a->qkv + t * R, kh * group, (kh + 1) * group, a->k_cache + head, a->v_cache + head,
+                     a->positions[t], D, scale, scores0, scores1, a->att + t * Q);
+    }
+}
+
 /* Phase 2 for tokens [begin, end), once every token's keys and values are in: attention, o_proj and
    the residual. */
 static void attention_attend_rows(const void *ctx, int64_t begin, int64_t end) {
     const struct attention_args *a = ctx;
-    const int64_t H = a->H, D = a->D, K = a->K, Q = a->A * D, R = (a->A + 2 * K) * D, group = a->A / K;
-    const float scale = 1.0f / sqrtf((float)D);
-    float scores0[a->S + 16], scores1[a->S + 16];  /* (the vector path rounds the keys up to 16) */
-    for (int64_t t = begin; t < end; t++)
-        for (int64_t kh = 0; kh < K; kh++) {
-            const int64_t head = (a->slots[t] * K + kh) * a->S * D;
-            attend_group(a->qkv + t * R, kh * group, (kh + 1) * group, a->k_cache + head, a->v_cache + head,
-                         a->positions[t], D, scale, scores0, scores1, a->att + t * Q);
-        }
+    const int64_t H = a->H, Q = a->A * a->D;
+    attend_units(ctx, begin * a->K, end * a->K);
     matmul_p(a->att + begin * Q, end - begin, Q, a->o_wt, a->fmt, H, NULL, a->out + begin * H);
     for (int64_t j = begin * H; j < end * H; j++) a->out[j] = a->x[j] + a->out[j];
+}
+
+/* A pass of a few tokens (one request's decode or verify step) split by output columns instead of by
+   token: each panel of the two projections is read by one thread, where a token split would have every
+   thread read all of them (at this model's size the weights come from the shared cache, and reading
+   them is most of the sub-block's time). The same products per panel, so bitwise the token split. */
+#define COLUMN_SPLIT_MAX 4
+
+static void qkv_panels(const void *ctx, int64_t begin, int64_t end) {
+    const struct attention_args *a = ctx;
+    matmul_panels(a->hn, a->N, a->H, a->qkv_wt, a->fmt, (a->A + 2 * a->K) * a->D, begin, end, a->qkv_b, a->qkv);
+}
+
+static void o_panels(const void *ctx, int64_t begin, int64_t end) {
+    const struct attention_args *a = ctx;
+    const int64_t H = a->H, c1 = end * PANEL < H ? end * PANEL : H;
+    matmul_panels(a->att, a->N, a->A * a->D, a->o_wt, a->fmt, H, begin, end, NULL, a->out);
+    for (int64_t t = 0; t < a->N; t++)
+        for (int64_t j = t * H + begin * PANEL; j < t * H + c1; j++) a->out[j] = a->x[j] + a->out[j];
+}
+
+static void attention_by_columns(const struct attention_args *a, struct kernel_pool *pool) {
+    const int64_t Q = a->A * a->D, R = Q + 2 * a->K * a->D;
+    const int skip_q = skips_queries(a);
+    rms_norm(a->x, a->N, a->H, a->norm_w, a->eps, a->hn);
+    const int64_t first = skip_q ? Q / PANEL : 0;  /* (pool_rows counts from 0: shift by the skipped panels) */
+    if (first == 0) pool_rows(pool, qkv_panels, a, (R + PANEL - 1) / PANEL);
+    else matmul_panels(a->hn, a->N, a->H, a->qkv_wt, a->fmt, R, first, (R + PANEL - 1) / PANEL, a->qkv_b, a->qkv);
+    rope_and_store(a, 0, a->N, skip_q);
+    if (a->kv_only) return;
+    pool_rows(pool, attend_units, a, a->N * a->K);
+    pool_rows(pool, o_panels, a, (a->H + PANEL - 1) / PANEL);
 }
 
 /* See attention.py. qkv_wt and o_wt: the [R, H] and [H, A D] projections packed (matmul_p);
@@ -206,8 +256,12 @@ void attention_block(const float *x, int64_t N, int64_t H, const float *norm_w, 
                      struct kernel_pool *pool, int kv_only) {
     const int64_t R = (A + 2 * K) * D;
     float *hn = scratch, *qkv = hn + N * H, *att = qkv + N * R;  /* [N, H] [N, R] [N, A D] */
-    const struct attention_args a = {x, H, norm_w, eps, qkv_wt, qkv_b, A, K, D, rope_cos, rope_sin, positions, slots,
-                                     k_cache, v_cache, S, o_wt, fmt, hn, qkv, att, out, kv_only};
+    const struct attention_args a = {x, N, H, norm_w, eps, qkv_wt, qkv_b, A, K, D, rope_cos, rope_sin, positions,
+                                     slots, k_cache, v_cache, S, o_wt, fmt, hn, qkv, att, out, kv_only};
+    if (pool != NULL && N <= COLUMN_SPLIT_MAX) {
+        attention_by_columns(&a, pool);
+        return;
+    }
     pool_rows(pool, attention_project_rows, &a, N);
     if (!kv_only) pool_rows(pool, attention_attend_rows, &a, N);
 }

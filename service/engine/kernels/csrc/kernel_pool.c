@@ -21,19 +21,29 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
-/* Wait until `generation` moves past `seen`: spin up to spin_ns, then sleep. Returns the new value. */
+/* Busy polls of a waiting worker before it starts yielding its core between polls. */
+#define PAUSE_SPIN_NS 50000
+
+/* Wait until `generation` moves past `seen`: poll with pause for PAUSE_SPIN_NS (the next call of the
+   same pass), then with sched_yield between polls until spin_ns (the next step of a decode loop comes
+   after a few hundred microseconds of the engine's own work; a worker asleep by then wakes tens of
+   microseconds late, and the step's first calls run on the caller alone. Yielding hands the core to any
+   other runnable thread, the server's, meanwhile), then sleep. Returns the new value. */
 static long pool_wait(struct kernel_pool *p, long seen) {
-    const int64_t until = now_ns() + p->spin_ns;
+    const int64_t start = now_ns();
     long g;
     for (int64_t spins = 1; (g = atomic_load_explicit(&p->generation, memory_order_acquire)) == seen; spins++) {
         SPIN_PAUSE();
-        if (spins % 64 == 0 && now_ns() > until) {
+        if (spins % 64 != 0) continue;
+        const int64_t waited = now_ns() - start;
+        if (waited > p->spin_ns) {
             pthread_mutex_lock(&p->mu);
             while ((g = atomic_load_explicit(&p->generation, memory_order_acquire)) == seen)
                 pthread_cond_wait(&p->wake, &p->mu);
             pthread_mutex_unlock(&p->mu);
             break;
         }
+        if (waited > PAUSE_SPIN_NS) sched_yield();
     }
     return g;
 }

@@ -6,8 +6,8 @@ matmul_panels) and the library exports only its entry points.
 
 The order is the files' dependency order, each after the files whose helpers it calls: the pool,
 the shared helpers and tiles, bf16 arithmetic (which matmul_panels calls), the products and
-rms_norm, then the kernels built on them, and last the layer loop over moe_block and
-attention_block. kernels.h declares every shared helper, so any order would compile; this one reads
+rms_norm, then the kernels built on them, the layer loop over moe_block and attention_block, and
+last the whole short pass around it. kernels.h declares every shared helper, so any order would compile; this one reads
 bottom-up and is the order the library was always built in, so its machine code is the same. */
 #define KERNEL_UNITY_BUILD
 
@@ -19,3 +19,4 @@ bottom-up and is the order the library was always built in, so its machine code 
 #include "attention.c"
 #include "head.c"
 #include "decoder.c"
+#include "forward.c"

@@ -1,0 +1,54 @@
+/* A short pass from token ids to logits in one call, forward_logits: see forward.py. */
+#include "kernels.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* The model's ends around the decoder layers (field order: forward.OutputHead). */
+struct output_head {
+    const float *embed;   /* [V, H] the embedding table */
+    const float *norm_w;  /* [H] the final norm's weight */
+    const void *lm_wt;    /* the output layer, packed [V, H] (matmul_p) */
+    int64_t V;
+    float eps;
+    int lm_fmt;
+};
+
+/* The first maximum of a row, a NaN before any number (numpy's argmax, which the Python path reads). */
+static int64_t first_max(const float *row, int64_t V) {
+    int64_t best = 0;
+    for (int64_t i = 0; i < V; i++) {
+        if (isnan(row[i])) return i;
+        if (row[i] > row[best]) best = i;
+    }
+    return best;
+}
+
+/* tokens [N] -> x [N, H] their embedding rows, then every decoder layer (decoder_layers, ids [L, N, m]),
+   then for R rows of the pass (rows [R] their indices, NULL: all N in order): features [R, H] the final
+   norm of their hidden states, logits [R, V] the output layer over them (its panels split over
+   lm_pool), argmax [R] each logit row's first maximum. The same calls on the same values as the
+   separate ones (embedding, decoder_layers, index_select, rms_norm, linear), so bitwise their result.
+   Returns 0; 1 when decoder_layers could not allocate its scratch; 2 for a token id outside [0, V), 3
+   for a row outside [0, N) (both checked before anything is written). */
+int forward_logits(const int64_t *tokens, int64_t N, int64_t H, int64_t L, const struct decoder_layer *layers,
+                   const struct output_head *head, const float *rope_cos, const float *rope_sin,
+                   const int64_t *positions, const int64_t *slots, float *k_cache, float *v_cache, int64_t layer_floats,
+                   int64_t S, int64_t *ids, struct kernel_pool *attention_pool, struct kernel_pool *moe_pool,
+                   struct kernel_pool *lm_pool, const int64_t *rows, int64_t R, float *x, float *features,
+                   float *logits, int64_t *argmax) {
+    for (int64_t t = 0; t < N; t++)
+        if (tokens[t] < 0 || tokens[t] >= head->V) return 2;
+    for (int64_t r = 0; rows && r < R; r++)
+        if (rows[r] < 0 || rows[r] >= N) return 3;
+    for (int64_t t = 0; t < N; t++) memcpy(x + t * H, head->embed + tokens[t] * H, (size_t)H * sizeof(float));
+    if (decoder_layers(x, N, H, L, layers, 1, rope_cos, rope_sin, positions, slots, k_cache, v_cache, layer_floats,
+                       S, ids, attention_pool, moe_pool) != 0)
+        return 1;
+    for (int64_t r = 0; r < R; r++)
+        rms_norm(x + (rows ? rows[r] : r) * H, 1, H, head->norm_w, head->eps, features + r * H);
+    linear(features, R, H, head->lm_wt, head->lm_fmt, head->V, logits, lm_pool);
+    for (int64_t r = 0; r < R; r++) argmax[r] = first_max(logits + r * head->V, head->V);
+    return 0;
+}
