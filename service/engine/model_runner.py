@@ -102,10 +102,10 @@ class ModelRunner:
         t1 = time.perf_counter()
         windows = [[s.ids[-1], *p.drafts] for s, p in zip(seqs, proposals, strict=True)]  # [w_b]
         lengths = [len(w) for w in windows]
-        batch = RaggedBatch.build([s.slot for s in seqs], [len(s.ids) - 1 for s in seqs], lengths)
+        batch = RaggedBatch.build([s.slot for s in seqs], [len(s.ids) - 1 for s in seqs], lengths,
+                                  tokens=[t for w in windows for t in w])
         capture = rt.target_capture if any(uses_head(s) for s in seqs) else ()
-        out = rt.target.forward_ragged(torch.tensor([t for w in windows for t in w]), batch, rt.target_cache,
-                                       capture=capture)
+        out = rt.target.forward_ragged(batch.tokens, batch, rt.target_cache, capture=capture)
         if rt.draft_is_head and any(uses_head(s) for s in seqs):  # what the head's next catch-up reads
             rt.target_features[batch.token_slot, batch.positions] = out.features
         elif capture:  # what an EAGLE-3 draft's next catch-up reads

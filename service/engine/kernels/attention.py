@@ -69,6 +69,35 @@ class AttentionWeights:
         return n * (self.H + self.R + self.A * self.D)
 
 
+class CacheTables:
+    """A KV cache and the rope tables every pass over it reads, checked once: a cache's tensors are
+    written in place and never replaced, so a model checks them on first use and each pass then checks
+    only its own positions and slots (`AttentionPass.over`; a decode step's checks cost more than its
+    kernel call's Python)."""
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+        """k_cache, v_cache [L, slots, K, S, D] float32; rope_cos, rope_sin [max positions, D] float32; all
+        contiguous CPU tensors."""
+        for name, t in dict(k_cache=k_cache, v_cache=v_cache, rope_cos=rope_cos, rope_sin=rope_sin).items():
+            if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
+                raise ValueError(f"attention_block: {name} must be a contiguous float32 CPU tensor")
+        if k_cache.dim() != 5 or v_cache.shape != k_cache.shape:
+            raise ValueError("attention_block: k_cache and v_cache must both be [L, slots, K, S, D]")
+        self.layers, self.slots, self.K, self.S, self.D = k_cache.shape
+        if rope_cos.dim() != 2 or rope_cos.shape[1] != self.D or rope_sin.shape != rope_cos.shape:
+            raise ValueError(f"attention_block: rope tables must be [positions, {self.D}]")
+        self.position_bound = min(self.S, rope_cos.shape[0])
+        self.tensors = (k_cache, v_cache, rope_cos, rope_sin)  # alive while in use
+        self.layer_floats = k_cache.stride(0)
+        self.layer_bytes = self.layer_floats * k_cache.element_size()
+        self.k_ptr, self.v_ptr = k_cache.data_ptr(), v_cache.data_ptr()
+        self.rope_ptrs = (rope_cos.data_ptr(), rope_sin.data_ptr())
+
+    def reads(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """These tables were checked for this cache's very tensors."""
+        return self.tensors[0] is k_cache and self.tensors[1] is v_cache
+
+
 class AttentionPass:
     """Where the N tokens of one pass go (position and cache slot of each) and the tensors every
     layer's call shares, checked once per pass: the kernel writes and reads there unchecked."""
@@ -76,39 +105,41 @@ class AttentionPass:
     def __init__(self, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  rope_cos: torch.Tensor, rope_sin: torch.Tensor, position_range: tuple[int, int] | None = None,
                  slot_range: tuple[int, int] | None = None):
-        """positions, slots [N] int64; k_cache, v_cache [L, slots, K, S, D] float32; rope_cos, rope_sin
-        [max positions, D] float32; all contiguous CPU tensors. position_range / slot_range: the lowest
-        and highest of positions / slots where the caller knows them (a RaggedBatch does; four
-        reductions saved a step), else read from the tensors."""
+        """positions, slots [N] int64 contiguous CPU tensors; the cache and rope tables as `CacheTables`
+        takes them. position_range / slot_range: the lowest and highest of positions / slots where the
+        caller knows them (a RaggedBatch does; four reductions saved a step), else read from the tensors."""
+        self._check(positions, slots, CacheTables(k_cache, v_cache, rope_cos, rope_sin), position_range, slot_range)
+
+    @classmethod
+    def over(cls, tables: CacheTables, positions: torch.Tensor, slots: torch.Tensor,
+             position_range: tuple[int, int] | None = None, slot_range: tuple[int, int] | None = None
+             ) -> AttentionPass:
+        """A pass over tables checked before: only its positions and slots are checked."""
+        where = cls.__new__(cls)
+        where._check(positions, slots, tables, position_range, slot_range)
+        return where
+
+    def _check(self, positions: torch.Tensor, slots: torch.Tensor, tables: CacheTables,
+               position_range: tuple[int, int] | None, slot_range: tuple[int, int] | None) -> None:
         if positions.dtype != torch.int64 or slots.dtype != torch.int64 or positions.dim() != 1 \
                 or positions.shape != slots.shape or not (positions.is_contiguous() and slots.is_contiguous()):
             raise ValueError("attention_block: positions and slots must be contiguous int64 [N]")
-        for name, t in dict(k_cache=k_cache, v_cache=v_cache, rope_cos=rope_cos, rope_sin=rope_sin).items():
-            if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu:
-                raise ValueError(f"attention_block: {name} must be a contiguous float32 CPU tensor")
-        if k_cache.dim() != 5 or v_cache.shape != k_cache.shape:
-            raise ValueError("attention_block: k_cache and v_cache must both be [L, slots, K, S, D]")
-        L, num_slots, K, S, D = k_cache.shape
-        if rope_cos.dim() != 2 or rope_cos.shape[1] != D or rope_sin.shape != rope_cos.shape:
-            raise ValueError(f"attention_block: rope tables must be [positions, {D}]")
-        bound = min(S, rope_cos.shape[0])
-        if positions.numel():
+        self.n = positions.numel()
+        if self.n:
             low, high = position_range or (int(positions.min()), int(positions.max()))
-            if low < 0 or high >= bound:
-                raise ValueError(f"attention_block: positions must lie in [0, {bound})")
+            if low < 0 or high >= tables.position_bound:
+                raise ValueError(f"attention_block: positions must lie in [0, {tables.position_bound})")
             low, high = slot_range or (int(slots.min()), int(slots.max()))
-            if low < 0 or high >= num_slots:
-                raise ValueError(f"attention_block: cache slots must lie in [0, {num_slots})")
-        self.n, self.layers, self.K, self.S, self.D = positions.numel(), L, K, S, D
-        self.tensors = (positions, slots, k_cache, v_cache, rope_cos, rope_sin)  # alive while in use
-        self.layer_floats = k_cache.stride(0)
-        self._layer_bytes = self.layer_floats * k_cache.element_size()
-        self._k, self._v = k_cache.data_ptr(), v_cache.data_ptr()
-        self._shared = (rope_cos.data_ptr(), rope_sin.data_ptr(), positions.data_ptr(), slots.data_ptr())
+            if low < 0 or high >= tables.slots:
+                raise ValueError(f"attention_block: cache slots must lie in [0, {tables.slots})")
+        self.layers, self.K, self.S, self.D = tables.layers, tables.K, tables.S, tables.D
+        self.tables, self.tensors = tables, (positions, slots)  # alive while in use
+        self.layer_floats = tables.layer_floats
+        self._shared = (*tables.rope_ptrs, positions.data_ptr(), slots.data_ptr())
 
     def args(self, layer: int) -> tuple:
         """The kernel's rope, position, slot and cache arguments for one layer."""
         if not 0 <= layer < self.layers:
             raise ValueError(f"attention_block: layer {layer} outside the cache's {self.layers}")
-        offset = layer * self._layer_bytes
-        return (*self._shared, self._k + offset, self._v + offset, self.S)
+        offset = layer * self.tables.layer_bytes
+        return (*self._shared, self.tables.k_ptr + offset, self.tables.v_ptr + offset, self.S)

@@ -84,7 +84,7 @@ class Kernels:
         self._decoder.restype = ctypes.c_int
         self._forward = lib.forward_logits
         self._forward.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr,
-                                  ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
+                                  ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
         self._forward.restype = ctypes.c_int
         self._head_draft = lib.head_draft
         self._head_draft.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
@@ -194,15 +194,14 @@ class Kernels:
             raise ValueError(f"forward_logits: the cache holds {where.layers} layers of {where.K} kv heads of "
                              f"{where.D}, the model {stack.L} of {stack.kv[0]} of {stack.kv[1]}")
         R = N if rows is None else rows.shape[0]
-        x = torch.empty(N, stack.H)
         features, logits = torch.empty(R, stack.H), torch.empty(R, head.V)
         ids, argmax = torch.empty(stack.L, N, stack.m, dtype=torch.long), torch.empty(R, dtype=torch.long)
         rope_cos, rope_sin, positions, slots, k_cache, v_cache, S = where.args(0)
         status = self._forward(tokens.data_ptr(), N, stack.H, stack.L, ctypes.addressof(stack.array),
                                ctypes.addressof(head), rope_cos, rope_sin, positions, slots, k_cache, v_cache,
                                where.layer_floats, S, ids.data_ptr(), _handle(attention_pool), _handle(moe_pool),
-                               _handle(lm_pool), None if rows is None else rows.data_ptr(), R, x.data_ptr(),
-                               features.data_ptr(), logits.data_ptr(), argmax.data_ptr())
+                               _handle(lm_pool), None if rows is None else rows.data_ptr(), R, features.data_ptr(),
+                               logits.data_ptr(), argmax.data_ptr())
         if status == 2:
             raise IndexError(f"forward_logits: a token id lies outside [0, {head.V})")
         if status == 3:

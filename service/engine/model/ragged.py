@@ -41,6 +41,7 @@ class RaggedBatch:
     width: int  # w': the longest window
     span: int  # S': keys any sequence attends to
     slot_range: tuple[int, int]  # the lowest and highest cache slot (AttentionPass's bounds check)
+    tokens: torch.Tensor | None = None  # [N] the pass's token ids, where the builder was given them
 
     @property
     def size(self) -> int:
@@ -71,7 +72,9 @@ class RaggedBatch:
         return (torch.arange(self.span)[None, None, :] <= visible[:, :, None]).unsqueeze(1)
 
     @classmethod
-    def build(cls, slots: list[int], starts: list[int], lengths: list[int]) -> RaggedBatch:
+    def build(cls, slots: list[int], starts: list[int], lengths: list[int],
+              tokens: list[int] | None = None) -> RaggedBatch:
+        """tokens: the pass's N token ids, to carry as a tensor (`tokens`), built with the rest."""
         if not slots or len(slots) != len(starts) or len(slots) != len(lengths) or min(lengths) < 1:
             raise ValueError(f"need one or more windows of >= 1 token, got {lengths}")
         # Plain lists, one tensor at the end, cut into views: every step builds this, and a small
@@ -79,11 +82,13 @@ class RaggedBatch:
         positions = [start + i for start, n in zip(starts, lengths, strict=True) for i in range(n)]
         token_slot = [slot for slot, n in zip(slots, lengths, strict=True) for _ in range(n)]
         N = len(positions)
-        packed = torch.tensor(positions + token_slot + list(slots))
-        return cls(slots=packed[2 * N:], starts=tuple(starts), lengths=tuple(lengths), positions=packed[:N],
-                   token_slot=packed[N:2 * N], width=max(lengths),
+        if tokens is not None and len(tokens) != N:
+            raise ValueError(f"{len(tokens)} token ids for windows of {N} tokens")
+        packed = torch.tensor(positions + token_slot + list(slots) + (tokens or []))
+        return cls(slots=packed[2 * N:2 * N + len(slots)], starts=tuple(starts), lengths=tuple(lengths),
+                   positions=packed[:N], token_slot=packed[N:2 * N], width=max(lengths),
                    span=max(start + n for start, n in zip(starts, lengths, strict=True)),
-                   slot_range=(min(slots), max(slots)))
+                   slot_range=(min(slots), max(slots)), tokens=None if tokens is None else packed[-N:])
 
 
 class KVCache:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.engine.kernels.attention import AttentionPass
+from service.engine.kernels.attention import AttentionPass, CacheTables
 from service.engine.kernels.decoder import DecoderStack
 from service.engine.kernels.forward import OutputHead
 from service.engine.kernels.library import Kernels
@@ -75,6 +75,7 @@ class Transformer(nn.Module):
         self.decoder_stack: DecoderStack | None = None  # see fuse_for_inference
         self.decoder_stack_max = 0
         self.output_head: OutputHead | None = None  # see fuse_for_inference
+        self._cache_tables: CacheTables | None = None  # the last cache a pass ran over, checked (see _pass_over)
 
     def fuse_for_inference(self, kernels: Kernels | None = None, kernel_window_max: int = KERNEL_WINDOW_MAX,
                            fused_attention: bool = True, kernel_threads: KernelThreads = ONE_THREAD,
@@ -151,8 +152,7 @@ class Transformer(nn.Module):
     def _forward_in_one_call(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache,
                              logit_rows: torch.Tensor | None, rows: int) -> ForwardOutput:
         """forward_ragged as one kernel call (kernels/forward.py): bitwise the per-part path below."""
-        where = AttentionPass(batch.positions, batch.token_slot, cache.k, cache.v, self.rope_cos, self.rope_sin,
-                              batch.position_range, batch.slot_range)
+        where = self._pass_over(batch, cache)
         n, threads = tokens.shape[0], self.kernel_threads
         features, logits, routed, argmax = self.kernels.forward_logits(
             self.decoder_stack, self.output_head, where, tokens.contiguous(), logit_rows, threads.attention(n),
@@ -188,8 +188,7 @@ class Transformer(nn.Module):
         # Fused attention at every pass size: on a 16 x 95-token prefill it took ~0.6 of the padded
         # SDPA path's time per layer (measured in-process, loaded machine).
         if self.fused_attention and x.is_cpu and not torch.is_grad_enabled():
-            where = AttentionPass(batch.positions, batch.token_slot, cache.k, cache.v, self.rope_cos, self.rope_sin,
-                                  batch.position_range, batch.slot_range)
+            where = self._pass_over(batch, cache)
             pool = self.kernel_threads.attention(x.shape[0])
             if self.decoder_stack is not None and x.shape[0] <= self.decoder_stack_max and not capture:
                 return (*self.kernels.decoder_layers(self.decoder_stack, where, x, last_mlp, pool,
@@ -218,6 +217,14 @@ class Transformer(nn.Module):
             if i in capture:
                 captured.append(x.clone())  # a later in-place kernel may reuse x's storage
         return x, torch.stack(ids) if ids else None, torch.cat(captured, dim=-1) if captured else None
+
+    def _pass_over(self, batch: RaggedBatch, cache: KVCache) -> AttentionPass:
+        """The fused attention's view of one pass over `cache`; the cache and rope tables are checked
+        once per cache (a model usually runs over one), the pass's positions and slots every time."""
+        tables = self._cache_tables
+        if tables is None or not tables.reads(cache.k, cache.v):
+            tables = self._cache_tables = CacheTables(cache.k, cache.v, self.rope_cos, self.rope_sin)
+        return AttentionPass.over(tables, batch.positions, batch.token_slot, batch.position_range, batch.slot_range)
 
     def _rope(self, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, 1, D] at each token's position (eager attention)."""

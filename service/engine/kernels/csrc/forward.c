@@ -3,6 +3,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* The model's ends around the decoder layers (field order: forward.OutputHead). */
@@ -25,29 +26,34 @@ static int64_t first_max(const float *row, int64_t V) {
     return best;
 }
 
-/* tokens [N] -> x [N, H] their embedding rows, then every decoder layer (decoder_layers, ids [L, N, m]),
+/* tokens [N] -> their embedding rows [N, H], then every decoder layer (decoder_layers, ids [L, N, m]),
    then for R rows of the pass (rows [R] their indices, NULL: all N in order): features [R, H] the final
    norm of their hidden states, logits [R, V] the output layer over them (its panels split over
    lm_pool), argmax [R] each logit row's first maximum. The same calls on the same values as the
    separate ones (embedding, decoder_layers, index_select, rms_norm, linear), so bitwise their result.
-   Returns 0; 1 when decoder_layers could not allocate its scratch; 2 for a token id outside [0, V), 3
-   for a row outside [0, N) (both checked before anything is written). */
+   Returns 0; 1 when the hidden states or decoder_layers' scratch could not be allocated; 2 for a token
+   id outside [0, V), 3 for a row outside [0, N) (all three before anything is written). */
 int forward_logits(const int64_t *tokens, int64_t N, int64_t H, int64_t L, const struct decoder_layer *layers,
                    const struct output_head *head, const float *rope_cos, const float *rope_sin,
                    const int64_t *positions, const int64_t *slots, float *k_cache, float *v_cache, int64_t layer_floats,
                    int64_t S, int64_t *ids, struct kernel_pool *attention_pool, struct kernel_pool *moe_pool,
-                   struct kernel_pool *lm_pool, const int64_t *rows, int64_t R, float *x, float *features,
-                   float *logits, int64_t *argmax) {
+                   struct kernel_pool *lm_pool, const int64_t *rows, int64_t R, float *features, float *logits,
+                   int64_t *argmax) {
     for (int64_t t = 0; t < N; t++)
         if (tokens[t] < 0 || tokens[t] >= head->V) return 2;
     for (int64_t r = 0; rows && r < R; r++)
         if (rows[r] < 0 || rows[r] >= N) return 3;
+    float *x = malloc((size_t)(N * H) * sizeof(float));
+    if (!x) return 1;
     for (int64_t t = 0; t < N; t++) memcpy(x + t * H, head->embed + tokens[t] * H, (size_t)H * sizeof(float));
     if (decoder_layers(x, N, H, L, layers, 1, rope_cos, rope_sin, positions, slots, k_cache, v_cache, layer_floats,
-                       S, ids, attention_pool, moe_pool) != 0)
+                       S, ids, attention_pool, moe_pool) != 0) {
+        free(x);
         return 1;
+    }
     for (int64_t r = 0; r < R; r++)
         rms_norm(x + (rows ? rows[r] : r) * H, 1, H, head->norm_w, head->eps, features + r * H);
+    free(x);
     linear(features, R, H, head->lm_wt, head->lm_fmt, head->V, logits, lm_pool);
     for (int64_t r = 0; r < R; r++) argmax[r] = first_max(logits + r * head->V, head->V);
     return 0;

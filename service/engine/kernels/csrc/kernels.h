@@ -125,7 +125,7 @@ int forward_logits(const int64_t *tokens, int64_t N, int64_t H, int64_t L, const
                    const struct output_head *head, const float *rope_cos, const float *rope_sin,
                    const int64_t *positions, const int64_t *slots, float *k_cache, float *v_cache, int64_t layer_floats,
                    int64_t S, int64_t *ids, struct kernel_pool *attention_pool, struct kernel_pool *moe_pool,
-                   struct kernel_pool *lm_pool, const int64_t *rows, int64_t R, float *x, float *features,
-                   float *logits, int64_t *argmax);
+                   struct kernel_pool *lm_pool, const int64_t *rows, int64_t R, float *features, float *logits,
+                   int64_t *argmax);
 
 #endif
