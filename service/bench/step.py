@@ -7,15 +7,21 @@ commit. Both figures come from the engine's own clocks, so transport is left out
 - the step: a request's decode time over its decode steps, (seconds - time to first token) / (tokens
   - 1), from the reply (served) or the result (in-process);
 - the verify pass: the steps' summed verify seconds over their count (`SpecStats`).
-Work outside the forward is then 1 - verify / step. The two paths run interleaved, the order swapped
-every round, on the same greedy requests.
+- the forward alone: the in-process engine's target forward passes (`forward_ragged`: the embedding,
+  every layer, the final norm, the output layer and the argmax), timed around the call over the
+  round's decode steps; the served engine runs the same model and kernels, so its rows take the
+  in-process forward of the same round.
+Work outside the verify pass is then 1 - verify / step, work outside the forward 1 - forward / step.
+The two paths run interleaved, the order swapped every round, on the same greedy requests.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,10 +39,39 @@ class StepSplit:
     round: int
     step_us: float  # median over the requests of decode seconds per decode step
     verify_us: float  # median over the requests of verify seconds per verify step
+    forward_us: float = 0.0  # the round's in-process forward pass, mean over its decode steps
 
     @property
     def outside_share(self) -> float:
         return 1 - self.verify_us / self.step_us
+
+    @property
+    def outside_forward_share(self) -> float:
+        return 1 - self.forward_us / self.step_us
+
+
+class ForwardClock:
+    """Times a model's `forward_ragged` calls (a decode step's forward; prefill runs `fill_cache`)."""
+
+    def __init__(self, model):
+        self.seconds, self.calls = 0.0, 0
+        inner = model.forward_ragged
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+                self.calls += 1
+
+        model.forward_ragged = timed  # this instance only: what the engine's model runner calls
+
+    def take_us(self) -> float:
+        """The mean forward since the last take, in microseconds."""
+        mean = 1e6 * self.seconds / max(self.calls, 1)
+        self.seconds, self.calls = 0.0, 0
+        return mean
 
 
 def split(path: str, round_: int, results: list) -> StepSplit:
@@ -64,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
                                   sampling=SamplingParams(temperature=0)) for p in load_prompts(args.prompts)]
     plain, rows = DraftPolicy(), []
     engine = Engine(EngineConfig())  # the server's defaults, in this process
+    forward = ForwardClock(engine.target)
     try:
         with ServeProcess(["--port", "0"]) as address, MoespecClient(address) as client:
             client.wait_ready(timeout=120)
@@ -72,14 +108,18 @@ def run(args: argparse.Namespace) -> int:
             for run_ in runs.values():  # warm-up: first calls pay one-off costs
                 run_()
             for round_ in range(args.rounds):
-                for path in (PATHS if round_ % 2 == 0 else PATHS[::-1]):
-                    rows.append(split(path, round_, runs[path]()))
+                forward.take_us()
+                splits = [split(path, round_, runs[path]())
+                          for path in (PATHS if round_ % 2 == 0 else PATHS[::-1])]
+                forward_us = forward.take_us()
+                rows += [dataclasses.replace(s, forward_us=forward_us) for s in splits]
     finally:
         engine.close()
     print(markdown(rows, args))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "step.json").write_text(json.dumps([asdict(r) | {"outside_share": r.outside_share}
+        (args.out / "step.json").write_text(json.dumps([asdict(r) | {"outside_share": r.outside_share,
+                                                                     "outside_forward_share": r.outside_forward_share}
                                                         for r in rows], indent=2) + "\n")
     return 0
 
@@ -90,10 +130,12 @@ def markdown(rows: list[StepSplit], args: argparse.Namespace) -> str:
 
     lines = [f"Plain greedy decoding, one request at a time (`moespec bench step --prompts {args.prompts} "
              f"--max-new-tokens {args.max_new_tokens} --rounds {args.rounds}`; median [min, max] over rounds)", "",
-             "| path | decode step us | verify pass us (forward + verdict) | work outside the verify pass |",
-             "|---|---:|---:|---:|"]
+             "| path | decode step us | verify pass us (forward + verdict) | forward us (in-process) "
+             "| work outside the verify pass | work outside the forward |",
+             "|---|---:|---:|---:|---:|---:|"]
     for path in PATHS:
         mine = [r for r in rows if r.path == path]
         lines.append(f"| {path.replace('_', '-')} | {fmt([r.step_us for r in mine], 1)} | "
-                     f"{fmt([r.verify_us for r in mine], 1)} | {fmt([r.outside_share for r in mine], 3)} |")
+                     f"{fmt([r.verify_us for r in mine], 1)} | {fmt([r.forward_us for r in mine], 1)} | "
+                     f"{fmt([r.outside_share for r in mine], 3)} | {fmt([r.outside_forward_share for r in mine], 3)} |")
     return "\n".join(lines) + "\n"

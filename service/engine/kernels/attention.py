@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from service.engine.kernels.hugepages import PanelArena
 from service.engine.kernels.packed import PackedWeight, panel_format
 
 
@@ -39,7 +40,7 @@ class AttentionWeights:
 
     def __init__(self, norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor,
                  o_weight: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, bf16: bool | None = None,
-                 math: str = "fp32"):
+                 math: str = "fp32", arena: PanelArena | None = None):
         """norm_weight [H]; qkv_weight [(A + 2K) D, H] (q rows, then k, then v), qkv_bias [(A + 2K) D];
         o_weight [H, A D]. Contiguous float32 CPU. math: the projections' arithmetic (`panel_format`;
         the attention itself stays float32); bf16: force bf16 (True) or float32 (False) panels for
@@ -59,7 +60,7 @@ class AttentionWeights:
         # given stay referenced while the pointers below are in use.
         # One format for both packed projections (one kernel flag), see panel_format.
         self.format = panel_format(math, qkv_weight, o_weight, bf16=bf16)
-        qkv_p, o_p = PackedWeight.pack(qkv_weight, self.format), PackedWeight.pack(o_weight, self.format)
+        qkv_p, o_p = PackedWeight.pack(qkv_weight, self.format, arena), PackedWeight.pack(o_weight, self.format, arena)
         self.tensors = dict(given, qkv_p=qkv_p, o_p=o_p)
         self.args = (norm_weight.data_ptr(), float(eps), qkv_p.data_ptr(), qkv_bias.data_ptr(), n_heads, n_kv,
                      head_dim, self.format)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from service.engine.kernels.hugepages import PanelArena
 from service.engine.kernels.packed import F32, PackedWeight, panel_format
 
 
@@ -43,11 +44,12 @@ class MoeBlock:
 
     def __init__(self, router_and_gate: torch.Tensor, top_k: int, norm_topk: bool, gate_up: torch.Tensor,
                  down: torch.Tensor, shared_gate: torch.Tensor, shared_up: torch.Tensor, shared_down: torch.Tensor,
-                 bf16: bool | None = None, math: str = "fp32"):
+                 bf16: bool | None = None, math: str = "fp32", arena: PanelArena | None = None):
         """router_and_gate [E+1, H] (router rows, then the shared expert's gate row); gate_up [E, 2I, H];
         down [E, H, I]; shared_gate / shared_up [Is, H]; shared_down [H, Is]. Contiguous float32 CPU.
         math: the experts' arithmetic (`panel_format`; the router stays float32, so routing sees the
-        same logits either way); bf16: force bf16 (True) or float32 (False) panels for math="fp32"."""
+        same logits either way); bf16: force bf16 (True) or float32 (False) panels for math="fp32"; arena:
+        where the packed weights and the router live (None: ordinary tensors)."""
         E, H = router_and_gate.shape[0] - 1, router_and_gate.shape[1]
         I, Is = gate_up.shape[1] // 2, shared_gate.shape[0]
         expected = {"router_and_gate": (E + 1, H), "gate_up": (E, 2 * I, H), "down": (E, H, I),
@@ -66,8 +68,9 @@ class MoeBlock:
         # One format for all its packed weights (one kernel flag), see panel_format.
         parts = dict(gate_up=gate_up, down=down, shared_gate_up=shared_gate_up, shared_down=shared_down)
         self.format = panel_format(math, *parts.values(), bf16=bf16)
-        packed = {name: PackedWeight.pack(w, self.format) for name, w in parts.items()}
-        self.tensors = dict(given, **packed)
-        self.args = (router_and_gate.data_ptr(), E, top_k, int(norm_topk), packed["gate_up"].data_ptr(),
+        packed = {name: PackedWeight.pack(w, self.format, arena) for name, w in parts.items()}
+        router = router_and_gate if arena is None else arena.copy_of(router_and_gate)
+        self.tensors = dict(given, **packed, router=router)
+        self.args = (router.data_ptr(), E, top_k, int(norm_topk), packed["gate_up"].data_ptr(),
                      packed["gate_up"].stride, packed["down"].data_ptr(), packed["down"].stride, I,
                      packed["shared_gate_up"].data_ptr(), packed["shared_down"].data_ptr(), Is, self.format)

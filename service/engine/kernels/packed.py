@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from service.engine.kernels.hugepages import PanelArena
+
 PANEL = 64  # output columns per panel of a packed weight (the C source's PANEL)
 # Panel formats (the C source's PANELS_*): float32 weights; bf16 weights widened exactly (float32
 # arithmetic); bf16 weight pairs read by bf16 arithmetic (math="bf16": each matrix product rounds its
@@ -44,9 +46,10 @@ class PackedWeight:
                              f"{self.in_features}] weight in format {fmt}")
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, fmt: int | None = None) -> PackedWeight:
+    def pack(cls, weight: torch.Tensor, fmt: int | None = None, arena: PanelArena | None = None) -> PackedWeight:
         """fmt: F32, BF16 (refused unless every value is a bf16 value), BF16_MATH (the weight rounded to
-        bf16: bf16 arithmetic is lossy by choice), or None: BF16 when `holds_bf16`, else F32."""
+        bf16: bf16 arithmetic is lossy by choice), or None: BF16 when `holds_bf16`, else F32. arena:
+        where the panels live (hugepages.py; None: an ordinary tensor)."""
         if weight.dim() < 2 or weight.dtype != torch.float32 or not weight.is_cpu:
             raise ValueError(f"pack: need a float32 CPU weight [..., out, in], got {weight.dtype} "
                              f"{tuple(weight.shape)}")
@@ -64,7 +67,7 @@ class PackedWeight:
         panel_major = padded.view(*lead, panels, PANEL, Kp).transpose(-1, -2)  # [..., P, Kp, 64]
         if fmt == BF16_MATH:  # [..., P, Kp / 2, 2, 64] -> [..., P, Kp / 2, 64, 2]
             panel_major = panel_major.reshape(*lead, panels, Kp // 2, 2, PANEL).transpose(-1, -2)
-        return cls(panel_major.contiguous(), C, Kd, fmt)
+        return cls(panel_major.contiguous() if arena is None else arena.copy_of(panel_major), C, Kd, fmt)
 
     @property
     def bf16(self) -> bool:

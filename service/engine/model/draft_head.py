@@ -34,6 +34,7 @@ from torch import nn
 
 from service.engine.kernels.attention import AttentionPass
 from service.engine.kernels.head import HeadWeights
+from service.engine.kernels.hugepages import PanelArena
 from service.engine.kernels.library import Kernels
 from service.engine.kernels.packed import PackedWeight, panel_format
 from service.engine.kernels.pool import ONE_THREAD, KernelThreads
@@ -82,16 +83,18 @@ class DraftHead(nn.Module):
     # ------------------------------------------------------------------ inference
     def fuse_for_inference(self, kernels: Kernels | None, kernel_threads: KernelThreads = ONE_THREAD) -> None:
         """The fast step's kernels for every part (copies of the weights: call once they are final)."""
+        arena = PanelArena() if kernels is not None else None  # 2 MB pages where offered (kernels/hugepages.py)
         attn = self.layer.self_attn
-        attn.fuse(self.layer.input_layernorm if kernels is not None else None)
-        self.layer.mlp.use_kernels(kernels)
+        attn.fuse(self.layer.input_layernorm if kernels is not None else None, arena=arena)
+        self.layer.mlp.use_kernels(kernels, arena)
         for norm in self.modules():
             if isinstance(norm, RMSNorm):
                 norm.kernels = kernels
         self.kernels, self.kernel_threads = kernels, kernel_threads
         if kernels is not None:
-            self.fc_packed = PackedWeight.pack(self.fc.weight, panel_format("fp32", self.fc.weight))
-            self.lm_head_packed = PackedWeight.pack(self.lm_head.weight, panel_format("fp32", self.lm_head.weight))
+            self.fc_packed = PackedWeight.pack(self.fc.weight, panel_format("fp32", self.fc.weight), arena)
+            self.lm_head_packed = PackedWeight.pack(self.lm_head.weight, panel_format("fp32", self.lm_head.weight),
+                                                    arena)
 
     def _linear(self, x: torch.Tensor, packed: PackedWeight | None, layer: nn.Linear) -> torch.Tensor:
         if packed is not None and not torch.is_grad_enabled():  # rows independent at any count (sgemm's are not)

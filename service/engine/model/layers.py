@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from service.engine.kernels.attention import AttentionWeights
+from service.engine.kernels.hugepages import PanelArena
 from service.engine.kernels.library import Kernels
 from service.engine.kernels.moe import MoeBlock
 from service.engine.kernels.packed import PackedWeight, panel_format
@@ -60,14 +61,14 @@ class MLP(nn.Module):
         self.kernels: Kernels | None = None  # see use_kernels
         self.kernel_weights: tuple[PackedWeight, ...] = ()
 
-    def use_kernels(self, kernels: Kernels | None) -> None:
-        """Inference only: short windows run in the fused kernel."""
+    def use_kernels(self, kernels: Kernels | None, arena: PanelArena | None = None) -> None:
+        """Inference only: short windows run in the fused kernel (its weights packed into `arena`)."""
         self.kernels = kernels
         # [1, 2I, H] and [1, H, I] packed: this MLP as the only "expert", in the kernel's layout (copies)
         gate_up, down = torch.cat([self.gate_proj.weight, self.up_proj.weight])[None], self.down_proj.weight[None]
         fmt = panel_format("fp32", gate_up, down)  # one format for both: one kernel flag
-        self.kernel_weights = () if kernels is None else (PackedWeight.pack(gate_up, fmt),
-                                                          PackedWeight.pack(down, fmt))
+        self.kernel_weights = () if kernels is None else (PackedWeight.pack(gate_up, fmt, arena),
+                                                          PackedWeight.pack(down, fmt, arena))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.dim() == 2 and x.shape[0] <= UNION_WINDOW_MAX and x.is_cpu \
@@ -156,7 +157,7 @@ class SparseMoE(nn.Module):
         self.kernel_threads = ONE_THREAD
 
     def fuse(self, kernels: Kernels | None = None, kernel_window_max: int = KERNEL_WINDOW_MAX,
-             kernel_threads: KernelThreads = ONE_THREAD, math: str = "fp32") -> None:
+             kernel_threads: KernelThreads = ONE_THREAD, math: str = "fp32", arena: PanelArena | None = None) -> None:
         """Inference only: router + shared-expert gate in one matmul, shared gate/up in another;
         with kernels, passes up to kernel_window_max positions run the whole block in one kernel call
         (which keeps pointers to these weights: they must not move or be replaced afterwards)."""
@@ -169,7 +170,7 @@ class SparseMoE(nn.Module):
             shared = self.shared_expert
             self.block = MoeBlock(self.fused[0], self.gate.top_k, self.gate.norm_topk_prob, self.experts.gate_up_proj,
                                   self.experts.down_proj, shared.gate_proj.weight, shared.up_proj.weight,
-                                  shared.down_proj.weight, math=math)
+                                  shared.down_proj.weight, math=math, arena=arena)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [w, H] -> (out [w, H], router logits [w, E], routed ids [w, m])."""
@@ -207,7 +208,7 @@ class Attention(nn.Module):
         self.qkv: tuple[torch.Tensor, torch.Tensor] | None = None  # see fuse()
         self.block: AttentionWeights | None = None
 
-    def fuse(self, norm: RMSNorm | None = None, math: str = "fp32") -> None:
+    def fuse(self, norm: RMSNorm | None = None, math: str = "fp32", arena: PanelArena | None = None) -> None:
         """Inference only: q, k and v projections as one matmul; with `norm` (the layer's input norm),
         also the weights of the fused sub-block (Kernels.attention_block: norm, q/k/v, rope, cache
         write, attention, o_proj and the residual in one call), which keeps pointers to them."""
@@ -215,7 +216,7 @@ class Attention(nn.Module):
                     torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]))
         self.block = None if norm is None else AttentionWeights(norm.weight.detach(), norm.eps, *self.qkv,
                                                                 self.o_proj.weight.detach(), self.n_heads, self.n_kv,
-                                                                self.head_dim, math=math)
+                                                                self.head_dim, math=math, arena=arena)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv is None:

@@ -34,6 +34,7 @@ from torch import nn
 from service.engine.kernels.attention import AttentionPass, CacheTables
 from service.engine.kernels.decoder import DecoderStack
 from service.engine.kernels.forward import OutputHead
+from service.engine.kernels.hugepages import PanelArena
 from service.engine.kernels.library import Kernels
 from service.engine.kernels.packed import PackedWeight, panel_format
 from service.engine.kernels.pool import ONE_THREAD, KernelThreads
@@ -90,18 +91,21 @@ class Transformer(nn.Module):
 
         The fused tensors are copies: call after the weights are final (training never fuses).
         """
+        # The kernels' weights in 2 MB pages where the system offers them (kernels/hugepages.py).
+        arena = PanelArena() if kernels is not None else None
         for layer in self.layers:
-            layer.self_attn.fuse(layer.input_layernorm if kernels is not None and fused_attention else None, math)
+            layer.self_attn.fuse(layer.input_layernorm if kernels is not None and fused_attention else None, math,
+                                 arena)
             if self.cfg.is_moe:
-                layer.mlp.fuse(kernels, kernel_window_max, kernel_threads, math)
+                layer.mlp.fuse(kernels, kernel_window_max, kernel_threads, math, arena)
             else:
-                layer.mlp.use_kernels(kernels)
+                layer.mlp.use_kernels(kernels, arena)
         for norm in self.modules():
             if isinstance(norm, RMSNorm):
                 norm.kernels = kernels
         self.kernels = kernels
         self.lm_head_packed = None if kernels is None else PackedWeight.pack(
-            self.lm_head.weight, panel_format(math, self.lm_head.weight))
+            self.lm_head.weight, panel_format(math, self.lm_head.weight), arena)
         self.kernel_window_max = kernel_window_max
         self.kernel_threads = kernel_threads
         self.fused_attention = kernels is not None and fused_attention
