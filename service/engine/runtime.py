@@ -10,7 +10,7 @@ Shape legend: S slots (the scheduler's batch places), C context positions, H hid
 
 from __future__ import annotations
 
-import statistics
+import bisect
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,15 +35,20 @@ class StepClock:
 
     def __init__(self, calibrated_seconds: float, recent: int = 64):
         self.calibrated_seconds = calibrated_seconds
-        self._plain_steps: deque[float] = deque(maxlen=recent)
+        self._plain_steps: deque[float] = deque(maxlen=recent)  # in arrival order
+        self._sorted: list[float] = []  # the same values in order: the median without a sort every step
 
     def observe_plain_step(self, seconds: float) -> None:
+        if len(self._plain_steps) == self._plain_steps.maxlen:
+            del self._sorted[bisect.bisect_left(self._sorted, self._plain_steps[0])]
         self._plain_steps.append(seconds)
+        bisect.insort(self._sorted, seconds)
 
     def decode_step_seconds(self) -> float:
-        if len(self._plain_steps) < 8:
+        n = len(self._sorted)
+        if n < 8:
             return self.calibrated_seconds
-        return statistics.median(self._plain_steps)
+        return self._sorted[n // 2] if n % 2 else (self._sorted[n // 2 - 1] + self._sorted[n // 2]) / 2
 
 
 @dataclass

@@ -12,6 +12,7 @@ D head dim, S cache length, S' keys a pass attends to.
 
 from __future__ import annotations
 
+import array
 import functools
 from dataclasses import dataclass
 
@@ -84,7 +85,9 @@ class RaggedBatch:
         N = len(positions)
         if tokens is not None and len(tokens) != N:
             raise ValueError(f"{len(tokens)} token ids for windows of {N} tokens")
-        packed = torch.tensor(positions + token_slot + list(slots) + (tokens or []))
+        # (from an int64 array: torch.tensor parses a list element by element, ~4x the time here)
+        packed = torch.frombuffer(array.array("q", positions + token_slot + list(slots) + (tokens or [])),
+                                  dtype=torch.int64)
         return cls(slots=packed[2 * N:2 * N + len(slots)], starts=tuple(starts), lengths=tuple(lengths),
                    positions=packed[:N], token_slot=packed[N:2 * N], width=max(lengths),
                    span=max(start + n for start, n in zip(starts, lengths, strict=True)),
