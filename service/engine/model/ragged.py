@@ -80,8 +80,13 @@ class RaggedBatch:
             raise ValueError(f"need one or more windows of >= 1 token, got {lengths}")
         # Plain lists, one tensor at the end, cut into views: every step builds this, and a small
         # torch op costs more than the Python here.
-        positions = [start + i for start, n in zip(starts, lengths, strict=True) for i in range(n)]
-        token_slot = [slot for slot, n in zip(slots, lengths, strict=True) for _ in range(n)]
+        if len(slots) == 1:  # a request alone (every single-stream step): its positions are one range
+            positions, token_slot = list(range(starts[0], starts[0] + lengths[0])), [slots[0]] * lengths[0]
+            span = starts[0] + lengths[0]
+        else:
+            positions = [start + i for start, n in zip(starts, lengths, strict=True) for i in range(n)]
+            token_slot = [slot for slot, n in zip(slots, lengths, strict=True) for _ in range(n)]
+            span = max(start + n for start, n in zip(starts, lengths, strict=True))
         N = len(positions)
         if tokens is not None and len(tokens) != N:
             raise ValueError(f"{len(tokens)} token ids for windows of {N} tokens")
@@ -89,8 +94,7 @@ class RaggedBatch:
         packed = torch.frombuffer(array.array("q", positions + token_slot + list(slots) + (tokens or [])),
                                   dtype=torch.int64)
         return cls(slots=packed[2 * N:2 * N + len(slots)], starts=tuple(starts), lengths=tuple(lengths),
-                   positions=packed[:N], token_slot=packed[N:2 * N], width=max(lengths),
-                   span=max(start + n for start, n in zip(starts, lengths, strict=True)),
+                   positions=packed[:N], token_slot=packed[N:2 * N], width=max(lengths), span=span,
                    slot_range=(min(slots), max(slots)), tokens=None if tokens is None else packed[-N:])
 
 
