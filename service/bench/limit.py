@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from service.engine.kernels import probe
-from service.engine.kernels.packed import BF16_MATH, F32
+from service.engine.kernels.packed import F32, PAIRED
 from service.engine.kernels.pool import KernelPool
 
 FLOAT32 = 4
@@ -72,7 +72,7 @@ def fused_step_cost(model, context: int) -> tuple[StepCost, bool]:
     """A fused model's (Transformer.fuse_for_inference with kernels) decode step at `context` keys, at
     the bytes of the panels its kernels read, and whether its products run in bf16 arithmetic."""
     fmt = model.lm_head_packed.format  # one math for every packed weight of the model
-    return decode_step_cost(model.cfg, FLOAT32 if fmt == F32 else 2, context), fmt == BF16_MATH
+    return decode_step_cost(model.cfg, FLOAT32 if fmt == F32 else 2, context), fmt in PAIRED
 
 
 def measure_rates(working_set_bytes: int, threads: int = 1) -> MachineRates:

@@ -61,11 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel-threads", type=int, default=None,
                         help="torch backend: threads the fused kernels split a big pass over (prefills, batched "
                              "steps); default: every usable core, printed")
-    parser.add_argument("--math", choices=("fp32", "bf16"), default=None,
+    parser.add_argument("--math", choices=("fp32", "bf16", "amx"), default=None,
                         help="torch backend: the fused kernels' matrix products in float32, or with inputs rounded "
                              "to bf16 and float32 sums (faster prefills and batched steps where the CPU has "
-                             "AVX512-BF16; docs/engine.md says what it costs in accuracy); default: "
-                             "bf16 where the CPU has it, else fp32, printed")
+                             "AVX512-BF16; docs/engine.md says what it costs in accuracy), or the same on the AMX "
+                             "tile unit (Intel Xeons with AMX: faster still); default: amx where the CPU and "
+                             "kernel offer it, else bf16 where the CPU has it, else fp32, printed")
     parser.add_argument("--max-batch", type=int, default=MAX_BATCH,
                         help="torch backend: requests verified together in one pass (KV-cache slots); "
                              "default %(default)s")
@@ -182,7 +183,8 @@ def create_backend(args: argparse.Namespace) -> Backend:
         if sglang is None:
             raise UsageError("the sglang backend is not part of this installation")
         return sglang.create_backend(args)
-    from service.engine import Engine, EngineConfig  # imported here: torch loads only when serving with it
+    # imported here: torch loads only when serving with it
+    from service.engine import Engine, EngineConfig, MathUnavailable
     from service.engine.threads import default_threads
     from service.routing import expert_parallel
     from service.routing.expert_parallel_args import ep_spec
@@ -206,6 +208,8 @@ def create_backend(args: argparse.Namespace) -> Backend:
                                      prefill_chunk=args.prefill_chunk, math=args.math, **draft))
     except expert_parallel.PlacementError as e:  # a placement that does not fit the model
         raise UsageError(f"--ep-placement: {e}") from None
+    except MathUnavailable as e:
+        raise UsageError(f"--math: {e}") from None
     except (FileNotFoundError, ValueError) as e:
         if args.draft_model is None:
             raise
@@ -218,6 +222,9 @@ def create_backend(args: argparse.Namespace) -> Backend:
 
 
 MATH_REASONS = {
+    ("amx", False): "this CPU has the AMX tile unit and the kernel grants it; --math bf16 or fp32 for the vector "
+                    "units",
+    ("amx", True): "--math amx",
     ("bf16", False): "this CPU multiplies bf16 pairs natively; --math fp32 for float32",
     ("fp32", False): "this CPU has no native bf16 products: --math bf16 would be emulated, not faster",
     ("bf16", True): "--math bf16",

@@ -68,6 +68,10 @@ from service.types import (
 __all__ = ["Engine", "EngineConfig"]
 
 
+class MathUnavailable(ValueError):
+    """The asked arithmetic cannot run here (no kernels, or no AMX tile unit)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     target_dir: Path = DEFAULT_TARGET_DIR
@@ -84,10 +88,11 @@ class EngineConfig:
     capture_topk: bool = False  # keep [L, w, m] routed ids in every StepRecord
     capture_routing: bool = True  # count unique experts (off only to measure its overhead)
     fast_step: bool = True  # fused kernels (kernels/library.py); False: the eager torch step, to compare against
-    # The fast step's matrix products: "fp32", or "bf16" (inputs rounded to bf16, float32 sums: the
-    # target's logits move a little, less than in transformers' own bf16 run); None: bf16 where the CPU
-    # multiplies bf16 pairs natively (Kernels.default_math). Attention, norms, routing and the draft
-    # model stay float32.
+    # The fast step's matrix products: "fp32", "bf16" (inputs rounded to bf16, float32 sums: the
+    # target's logits move a little, less than in transformers' own bf16 run) or "amx" (the same
+    # rounding, the AMX tile unit's sums); None: amx where the CPU and kernel offer the tiles, else bf16
+    # where the CPU multiplies bf16 pairs natively (Kernels.default_math). Attention, norms, routing and
+    # the draft model stay float32.
     math: str | None = None
     fused_attention: bool = True  # with fast_step: attention in one kernel call per layer; False: eager, to compare
     kernel_window_max: int = KERNEL_WINDOW_MAX  # largest pass whose MoE blocks take the fused kernel
@@ -108,8 +113,11 @@ class Engine:
         self.step_kind = "fast" if kernels else "reference"
         if config.math not in (None, *MATHS):
             raise ValueError(f"math must be one of {MATHS} or None, got {config.math!r}")
-        if config.math == "bf16" and not kernels:
-            raise ValueError("math='bf16' needs the fast step's kernels (fast_step and a C compiler)")
+        if config.math in ("bf16", "amx") and not kernels:
+            raise MathUnavailable(f"math={config.math!r} needs the fast step's kernels (fast_step and a C compiler)")
+        if config.math == "amx" and not kernels.amx_native:
+            raise MathUnavailable("math='amx' needs the AMX tile unit: this CPU or its kernel offers none "
+                                  "(math='bf16' runs the same rounding on the vector units)")
         self.math = (config.math or kernels.default_math()) if kernels else "fp32"  # the eager step: float32
         if config.kernel_threads is not None and config.kernel_threads < 1:
             raise ValueError(f"kernel_threads must be >= 1, got {config.kernel_threads}")

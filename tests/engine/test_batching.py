@@ -36,11 +36,19 @@ def bf16_engine():
     return make_engine(capture_topk=True, math="bf16")
 
 
-@pytest.fixture(params=["fp32", "bf16"])
+@pytest.fixture(scope="module")
+def amx_engine(engine):
+    if not engine.target.kernels.amx_native:
+        pytest.skip("no AMX tile unit on this CPU or kernel")
+    return make_engine(capture_topk=True, math="amx")
+
+
+@pytest.fixture(params=["fp32", "bf16", "amx"])
 def either_engine(request, engine):
-    """The float32 reference arithmetic and bf16 (the default where the CPU has native bf16 products):
-    both keep every row's arithmetic its own, so batching may change no output in either."""
-    return engine if request.param == "fp32" else request.getfixturevalue("bf16_engine")
+    """The float32 reference arithmetic, bf16 (the default where the CPU has native bf16 products) and
+    AMX (the default where it has the tile unit): each keeps every row's arithmetic its own, so batching
+    may change no output in any."""
+    return engine if request.param == "fp32" else request.getfixturevalue(f"{request.param}_engine")
 
 
 def run_together(engine, jobs: list[tuple[GenerationRequest, DraftPolicy]], threads: int | None = None):

@@ -110,8 +110,9 @@ def test_serve_without_threads_prints_its_pick_and_serves():
     # The kernels split big passes over every usable core by default, and it says so.
     assert re.search(rf"kernel threads: {cores} \(|kernel threads: 1 \(no pass is split\)", err), err
     # bf16 products by default exactly where the CPU says (its own flags, read here) it has them.
-    native = "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
-    assert f"matrix products in {'bf16' if native else 'fp32'} (" in err, err
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    expected = "amx" if {"amx_tile", "amx_bf16"} <= flags else "bf16" if "avx512_bf16" in flags else "fp32"
+    assert f"matrix products in {expected} (" in err, err
 
 
 def test_an_unknown_math_is_refused_naming_it():

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--impl", choices=("fused", "torch"), default=None,
                         help="fused: the engine's CPU kernel (cpu default); torch: grouped torch products (cuda)")
-    parser.add_argument("--math", choices=("bf16", "fp32"), default=None,
+    parser.add_argument("--math", choices=("amx", "bf16", "fp32"), default=None,
                         help="the fused kernel's arithmetic (default: the engine's choice on this CPU)")
     parser.add_argument("--threads", type=int, default=1, help="kernel threads (fused)")
     parser.add_argument("--context", type=int, default=0,

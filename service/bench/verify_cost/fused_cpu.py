@@ -20,20 +20,21 @@ import torch
 
 from service.bench.verify_cost.geometry import Geometry
 from service.engine.kernels.library import Kernels
-from service.engine.kernels.packed import BF16, BF16_MATH, PANEL, PackedWeight
+from service.engine.kernels.packed import BF16, BF16_AMX, BF16_MATH, PAIRED, PANEL, PackedWeight
 
 WINDOW_MAX = 16  # unit-vector routing needs H >= w; the benchmark stops at 16 positions
 
 
 def panel_format_for(math: str) -> int:
-    """The engine's panels for its math: bf16 pairs for bf16 arithmetic, else bf16 values widened."""
-    return BF16_MATH if math == "bf16" else BF16
+    """The engine's panels for its math: bf16 pairs for bf16 or AMX arithmetic (every real geometry's
+    sizes are multiples of 32), else bf16 values widened."""
+    return {"bf16": BF16_MATH, "amx": BF16_AMX}.get(math, BF16)
 
 
 def random_packed(lead: tuple[int, ...], out_features: int, in_features: int, fmt: int,
                   generator: torch.Generator) -> PackedWeight:
     panels = -(-out_features // PANEL)
-    tail = (panels, -(-in_features // 2), PANEL, 2) if fmt == BF16_MATH else (panels, in_features, PANEL)
+    tail = (panels, -(-in_features // 2), PANEL, 2) if fmt in PAIRED else (panels, in_features, PANEL)
     t = torch.empty(*lead, *tail, dtype=torch.bfloat16)
     t.normal_(0.0, 0.02, generator=generator)
     return PackedWeight(t, out_features, in_features, fmt)

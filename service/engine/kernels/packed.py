@@ -13,7 +13,12 @@ PANEL = 64  # output columns per panel of a packed weight (the C source's PANEL)
 # arithmetic); bf16 weight pairs read by bf16 arithmetic (math="bf16": each matrix product rounds its
 # input to bf16 and accumulates in float32, twice the products per instruction on AVX512-BF16).
 F32, BF16, BF16_MATH = 0, 1, 2
-MATHS = ("fp32", "bf16")  # what a model's matrix products compute in (`panel_format`)
+# Format 2's layout for the AMX tile unit (csrc/amx.c, math="amx": Intel Xeons with AMX): inputs rounded to
+# bf16 as for format 2, the tile unit's own float32 sums. Needs an input size that is a multiple of 32.
+BF16_AMX = 3
+PAIRED = (BF16_MATH, BF16_AMX)  # the formats whose panels hold bf16 pairs
+MATHS = ("fp32", "bf16", "amx")  # what a model's matrix products compute in (`panel_format`)
+AMX_INPUT_MULTIPLE = 32  # one tile's depth: 16 pairs
 
 
 @dataclass(frozen=True, repr=False)
@@ -37,18 +42,20 @@ class PackedWeight:
             object.__setattr__(self, "format", F32 if self.tensor.dtype == torch.float32 else BF16)
         t, fmt = self.tensor, self.format
         dtype = torch.float32 if fmt == F32 else torch.bfloat16
-        if fmt not in (F32, BF16, BF16_MATH) or t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
+        if fmt not in (F32, BF16, *PAIRED) or t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
             raise ValueError(f"PackedWeight: format {fmt} needs a contiguous {dtype} CPU tensor")
         panels = -(-self.out_features // PANEL)
-        tail = (panels, -(-self.in_features // 2), PANEL, 2) if fmt == BF16_MATH else (panels, self.in_features, PANEL)
+        paired = fmt in PAIRED
+        tail = (panels, -(-self.in_features // 2), PANEL, 2) if paired else (panels, self.in_features, PANEL)
         if t.dim() < len(tail) or tuple(t.shape[-len(tail):]) != tail or self.out_features < 1 or self.in_features < 1:
             raise ValueError(f"PackedWeight: a tensor {tuple(t.shape)} does not hold a [{self.out_features}, "
                              f"{self.in_features}] weight in format {fmt}")
 
     @classmethod
     def pack(cls, weight: torch.Tensor, fmt: int | None = None, arena: PanelArena | None = None) -> PackedWeight:
-        """fmt: F32, BF16 (refused unless every value is a bf16 value), BF16_MATH (the weight rounded to
-        bf16: bf16 arithmetic is lossy by choice), or None: BF16 when `holds_bf16`, else F32. arena:
+        """fmt: F32, BF16 (refused unless every value is a bf16 value), BF16_MATH or BF16_AMX (the weight
+        rounded to bf16: bf16 arithmetic is lossy by choice; BF16_AMX needs an input size that is a
+        multiple of AMX_INPUT_MULTIPLE), or None: BF16 when `holds_bf16`, else F32. arena:
         where the panels live (hugepages.py; None: an ordinary tensor)."""
         if weight.dim() < 2 or weight.dtype != torch.float32 or not weight.is_cpu:
             raise ValueError(f"pack: need a float32 CPU weight [..., out, in], got {weight.dtype} "
@@ -59,13 +66,16 @@ class PackedWeight:
             raise ValueError("pack: the weight holds values bfloat16 cannot represent; store it as float32")
         fmt = int(fmt)
         *lead, C, Kd = weight.shape
+        if fmt == BF16_AMX and Kd % AMX_INPUT_MULTIPLE:
+            raise ValueError(f"pack: AMX panels need an input size that is a multiple of {AMX_INPUT_MULTIPLE}, "
+                             f"got {Kd}")
         panels = -(-C // PANEL)
-        Kp = Kd + Kd % 2 if fmt == BF16_MATH else Kd
+        Kp = Kd + Kd % 2 if fmt in PAIRED else Kd
         dtype = torch.float32 if fmt == F32 else torch.bfloat16
         padded = weight.detach().new_zeros(*lead, panels * PANEL, Kp, dtype=dtype)
         padded[..., :C, :Kd] = weight.detach()
         panel_major = padded.view(*lead, panels, PANEL, Kp).transpose(-1, -2)  # [..., P, Kp, 64]
-        if fmt == BF16_MATH:  # [..., P, Kp / 2, 2, 64] -> [..., P, Kp / 2, 64, 2]
+        if fmt in PAIRED:  # [..., P, Kp / 2, 2, 64] -> [..., P, Kp / 2, 64, 2]
             panel_major = panel_major.reshape(*lead, panels, Kp // 2, 2, PANEL).transpose(-1, -2)
         return cls(panel_major.contiguous() if arena is None else arena.copy_of(panel_major), C, Kd, fmt)
 
@@ -75,7 +85,7 @@ class PackedWeight:
 
     @property
     def lead(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape[:-4 if self.format == BF16_MATH else -3])
+        return tuple(self.tensor.shape[:-4 if self.format in PAIRED else -3])
 
     @property
     def stride(self) -> int:
@@ -91,11 +101,14 @@ class PackedWeight:
 
 
 def panel_format(math: str, *weights: torch.Tensor, bf16: bool | None = None) -> int:
-    """The one format for weights a kernel call reads together: bf16 arithmetic if asked (math="bf16"),
-    else bf16 panels where every value is a bf16 value (or as `bf16` forces: True, refused by `pack`
-    unless exact, or False), else float32."""
+    """The one format for weights a kernel call reads together: AMX arithmetic if asked (math="amx") and
+    every weight's input size is a multiple of AMX_INPUT_MULTIPLE (else bf16 arithmetic, format 2's
+    layout and rounding), bf16 arithmetic if asked (math="bf16"), else bf16 panels where every value is
+    a bf16 value (or as `bf16` forces: True, refused by `pack` unless exact, or False), else float32."""
     if math not in MATHS:
         raise ValueError(f"math must be one of {MATHS}, got {math!r}")
+    if math == "amx":
+        return BF16_AMX if all(w.shape[-1] % AMX_INPUT_MULTIPLE == 0 for w in weights) else BF16_MATH
     if math == "bf16":
         return BF16_MATH
     if bf16 is not None:

@@ -10,16 +10,18 @@ import pytest
 import torch
 
 from service.engine.kernels import library as kernels
-from service.engine.kernels.packed import BF16_MATH, PackedWeight
+from service.engine.kernels.packed import PackedWeight, panel_format
 from tests.support.kernel_cases import H, M, window
 
 
-@pytest.mark.parametrize("math", ["fp32", "bf16"])
+@pytest.mark.parametrize("math", ["fp32", "bf16", "amx"])
 @pytest.mark.parametrize("w", [1, 2, 5, 16, 17, 70])
 def test_splitting_a_pass_over_threads_changes_no_bit(k, block_weights, pool, w, math):
     """The MoE block split over a pool's threads (by expert up to 16 positions, by position past that)
     and the output layer's columns split give bitwise the one-thread result, also with more threads than
     positions, experts or panels; and each position's row is bitwise its row alone, in either arithmetic."""
+    if math == "amx" and not k.amx_native:
+        pytest.skip("no AMX tile unit on this CPU or kernel")
     bw = block_weights
     block = kernels.MoeBlock(bw["router_and_gate"], M, False, bw["gate_up"], bw["down"], bw["shared_gate"],
                              bw["shared_up"], bw["shared_down"], math=math)
@@ -30,7 +32,7 @@ def test_splitting_a_pass_over_threads_changes_no_bit(k, block_weights, pool, w,
     for p in {0, w - 1}:
         assert torch.equal(k.moe_block(block, x[p:p + 1])[0][0], alone[0][p])
     weight = PackedWeight.pack(torch.randn(200, H, generator=torch.Generator().manual_seed(16)),
-                               BF16_MATH if math == "bf16" else None)  # 4 panels
+                               panel_format(math, torch.zeros(1, H)) if math != "fp32" else None)  # 4 panels
     assert torch.equal(k.linear(x[:10], weight, pool), k.linear(x[:10], weight))
     assert torch.equal(k.linear(x[:1], weight)[0], k.linear(x[:10], weight)[0])
 

@@ -180,9 +180,11 @@ def test_a_fast_ragged_pass_of_several_slots_matches_transformers(target_oracle,
         torch.testing.assert_close(logits, oracle_logits(target_oracle, seq)[start:], atol=2e-4, rtol=1e-4)
 
 
-def test_bf16_math_is_closer_to_transformers_float32_than_transformers_own_bf16(target_oracle, long_ids):
+@pytest.mark.parametrize("math", ["bf16", "amx"])
+def test_bf16_math_is_closer_to_transformers_float32_than_transformers_own_bf16(target_oracle, long_ids, math):
     """The fast step with math="bf16" (every matrix product's input rounded to bf16, float32 sums; the
-    engine's default on CPUs with native bf16 products) against transformers in float32 on four
+    engine's default on CPUs with native bf16 products) or "amx" (the same rounding, the AMX tile unit's
+    sums: the default where the CPU has it) against transformers in float32 on four
     stretches of real code, each through a prefill, a verify window and single steps. Reference for the
     error: the same checkpoint run by transformers in bf16 (as GPU servers run it). Ours must be at most
     that far on average, yet really bf16 (further than float32's ~1e-5: the flag took effect), and its
@@ -190,7 +192,9 @@ def test_bf16_math_is_closer_to_transformers_float32_than_transformers_own_bf16(
     error. (Measured: our mean error 0.002-0.004, transformers-bf16's 0.009-0.012.)"""
     built = kernels.build()
     assert built is not None
-    model = load_for_inference(DEFAULT_TARGET_DIR, kernels=built, math="bf16")
+    if math == "amx" and not built.amx_native:
+        pytest.skip("no AMX tile unit on this CPU or kernel")
+    model = load_for_inference(DEFAULT_TARGET_DIR, kernels=built, math=math)
     bf16_oracle = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_TARGET_DIR, dtype=torch.bfloat16).eval()
     for start in (0, 120, 240, 360):
         ids = long_ids[start:start + 120]

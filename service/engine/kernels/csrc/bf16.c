@@ -28,7 +28,7 @@ static inline uint16_t bf16_round(float f) {
 }
 
 /* xb [rows, 2 * Kd2] = x [rows, Kd] rounded to bf16, a zero after an odd Kd. */
-static void bf16_rows(const float *x, int64_t rows, int64_t Kd, int64_t Kd2, uint16_t *xb) {
+KERNEL_PRIVATE void bf16_rows(const float *x, int64_t rows, int64_t Kd, int64_t Kd2, uint16_t *xb) {
     for (int64_t t = 0; t < rows; t++) {
         const float *xr = x + t * Kd;
         uint16_t *o = xb + t * 2 * Kd2;

@@ -28,6 +28,14 @@
 #define PANELS_F32 0
 #define PANELS_BF16 1
 #define PANELS_BF16_MATH 2
+#define PANELS_BF16_AMX 3  /* format 2's layout, AMX arithmetic (amx.c) */
+/* The build has the tile code: a compiler targeting AMX tiles and bf16 tiles, on Linux (which grants
+   the tiles per process, amx_enable). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define KERNELS_HAVE_AMX 1
+#else
+#define KERNELS_HAVE_AMX 0
+#endif
 
 /* common.c */
 KERNEL_PRIVATE float dot(const float *a, const float *b, int64_t n);
@@ -77,9 +85,17 @@ KERNEL_PRIVATE void bf16_tile_1x64(const float *x, int64_t Kd, const uint16_t *p
 #endif
 
 /* bf16.c */
+KERNEL_PRIVATE void bf16_rows(const float *x, int64_t rows, int64_t Kd, int64_t Kd2, uint16_t *xb);
 KERNEL_PRIVATE void matmul_panels_bf16_math(const float *x, int64_t N, int64_t Kd, const uint16_t *packed, int64_t C,
                                             int64_t p_begin, int64_t p_end, const float *bias, float *out);
 int bf16_dot_native(void);
+
+/* amx.c */
+#if KERNELS_HAVE_AMX
+KERNEL_PRIVATE void matmul_panels_amx(const float *x, int64_t N, int64_t Kd, const uint16_t *packed, int64_t C,
+                                      int64_t p_begin, int64_t p_end, const float *bias, float *out);
+#endif
+int amx_enable(void);
 
 /* matmul.c */
 KERNEL_PRIVATE void matmul_panels(const float *x, int64_t N, int64_t Kd, const void *packed, int fmt, int64_t C,

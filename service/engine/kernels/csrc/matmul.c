@@ -12,6 +12,12 @@ KERNEL_PRIVATE void matmul_panels(const float *x, int64_t N, int64_t Kd, const v
         matmul_panels_bf16_math(x, N, Kd, packed, C, p_begin, p_end, bias, out);
         return;
     }
+#if KERNELS_HAVE_AMX
+    if (fmt == PANELS_BF16_AMX) {
+        matmul_panels_amx(x, N, Kd, packed, C, p_begin, p_end, bias, out);
+        return;
+    }
+#endif
     const int bf16 = fmt == PANELS_BF16;
     for (int64_t p = p_begin; p < p_end; p++) {
         const int64_t at = p * Kd * PANEL, c0 = p * PANEL, valid = C - c0 < PANEL ? C - c0 : PANEL;

@@ -5,15 +5,16 @@ compiler inlines them across files (dot and exp512 into the MoE and attention lo
 matmul_panels) and the library exports only its entry points.
 
 The order is the files' dependency order, each after the files whose helpers it calls: the pool,
-the shared helpers and tiles, bf16 arithmetic (which matmul_panels calls), the products and
-rms_norm, then the kernels built on them, the layer loop over moe_block and attention_block, and
-last the whole short pass around it. kernels.h declares every shared helper, so any order would compile; this one reads
-bottom-up and is the order the library was always built in, so its machine code is the same. */
+the shared helpers and tiles, bf16 and AMX arithmetic (which matmul_panels calls), the products and
+rms_norm, then the kernels built on them, the layer loop over moe_block and attention_block, and last
+the whole short pass around it. kernels.h declares every shared helper, so any order would compile;
+this one reads bottom-up. */
 #define KERNEL_UNITY_BUILD
 
 #include "kernel_pool.c"
 #include "common.c"
 #include "bf16.c"
+#include "amx.c"
 #include "matmul.c"
 #include "moe.c"
 #include "attention.c"
