@@ -278,3 +278,14 @@ def test_against_engine_compares_each_window_at_its_own_unions_in_seconds_and_pl
     assert all(r["error"] == pytest.approx(-0.2) for r in rows)
     assert all(r["error_in_plain_steps"] == pytest.approx(0.0, abs=1e-12) for r in rows)
     assert rows[1]["passes"] == 2
+
+
+def test_amx_arithmetic_takes_the_tiles_only_where_every_input_size_is_a_multiple_of_32():
+    """As the engine's panel_format does per call: a geometry with a 16-wide expert falls back to bf16
+    arithmetic (the tiles would read past each panel), a real one takes the tiles."""
+    from service.bench.verify_cost.fused_cpu import panel_format_for
+    from service.engine.kernels.packed import BF16_AMX, BF16_MATH
+
+    assert panel_format_for("amx", TINY) == BF16_MATH
+    assert panel_format_for("amx", presets.PRESETS["qwen3-30b-a3b"]) == BF16_AMX
+    assert panel_format_for("bf16", presets.PRESETS["qwen3-30b-a3b"]) == BF16_MATH

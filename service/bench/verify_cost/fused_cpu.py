@@ -20,15 +20,19 @@ import torch
 
 from service.bench.verify_cost.geometry import Geometry
 from service.engine.kernels.library import Kernels
-from service.engine.kernels.packed import BF16, BF16_AMX, BF16_MATH, PAIRED, PANEL, PackedWeight
+from service.engine.kernels.packed import AMX_INPUT_MULTIPLE, BF16, BF16_AMX, BF16_MATH, PAIRED, PANEL, PackedWeight
 
 WINDOW_MAX = 16  # unit-vector routing needs H >= w; the benchmark stops at 16 positions
 
 
-def panel_format_for(math: str) -> int:
-    """The engine's panels for its math: bf16 pairs for bf16 or AMX arithmetic (every real geometry's
-    sizes are multiples of 32), else bf16 values widened."""
-    return {"bf16": BF16_MATH, "amx": BF16_AMX}.get(math, BF16)
+def panel_format_for(math: str, g: Geometry) -> int:
+    """The engine's panels for its math, as `panel_format` picks them for a layer: bf16 pairs for bf16
+    arithmetic, and for AMX arithmetic where every input size of the block is a multiple of 32 (else bf16
+    arithmetic), else bf16 values widened."""
+    if math == "amx":  # (a geometry without a shared expert runs a zero one of 32: see SteeredBlock)
+        sizes = (g.hidden, g.expert_intermediate, g.shared_intermediate or AMX_INPUT_MULTIPLE)
+        return BF16_AMX if all(s % AMX_INPUT_MULTIPLE == 0 for s in sizes) else BF16_MATH
+    return BF16_MATH if math == "bf16" else BF16
 
 
 def random_packed(lead: tuple[int, ...], out_features: int, in_features: int, fmt: int,
@@ -46,7 +50,9 @@ class SteeredBlock:
 
     def __init__(self, g: Geometry, fmt: int, generator: torch.Generator):
         self.E, self.H, self.top_k, self.norm_topk = g.experts, g.hidden, g.top_k, False
-        self.I, self.Is = g.expert_intermediate, max(1, g.shared_intermediate)
+        # The kernel always runs a shared expert: where the geometry has none, one of width 1 (32 for the
+        # AMX tiles, which take inputs in blocks of 32), next to nothing beside the routed experts.
+        self.I, self.Is = g.expert_intermediate, g.shared_intermediate or (AMX_INPUT_MULTIPLE if fmt == BF16_AMX else 1)
         self.router = torch.zeros(g.experts + 1, g.hidden)  # [E+1, H] (row E: the shared expert's gate)
         self.gate_up = random_packed((g.experts,), 2 * self.I, g.hidden, fmt, generator)
         self.down = random_packed((g.experts,), g.hidden, self.I, fmt, generator)
@@ -77,7 +83,7 @@ class FusedCpuLayers:
         generator = torch.Generator().manual_seed(seed)
         self.kernels, self.geometry, self.math = kernels, g, math
         self.n_layers = layers
-        self.blocks = [SteeredBlock(g, panel_format_for(math), generator) for _ in range(layers)]
+        self.blocks = [SteeredBlock(g, panel_format_for(math, g), generator) for _ in range(layers)]
         self.pool = kernels.pool(threads) if threads > 1 else None
         self.inputs = torch.eye(WINDOW_MAX, g.hidden)  # [16, H] unit vectors e_p
         self.window_ids: torch.Tensor | None = None

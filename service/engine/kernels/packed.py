@@ -44,6 +44,9 @@ class PackedWeight:
         dtype = torch.float32 if fmt == F32 else torch.bfloat16
         if fmt not in (F32, BF16, *PAIRED) or t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
             raise ValueError(f"PackedWeight: format {fmt} needs a contiguous {dtype} CPU tensor")
+        if fmt == BF16_AMX and self.in_features % AMX_INPUT_MULTIPLE:  # the tiles read whole 32-input blocks
+            raise ValueError(f"PackedWeight: AMX panels need an input size that is a multiple of "
+                             f"{AMX_INPUT_MULTIPLE}, got {self.in_features}")
         panels = -(-self.out_features // PANEL)
         paired = fmt in PAIRED
         tail = (panels, -(-self.in_features // 2), PANEL, 2) if paired else (panels, self.in_features, PANEL)
@@ -66,9 +69,6 @@ class PackedWeight:
             raise ValueError("pack: the weight holds values bfloat16 cannot represent; store it as float32")
         fmt = int(fmt)
         *lead, C, Kd = weight.shape
-        if fmt == BF16_AMX and Kd % AMX_INPUT_MULTIPLE:
-            raise ValueError(f"pack: AMX panels need an input size that is a multiple of {AMX_INPUT_MULTIPLE}, "
-                             f"got {Kd}")
         panels = -(-C // PANEL)
         Kp = Kd + Kd % 2 if fmt in PAIRED else Kd
         dtype = torch.float32 if fmt == F32 else torch.bfloat16
