@@ -21,9 +21,9 @@ def test_each_round_of_both_paths_splits_a_step_into_its_verify_pass_and_the_res
                                                        (1, "served")]
     for r in rows:  # a step holds its verify pass and more (the scheduler, the records, the commit)
         assert 0 < r["verify_us"] < r["step_us"] and 0 < r["outside_share"] < 1
-        assert 0 < r["forward_us"] < r["step_us"] and r["outside_share"] < r["outside_forward_share"] < 1
-        if r["path"] == "in_process":  # the same engine's verify pass holds its forward
-            assert r["forward_us"] < r["verify_us"]
+        assert r["forward_us"] > 0 and r["outside_forward_share"] < 1
+        if r["path"] == "in_process":  # the same engine's verify pass holds its forward (the served
+            assert r["forward_us"] < r["verify_us"]  # engine is another process: its passes vary apart)
     assert rows[0]["forward_us"] == rows[1]["forward_us"]  # one round, one in-process forward
     out = capsys.readouterr().out
     assert "work outside the verify pass" in out and "work outside the forward" in out
