@@ -130,8 +130,8 @@ PASSES = {"first-position": [(0, 0, 1)], "second-position": [(1, 1, 1)], "long-p
 # FMA for the compiler to vectorise with), AVX2 with FMA (the portable loops, vectorised by the
 # compiler), AVX-512 without its bf16 instructions.
 PORTABLE = c_build.PORTABLE_FLAGS
-AVX2 = ("-mno-avx512f",)
-AVX512_WITHOUT_BF16 = ("-mno-avx512bf16",)
+AVX2 = ("-mno-avx512f", *c_build.NO_AMX_FLAGS)  # CPUs without AVX-512 have no AMX either
+AVX512_WITHOUT_BF16 = ("-mno-avx512bf16", *c_build.NO_AMX_FLAGS)
 
 
 def cpu_has(flag: str) -> bool:

@@ -25,10 +25,11 @@ from service.engine.kernels import cache as kernel_cache
 from service.engine.kernels import csrc
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-pthread")
-# After FLAGS: the code without the AVX-512 tiles it picks by itself, and without AVX2 or FMA
-# instructions for the compiler to vectorise with, as a CPU without any runs it (the kernels' tests
-# hold every build to the same bits).
-PORTABLE_FLAGS = ("-mno-avx512f", "-mno-avx2", "-mno-fma")
+# After FLAGS: the code without the AVX-512 tiles it picks by itself, without the AMX tile unit, and
+# without AVX2 or FMA instructions for the compiler to vectorise with, as a CPU without any runs it
+# (the kernels' tests hold every build to the same bits).
+NO_AMX_FLAGS = ("-mno-amx-tile",)  # (the AMX bf16 and int8 extensions go with it)
+PORTABLE_FLAGS = ("-mno-avx512f", "-mno-avx2", "-mno-fma", *NO_AMX_FLAGS)
 
 T = TypeVar("T")
 
