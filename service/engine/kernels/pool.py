@@ -77,12 +77,12 @@ class KernelThreads:
     """When a kernel call splits its work over the pool's threads: from a kernel's minimum number of
     positions in the pass on (no pool: never). Splitting never changes a bit of the result (every
     position and output column is computed on its own). A one-position decode step pays in every
-    kernel: the MoE block splits by expert, attention (up to 4 positions) and the output layer by
-    output columns, so each weight is read once, by one thread; at the shipped model's size the
-    weights come from the shared cache, and reading them is most of a step. With the whole layer loop
-    in one call (decoder.py) the pool's workers are still polling from the previous call when the next
-    one comes (single-stream plain decoding with and without the split: docs/engine.md). Longer passes
-    split attention by token."""
+    kernel: the MoE block splits by expert, attention (up to 4 positions) by kv head and then output
+    columns, the output layer by output columns, so each weight is read once, by one thread; at the
+    shipped model's size the weights come from the shared cache, and reading them is most of a step.
+    With the whole layer loop in one call (decoder.py) the pool's workers are still polling from the
+    previous call when the next one comes (single-stream plain decoding with and without the split:
+    docs/engine.md). Longer passes split attention by token."""
 
     pool: KernelPool | None = None
     moe_min_positions: int = 1

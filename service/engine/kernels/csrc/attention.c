@@ -215,7 +215,10 @@ static void attention_attend_rows(const void *ctx, int64_t begin, int64_t end) {
 /* A pass of a few tokens (one request's decode or verify step) split by output columns instead of by
    token: each panel of the two projections is read by one thread, where a token split would have every
    thread read all of them (at this model's size the weights come from the shared cache, and reading
-   them is most of the sub-block's time). The same products per panel, so bitwise the token split. */
+   them is most of the sub-block's time). With head dims that fill whole panels the q/k/v projection
+   splits by kv head (group_units), else by panel (qkv_panels, then rope and the cache writes, then the
+   attention by token and kv head); the output projection by panel (o_panels). The same products per
+   panel and the same rope and attention per head, so bitwise the token split. */
 #define COLUMN_SPLIT_MAX 4
 
 static void qkv_panels(const void *ctx, int64_t begin, int64_t end) {
@@ -231,10 +234,42 @@ static void o_panels(const void *ctx, int64_t begin, int64_t end) {
         for (int64_t j = t * H + begin * PANEL; j < t * H + c1; j++) a->out[j] = a->x[j] + a->out[j];
 }
 
+/* One kv head's group whole (unit = kv head g, for every token of the pass): its query, key and value
+   columns, their rope, its keys and values into the cache, then its query heads' attention. With head
+   dims that fill whole panels a group's columns are its own panels, so the groups split the projection
+   with no barrier before attention (one fewer than qkv_panels, then attend_units). */
+static void group_units(const void *ctx, int64_t begin, int64_t end) {
+    const struct attention_args *a = ctx;
+    const int64_t D = a->D, K = a->K, H = a->H, Q = a->A * D, R = Q + 2 * K * D, group = a->A / K;
+    const int64_t hp = D / PANEL;  /* panels per head */
+    for (int64_t g = begin; g < end; g++) {
+        const int64_t spans[3][2] = {{g * group * hp, (g + 1) * group * hp}, {(Q + g * D) / PANEL, (Q + g * D) / PANEL + hp},
+                                     {(Q + (K + g) * D) / PANEL, (Q + (K + g) * D) / PANEL + hp}};
+        for (int i = 0; i < 3; i++)
+            matmul_panels(a->hn, a->N, H, a->qkv_wt, a->fmt, R, spans[i][0], spans[i][1], a->qkv_b, a->qkv);
+        for (int64_t t = 0; t < a->N; t++) {
+            const int64_t pos = a->positions[t];
+            float *row = a->qkv + t * R;
+            for (int64_t h = g * group; h < (g + 1) * group; h++)
+                rope(row + h * D, a->rope_cos + pos * D, a->rope_sin + pos * D, D / 2);
+            rope(row + Q + g * D, a->rope_cos + pos * D, a->rope_sin + pos * D, D / 2);
+            const int64_t at = ((a->slots[t] * K + g) * a->S + pos) * D;
+            memcpy(a->k_cache + at, row + Q + g * D, (size_t)D * sizeof(float));
+            memcpy(a->v_cache + at, row + Q + (K + g) * D, (size_t)D * sizeof(float));
+        }
+        for (int64_t t = 0; t < a->N; t++) attend_units(ctx, t * K + g, t * K + g + 1);
+    }
+}
+
 static void attention_by_columns(const struct attention_args *a, struct kernel_pool *pool) {
     const int64_t Q = a->A * a->D, R = Q + 2 * a->K * a->D;
     const int skip_q = skips_queries(a);
     rms_norm(a->x, a->N, a->H, a->norm_w, a->eps, a->hn);
+    if (!a->kv_only && a->D % PANEL == 0) {
+        pool_rows(pool, group_units, a, a->K);
+        pool_rows(pool, o_panels, a, (a->H + PANEL - 1) / PANEL);
+        return;
+    }
     const int64_t first = skip_q ? Q / PANEL : 0;  /* (pool_rows counts from 0: shift by the skipped panels) */
     if (first == 0) pool_rows(pool, qkv_panels, a, (R + PANEL - 1) / PANEL);
     else matmul_panels(a->hn, a->N, a->H, a->qkv_wt, a->fmt, R, first, (R + PANEL - 1) / PANEL, a->qkv_b, a->qkv);
