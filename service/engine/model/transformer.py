@@ -15,9 +15,11 @@ Contract:
   sub-block in one kernel call (kernels/attention.py: no padding, no mask, every token at its own slot
   and position; prefill passes too), passes of up to kernel_window_max positions the MoE block too
   (the whole layer loop is then one call, kernels/decoder.py; for the dense draft up to 16 positions),
-  windows of up to UNION_WINDOW_MAX the MLPs and the output layer too (kernels/library.py); in all of them
-  each position's result does not depend on the rest of its pass; `math="bf16"` runs their matrix
-  products in bf16 arithmetic (kernels/packed.py), still row by row. Without kernels, the eager step.
+  windows of up to UNION_WINDOW_MAX the MLPs and the output layer too (kernels/library.py), and a
+  `forward_ragged` of those passes runs from token ids to logits and their argmax in one call
+  (kernels/forward.py); in all of them each position's result does not depend on the rest of its pass;
+  `math="bf16"` (or "amx", on the AMX tile unit) runs their matrix products in bf16 arithmetic
+  (kernels/packed.py), still row by row. Without kernels, the eager step.
 
 Shape legend: w window positions, N tokens of a ragged pass, B sequences in it, R logit rows,
 H hidden, L layers, m experts per token, V vocabulary, S cache length, D head dim.
