@@ -87,7 +87,7 @@ class Kernels:
                                   ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
         self._forward.restype = ctypes.c_int
         self._head_draft = lib.head_draft
-        self._head_draft.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
+        self._head_draft.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ptr]
         self._head_draft.restype = ctypes.c_int
         self.bf16_dot_native = bool(lib.bf16_dot_native())  # see `default_math`
         # AMX tiles in the build and granted by the kernel (csrc/amx.c); asked once, when loaded
@@ -213,10 +213,11 @@ class Kernels:
         return features, logits, ids if stack.moe else None, argmax
 
     def head_draft(self, weights: head_kernel.HeadWeights, tokens: torch.Tensor, features: torch.Tensor,
-                   slot: int, start: int, k: int, temperature: float,
-                   uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   slot: int, start: int, k: int, temperature: float, uniforms: torch.Tensor | None,
+                   pool: KernelPool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A draft head's catch-up over tokens [m] (target ids) with features [m, H] at positions
-        start.. of `slot`, then its k picks (draft-vocabulary indices [k]) and, when temperature > 0,
+        start.. of `slot`, then its k picks (draft-vocabulary indices [k]), its products and attention
+        split over the pool's threads if one is given (bitwise the same), and, when temperature > 0,
         the distributions they were drawn from [k, Vd]; see head.py."""
         H, Vd = weights.H, weights.Vd
         m = tokens.shape[0]
@@ -236,7 +237,7 @@ class Kernels:
         q = features.new_empty(k, Vd) if sampled else None
         status = self._head_draft(ctypes.addressof(weights), m, tokens.data_ptr(), features.data_ptr(), slot, start, k,
                                   float(temperature), uniforms.data_ptr() if sampled else None, picks.data_ptr(),
-                                  q.data_ptr() if sampled else None)
+                                  q.data_ptr() if sampled else None, _handle(pool))
         if status != 0:
             raise MemoryError("head_draft: out of memory")
         return picks, q

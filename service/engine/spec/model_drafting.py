@@ -87,7 +87,7 @@ def draft_with_head(rt: Runtime, seqs: list[Sequence], ks: list[int], confident:
                 for s, k in zip(seqs, ks, strict=True)]
     if rt.head_chain is not None:
         chains = [head.kernels.head_draft(rt.head_chain, tokens, f, s.slot, s.draft_valid, k,
-                                          s.step_policy.draft_temperature, u)
+                                          s.step_policy.draft_temperature, u, head.kernel_threads.pool)
                   for s, k, tokens, f, u in zip(seqs, ks, pending, features, uniforms, strict=True)]
     else:
         lengths = [p.shape[0] for p in pending]

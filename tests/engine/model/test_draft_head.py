@@ -143,6 +143,30 @@ def test_the_c_chain_makes_the_torch_rounds_picks_and_distributions(head, target
             m += 3
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_c_chain_split_over_threads_is_bitwise_the_one_thread_chain(head, target, oracle_features, temperature):
+    """Catch-ups of 1, 3 (attention split by kv head) and 20 entries (split by token), then 5 drafts:
+    the same picks, distributions and cache entries with a pool of 2 and 3 threads as alone."""
+    ids, features = oracle_features
+    for threads in (2, 3):
+        pool = head.kernels.pool(threads)
+        try:
+            for m in (1, 3, 20):
+                uniforms = torch.rand(5, generator=torch.Generator().manual_seed(m)) if temperature else None
+                runs = []
+                for p in (None, pool):
+                    cache, weights = fresh_chain_weights(head, target)
+                    with torch.inference_mode():
+                        picks, q = head.kernels.head_draft(weights, ids[:m], shifted(features)[:m], 0, 0, 5,
+                                                           temperature, uniforms, p)
+                    runs.append((picks, q, cache))
+                (a, qa, ca), (b, qb, cb) = runs
+                assert torch.equal(a, b) and torch.equal(ca.k, cb.k) and torch.equal(ca.v, cb.v)
+                assert (qa is None and qb is None) or torch.equal(qa, qb)
+        finally:
+            pool.close()
+
+
 def test_training_unrolled_steps_compute_what_drafting_computes(head, target, oracle_features):
     """Step 1 at entry p reads the true feature p - 1; step 2 at entry p reads step 1's estimate at
     p - 1 and attends to the true entries up to p - 1 and to itself: exactly a chain's second round."""

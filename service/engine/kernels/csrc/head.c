@@ -52,23 +52,29 @@ static void head_input(const struct head_weights *w, const float *e, const float
     rms_norm(f, 1, w->H, w->feature_norm_w, w->eps, in + w->H);
 }
 
-/* After attention, one row: feature = x2 + MLP(norm(x2)), logits = lm_head(norm(feature)). */
-static void head_output(const struct head_weights *w, const float *x2, float *feature, float *logits) {
-    const int64_t H = w->H, zero = 0;
-    const float one = 1.0f;
-    float hn[H], mlp[H];
+/* After attention, one row: feature = x2 + MLP(norm(x2)), logits = lm_head(norm(feature)). The products
+   split their output panels over the pool (`linear`), each panel as matmul_p computes it; the MLP is
+   swiglu_experts' one expert of weight 1 step by step (its products, swiglu_act with r = 1, the sum
+   into a zeroed row), so the row is bitwise the one-thread chain's and `DraftHead.forward_ragged`'s. */
+static void head_output(const struct head_weights *w, const float *x2, float *feature, float *logits,
+                        struct kernel_pool *pool) {
+    const int64_t H = w->H, I = w->I;
+    float hn[H], gu[2 * I], act[I], mlp[H];
     rms_norm(x2, 1, H, w->post_norm_w, w->eps, hn);
-    swiglu_experts(hn, 1, H, w->I, w->gate_up_t, 0, w->down_t, 0, w->mlp_fmt, 1, &zero, &one, 1, mlp, 0);
-    for (int64_t h = 0; h < H; h++) feature[h] = x2[h] + mlp[h];
+    linear(hn, 1, H, w->gate_up_t, w->mlp_fmt, 2 * I, gu, pool);
+    swiglu_act(gu, gu + I, 1.0f, I, act);
+    linear(act, 1, I, w->down_t, w->mlp_fmt, H, mlp, pool);
+    for (int64_t h = 0; h < H; h++) feature[h] = x2[h] + (0.0f + mlp[h]);
     rms_norm(feature, 1, H, w->final_norm_w, w->eps, hn);
-    matmul_p(hn, 1, H, w->lm_wt, w->lm_fmt, w->Vd, NULL, logits);
+    linear(hn, 1, H, w->lm_wt, w->lm_fmt, w->Vd, logits, pool);
 }
 
 /* m entries (target ids tokens [m], features [m, H]) at positions start.. of `slot`: the catch-up, its
-   keys and values written, then k drafts (see head.py). Returns 0, or -1 when out of memory. */
+   keys and values written, then k drafts (see head.py); every product and attention split over the
+   pool's threads (NULL: this thread alone; bitwise the same). Returns 0, or -1 when out of memory. */
 int head_draft(const struct head_weights *w, int64_t m, const int64_t *tokens, const float *features,
                int64_t slot, int64_t start, int64_t k, float temperature, const float *uniforms, int64_t *picks,
-               float *q) {
+               float *q, struct kernel_pool *pool) {
     const int64_t H = w->H, Vd = w->Vd, R = (w->A + 2 * w->K) * w->D, n = m > 1 ? m : 1;
     float *in = malloc((size_t)(n * (4 * H + H + R + w->A * w->D) + 2 * H + Vd) * sizeof(float));
     int64_t *where = malloc((size_t)(2 * n) * sizeof(int64_t));  /* positions [m], slots [m] */
@@ -80,21 +86,21 @@ int head_draft(const struct head_weights *w, int64_t m, const int64_t *tokens, c
         where[i] = start + i;
         where[m + i] = slot;
     }
-    matmul_p(in, m, 2 * H, w->fc_wt, w->fc_fmt, H, NULL, x);
+    linear(in, m, 2 * H, w->fc_wt, w->fc_fmt, H, x, pool);
     attention_block(x, m, H, w->attn_norm_w, w->eps, w->qkv_wt, w->qkv_b, w->A, w->K, w->D, w->attn_fmt,
                     w->rope_cos, w->rope_sin, where, where + m, w->k_cache, w->v_cache, w->S, w->o_wt,
-                    attn_scratch, x2, NULL, 0);
-    head_output(w, x2 + (m - 1) * H, feature, logits);
+                    attn_scratch, x2, pool, 0);
+    head_output(w, x2 + (m - 1) * H, feature, logits, pool);
     for (int64_t j = 0; j < k; j++) {
         picks[j] = head_pick(logits, Vd, temperature, uniforms ? uniforms[j] : 0.0f, q ? q + j * Vd : NULL);
         if (j == k - 1) break;
         const int64_t pos = start + m + j;
         head_input(w, w->embed + w->vocab[picks[j]] * H, feature, in);
-        matmul_p(in, 1, 2 * H, w->fc_wt, w->fc_fmt, H, NULL, x);
+        linear(in, 1, 2 * H, w->fc_wt, w->fc_fmt, H, x, pool);
         attention_block(x, 1, H, w->attn_norm_w, w->eps, w->qkv_wt, w->qkv_b, w->A, w->K, w->D, w->attn_fmt,
                         w->rope_cos, w->rope_sin, &pos, &slot, w->k_cache, w->v_cache, w->S, w->o_wt,
-                        attn_scratch, x2, NULL, 0);
-        head_output(w, x2, feature, logits);
+                        attn_scratch, x2, pool, 0);
+        head_output(w, x2, feature, logits, pool);
     }
     free(in);
     free(where);

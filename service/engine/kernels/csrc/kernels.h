@@ -107,6 +107,7 @@ void linear(const float *x, int64_t w, int64_t H, const void *Wt, int fmt, int64
             struct kernel_pool *pool);
 
 /* moe.c */
+KERNEL_PRIVATE void swiglu_act(const float *g, const float *u, float r, int64_t I, float *act);
 void swiglu_experts(const float *x, int64_t w, int64_t H, int64_t I, const void *gate_up_t,
                     int64_t gate_up_stride, const void *down_t, int64_t down_stride, int fmt, int64_t num_experts,
                     const int64_t *ids, const float *weights, int64_t n, float *out, int accumulate);
@@ -126,7 +127,7 @@ void attention_block(const float *x, int64_t N, int64_t H, const float *norm_w, 
 struct head_weights;
 int head_draft(const struct head_weights *w, int64_t m, const int64_t *tokens, const float *features,
                int64_t slot, int64_t start, int64_t k, float temperature, const float *uniforms, int64_t *picks,
-               float *q);
+               float *q, struct kernel_pool *pool);
 
 /* decoder.c */
 struct decoder_layer;

@@ -8,7 +8,7 @@
 #include <string.h>
 
 /* act[i] = r * silu(g[i]) * u[i] for i < I (SiLU(g) = g / (1 + e^-g)). */
-static void swiglu_act(const float *g, const float *u, float r, int64_t I, float *act) {
+KERNEL_PRIVATE void swiglu_act(const float *g, const float *u, float r, int64_t I, float *act) {
 #if defined(__AVX512F__)
     const __m512 rv = _mm512_set1_ps(r), one = _mm512_set1_ps(1.0f);
     for (int64_t i = 0; i < I; i += 16) {  /* the last lanes masked: every element takes the same path */
