@@ -155,38 +155,30 @@ struct attention_args {
     int64_t S; const void *o_wt; int fmt; float *hn, *qkv, *att, *out; int kv_only;
 };
 
-/* Rope on tokens [begin, end)'s query and key heads (key heads alone when skip_q), and their keys and
-   values into the cache. */
-static void rope_and_store(const struct attention_args *a, int64_t begin, int64_t end, int skip_q) {
-    const int64_t D = a->D, K = a->K, Q = a->A * D, R = (a->A + 2 * K) * D;
-    for (int64_t t = begin; t < end; t++) {
-        const int64_t pos = a->positions[t];
-        float *row = a->qkv + t * R;
-        for (int64_t h = skip_q ? a->A : 0; h < a->A + K; h++)  /* the A query heads, then the K key heads */
-            rope(row + h * D, a->rope_cos + pos * D, a->rope_sin + pos * D, D / 2);
-        for (int64_t kh = 0; kh < K; kh++) {
-            const int64_t at = ((a->slots[t] * K + kh) * a->S + pos) * D;
-            memcpy(a->k_cache + at, row + Q + kh * D, (size_t)D * sizeof(float));
-            memcpy(a->v_cache + at, row + Q + (K + kh) * D, (size_t)D * sizeof(float));
-        }
-    }
+/* Token t's kv head g: rope on its query heads (unless skip_q) and its key head, then its key and value
+   into the cache. Each head's rope is its own, so any order of (t, g) gives the same bits. */
+static void rope_and_store_group(const struct attention_args *a, int64_t t, int64_t g, int skip_q) {
+    const int64_t D = a->D, K = a->K, Q = a->A * D, R = (a->A + 2 * K) * D, group = a->A / K, pos = a->positions[t];
+    float *row = a->qkv + t * R;
+    const float *c = a->rope_cos + pos * D, *s = a->rope_sin + pos * D;
+    for (int64_t h = g * group; !skip_q && h < (g + 1) * group; h++) rope(row + h * D, c, s, D / 2);
+    rope(row + Q + g * D, c, s, D / 2);
+    const int64_t at = ((a->slots[t] * K + g) * a->S + pos) * D;
+    memcpy(a->k_cache + at, row + Q + g * D, (size_t)D * sizeof(float));
+    memcpy(a->v_cache + at, row + Q + (K + g) * D, (size_t)D * sizeof(float));
 }
 
-/* kv_only with query columns that fill whole panels: the query projection is skipped (the same
-   arithmetic for the key and value columns). */
-static int skips_queries(const struct attention_args *a) {
-    return a->kv_only && (a->A * a->D) % PANEL == 0;
-}
-
-/* Phase 1 for tokens [begin, end): norm, q/k/v, rope, and k and v into the cache. */
+/* Phase 1 for tokens [begin, end): norm, q/k/v, rope, and k and v into the cache (kv_only: k and v
+   alone, when the query columns fill whole panels; the same arithmetic for each of them). */
 static void attention_project_rows(const void *ctx, int64_t begin, int64_t end) {
     const struct attention_args *a = ctx;
     const int64_t H = a->H, Q = a->A * a->D, R = (a->A + 2 * a->K) * a->D, n = end - begin;
-    const int skip_q = skips_queries(a);
+    const int skip_q = a->kv_only && Q % PANEL == 0;
     rms_norm(a->x + begin * H, n, H, a->norm_w, a->eps, a->hn + begin * H);
     matmul_panels(a->hn + begin * H, n, H, a->qkv_wt, a->fmt, R, skip_q ? Q / PANEL : 0, (R + PANEL - 1) / PANEL,
                   a->qkv_b, a->qkv + begin * R);
-    rope_and_store(a, begin, end, skip_q);
+    for (int64_t t = begin; t < end; t++)
+        for (int64_t g = 0; g < a->K; g++) rope_and_store_group(a, t, g, skip_q);
 }
 
 /* One token's query heads of one kv head (unit = token * K + kv head): softmax(q k^T / sqrt(D)) v. */
@@ -212,18 +204,30 @@ static void attention_attend_rows(const void *ctx, int64_t begin, int64_t end) {
     for (int64_t j = begin * H; j < end * H; j++) a->out[j] = a->x[j] + a->out[j];
 }
 
-/* A pass of a few tokens (one request's decode or verify step) split by output columns instead of by
-   token: each panel of the two projections is read by one thread, where a token split would have every
-   thread read all of them (at this model's size the weights come from the shared cache, and reading
-   them is most of the sub-block's time). With head dims that fill whole panels the q/k/v projection
-   splits by kv head (group_units), else by panel (qkv_panels, then rope and the cache writes, then the
-   attention by token and kv head); the output projection by panel (o_panels). The same products per
-   panel and the same rope and attention per head, so bitwise the token split. */
+/* A pass of a few tokens (one request's decode or verify step) split by kv head and output columns
+   instead of by token: each panel of the two projections is read by one thread, where a token split
+   would have every thread read all of them (at this model's size the weights come from the shared
+   cache, and reading them is most of the sub-block's time). With head dims that fill whole panels a kv
+   head's query, key and value columns are panels of their own: a thread projects, ropes, stores and
+   attends its groups (group_units), then the output projection splits by panel (o_panels). The same
+   products per panel and the same rope and attention per head, so bitwise the token split. */
 #define COLUMN_SPLIT_MAX 4
 
-static void qkv_panels(const void *ctx, int64_t begin, int64_t end) {
+static int splits_by_columns(const struct attention_args *a, const struct kernel_pool *pool) {
+    return pool != NULL && a->N <= COLUMN_SPLIT_MAX && !a->kv_only && a->D % PANEL == 0;
+}
+
+static void group_units(const void *ctx, int64_t begin, int64_t end) {
     const struct attention_args *a = ctx;
-    matmul_panels(a->hn, a->N, a->H, a->qkv_wt, a->fmt, (a->A + 2 * a->K) * a->D, begin, end, a->qkv_b, a->qkv);
+    const int64_t D = a->D, K = a->K, Q = a->A * D, R = Q + 2 * K * D, group = a->A / K, hp = D / PANEL;
+    for (int64_t g = begin; g < end; g++) {
+        const int64_t q0 = g * group * hp, k0 = (Q + g * D) / PANEL, v0 = (Q + (K + g) * D) / PANEL;
+        matmul_panels(a->hn, a->N, a->H, a->qkv_wt, a->fmt, R, q0, q0 + group * hp, a->qkv_b, a->qkv);
+        matmul_panels(a->hn, a->N, a->H, a->qkv_wt, a->fmt, R, k0, k0 + hp, a->qkv_b, a->qkv);
+        matmul_panels(a->hn, a->N, a->H, a->qkv_wt, a->fmt, R, v0, v0 + hp, a->qkv_b, a->qkv);
+        for (int64_t t = 0; t < a->N; t++) rope_and_store_group(a, t, g, 0);
+        for (int64_t t = 0; t < a->N; t++) attend_units(ctx, t * K + g, t * K + g + 1);
+    }
 }
 
 static void o_panels(const void *ctx, int64_t begin, int64_t end) {
@@ -232,51 +236,6 @@ static void o_panels(const void *ctx, int64_t begin, int64_t end) {
     matmul_panels(a->att, a->N, a->A * a->D, a->o_wt, a->fmt, H, begin, end, NULL, a->out);
     for (int64_t t = 0; t < a->N; t++)
         for (int64_t j = t * H + begin * PANEL; j < t * H + c1; j++) a->out[j] = a->x[j] + a->out[j];
-}
-
-/* One kv head's group whole (unit = kv head g, for every token of the pass): its query, key and value
-   columns, their rope, its keys and values into the cache, then its query heads' attention. With head
-   dims that fill whole panels a group's columns are its own panels, so the groups split the projection
-   with no barrier before attention (one fewer than qkv_panels, then attend_units). */
-static void group_units(const void *ctx, int64_t begin, int64_t end) {
-    const struct attention_args *a = ctx;
-    const int64_t D = a->D, K = a->K, H = a->H, Q = a->A * D, R = Q + 2 * K * D, group = a->A / K;
-    const int64_t hp = D / PANEL;  /* panels per head */
-    for (int64_t g = begin; g < end; g++) {
-        const int64_t spans[3][2] = {{g * group * hp, (g + 1) * group * hp}, {(Q + g * D) / PANEL, (Q + g * D) / PANEL + hp},
-                                     {(Q + (K + g) * D) / PANEL, (Q + (K + g) * D) / PANEL + hp}};
-        for (int i = 0; i < 3; i++)
-            matmul_panels(a->hn, a->N, H, a->qkv_wt, a->fmt, R, spans[i][0], spans[i][1], a->qkv_b, a->qkv);
-        for (int64_t t = 0; t < a->N; t++) {
-            const int64_t pos = a->positions[t];
-            float *row = a->qkv + t * R;
-            for (int64_t h = g * group; h < (g + 1) * group; h++)
-                rope(row + h * D, a->rope_cos + pos * D, a->rope_sin + pos * D, D / 2);
-            rope(row + Q + g * D, a->rope_cos + pos * D, a->rope_sin + pos * D, D / 2);
-            const int64_t at = ((a->slots[t] * K + g) * a->S + pos) * D;
-            memcpy(a->k_cache + at, row + Q + g * D, (size_t)D * sizeof(float));
-            memcpy(a->v_cache + at, row + Q + (K + g) * D, (size_t)D * sizeof(float));
-        }
-        for (int64_t t = 0; t < a->N; t++) attend_units(ctx, t * K + g, t * K + g + 1);
-    }
-}
-
-static void attention_by_columns(const struct attention_args *a, struct kernel_pool *pool) {
-    const int64_t Q = a->A * a->D, R = Q + 2 * a->K * a->D;
-    const int skip_q = skips_queries(a);
-    rms_norm(a->x, a->N, a->H, a->norm_w, a->eps, a->hn);
-    if (!a->kv_only && a->D % PANEL == 0) {
-        pool_rows(pool, group_units, a, a->K);
-        pool_rows(pool, o_panels, a, (a->H + PANEL - 1) / PANEL);
-        return;
-    }
-    const int64_t first = skip_q ? Q / PANEL : 0;  /* (pool_rows counts from 0: shift by the skipped panels) */
-    if (first == 0) pool_rows(pool, qkv_panels, a, (R + PANEL - 1) / PANEL);
-    else matmul_panels(a->hn, a->N, a->H, a->qkv_wt, a->fmt, R, first, (R + PANEL - 1) / PANEL, a->qkv_b, a->qkv);
-    rope_and_store(a, 0, a->N, skip_q);
-    if (a->kv_only) return;
-    pool_rows(pool, attend_units, a, a->N * a->K);
-    pool_rows(pool, o_panels, a, (a->H + PANEL - 1) / PANEL);
 }
 
 /* See attention.py. qkv_wt and o_wt: the [R, H] and [H, A D] projections packed (matmul_p);
@@ -293,8 +252,10 @@ void attention_block(const float *x, int64_t N, int64_t H, const float *norm_w, 
     float *hn = scratch, *qkv = hn + N * H, *att = qkv + N * R;  /* [N, H] [N, R] [N, A D] */
     const struct attention_args a = {x, N, H, norm_w, eps, qkv_wt, qkv_b, A, K, D, rope_cos, rope_sin, positions,
                                      slots, k_cache, v_cache, S, o_wt, fmt, hn, qkv, att, out, kv_only};
-    if (pool != NULL && N <= COLUMN_SPLIT_MAX) {
-        attention_by_columns(&a, pool);
+    if (splits_by_columns(&a, pool)) {
+        rms_norm(x, N, H, norm_w, eps, hn);
+        pool_rows(pool, group_units, &a, K);
+        pool_rows(pool, o_panels, &a, (H + PANEL - 1) / PANEL);
         return;
     }
     pool_rows(pool, attention_project_rows, &a, N);
