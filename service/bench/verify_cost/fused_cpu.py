@@ -20,7 +20,16 @@ import torch
 
 from service.bench.verify_cost.geometry import Geometry
 from service.engine.kernels.library import Kernels
-from service.engine.kernels.packed import AMX_INPUT_MULTIPLE, BF16, BF16_AMX, BF16_MATH, PAIRED, PANEL, PackedWeight
+from service.engine.kernels.packed import (
+    AMX_INPUT_MULTIPLE,
+    BF16,
+    BF16_AMX,
+    BF16_MATH,
+    PAIRED,
+    PANEL,
+    PackedWeight,
+    amx_takes,
+)
 
 WINDOW_MAX = 16  # unit-vector routing needs H >= w; the benchmark stops at 16 positions
 
@@ -29,9 +38,9 @@ def panel_format_for(math: str, g: Geometry) -> int:
     """The engine's panels for its math, as `panel_format` picks them for a layer: bf16 pairs for bf16
     arithmetic, and for AMX arithmetic where every input size of the block is a multiple of 32 (else bf16
     arithmetic), else bf16 values widened."""
-    if math == "amx":  # (a geometry without a shared expert runs a zero one of 32: see SteeredBlock)
-        sizes = (g.hidden, g.expert_intermediate, g.shared_intermediate or AMX_INPUT_MULTIPLE)
-        return BF16_AMX if all(s % AMX_INPUT_MULTIPLE == 0 for s in sizes) else BF16_MATH
+    if math == "amx":  # (a geometry without a shared expert runs one of 32: see SteeredBlock)
+        takes = amx_takes(g.hidden, g.expert_intermediate, g.shared_intermediate or AMX_INPUT_MULTIPLE)
+        return BF16_AMX if takes else BF16_MATH
     return BF16_MATH if math == "bf16" else BF16
 
 

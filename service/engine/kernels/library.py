@@ -164,9 +164,7 @@ class Kernels:
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape != (where.n, stack.H) or not x.is_contiguous() \
                 or not x.is_cpu:
             raise ValueError(f"decoder_layers: x must be a contiguous float32 CPU tensor [{where.n}, {stack.H}]")
-        if (where.layers, where.K, where.D) != (stack.L, *stack.kv):
-            raise ValueError(f"decoder_layers: the cache holds {where.layers} layers of {where.K} kv heads of "
-                             f"{where.D}, the model {stack.L} of {stack.kv[0]} of {stack.kv[1]}")
+        _check_cache("decoder_layers", stack, where)
         out = x if overwrite else x.clone()
         ids = torch.empty(stack.L, where.n, stack.m, dtype=torch.long)  # [L, N, 0] for a dense model
         rope_cos, rope_sin, positions, slots, k_cache, v_cache, S = where.args(0)
@@ -192,9 +190,9 @@ class Kernels:
         if rows is not None and (rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous()
                                  or not rows.is_cpu):
             raise ValueError("forward_logits: rows must be a contiguous int64 CPU tensor [R]")
-        if (where.layers, where.K, where.D) != (stack.L, *stack.kv) or head.H != stack.H:
-            raise ValueError(f"forward_logits: the cache holds {where.layers} layers of {where.K} kv heads of "
-                             f"{where.D}, the model {stack.L} of {stack.kv[0]} of {stack.kv[1]}")
+        _check_cache("forward_logits", stack, where)
+        if head.H != stack.H:
+            raise ValueError(f"forward_logits: the output head is {head.H} wide, the layers {stack.H}")
         R = N if rows is None else rows.shape[0]
         features, logits = torch.empty(R, stack.H), torch.empty(R, head.V)
         ids, argmax = torch.empty(stack.L, N, stack.m, dtype=torch.long), torch.empty(R, dtype=torch.long)
@@ -282,6 +280,13 @@ class Kernels:
         self._linear(x.data_ptr(), x.shape[0], H, weight.data_ptr(), weight.format, V, out.data_ptr(),
                      _handle(pool))
         return out
+
+
+def _check_cache(kernel: str, stack: DecoderStack, where: AttentionPass) -> None:
+    """The pass's cache has the stack's layers, kv heads and head dim (the C code trusts it)."""
+    if (where.layers, where.K, where.D) != (stack.L, *stack.kv):
+        raise ValueError(f"{kernel}: the cache holds {where.layers} layers of {where.K} kv heads of {where.D}, the "
+                         f"model {stack.L} of {stack.kv[0]} of {stack.kv[1]}")
 
 
 def _handle(pool: KernelPool | None) -> int | None:

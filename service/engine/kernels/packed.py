@@ -44,7 +44,7 @@ class PackedWeight:
         dtype = torch.float32 if fmt == F32 else torch.bfloat16
         if fmt not in (F32, BF16, *PAIRED) or t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
             raise ValueError(f"PackedWeight: format {fmt} needs a contiguous {dtype} CPU tensor")
-        if fmt == BF16_AMX and self.in_features % AMX_INPUT_MULTIPLE:  # the tiles read whole 32-input blocks
+        if fmt == BF16_AMX and not amx_takes(self.in_features):
             raise ValueError(f"PackedWeight: AMX panels need an input size that is a multiple of "
                              f"{AMX_INPUT_MULTIPLE}, got {self.in_features}")
         panels = -(-self.out_features // PANEL)
@@ -100,6 +100,11 @@ class PackedWeight:
         return f"PackedWeight({[*self.lead, self.out_features, self.in_features]}, format {self.format})"
 
 
+def amx_takes(*in_features: int) -> bool:
+    """The AMX tiles can read weights of these input sizes (whole blocks of AMX_INPUT_MULTIPLE)."""
+    return all(k % AMX_INPUT_MULTIPLE == 0 for k in in_features)
+
+
 def panel_format(math: str, *weights: torch.Tensor, bf16: bool | None = None) -> int:
     """The one format for weights a kernel call reads together: AMX arithmetic if asked (math="amx") and
     every weight's input size is a multiple of AMX_INPUT_MULTIPLE (else bf16 arithmetic, format 2's
@@ -108,7 +113,7 @@ def panel_format(math: str, *weights: torch.Tensor, bf16: bool | None = None) ->
     if math not in MATHS:
         raise ValueError(f"math must be one of {MATHS}, got {math!r}")
     if math == "amx":
-        return BF16_AMX if all(w.shape[-1] % AMX_INPUT_MULTIPLE == 0 for w in weights) else BF16_MATH
+        return BF16_AMX if amx_takes(*(w.shape[-1] for w in weights)) else BF16_MATH
     if math == "bf16":
         return BF16_MATH
     if bf16 is not None:
