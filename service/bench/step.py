@@ -18,11 +18,10 @@ The two paths run interleaved, the order swapped every round, on the same greedy
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from service.bench.engine import load_prompts
@@ -112,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
                 splits = [split(path, round_, runs[path]())
                           for path in (PATHS if round_ % 2 == 0 else PATHS[::-1])]
                 forward_us = forward.take_us()
-                rows += [dataclasses.replace(s, forward_us=forward_us) for s in splits]
+                rows += [replace(s, forward_us=forward_us) for s in splits]
     finally:
         engine.close()
     print(markdown(rows, args))
