@@ -76,14 +76,14 @@ class Kernels:
         self._rms_norm.restype = None
         self._attention = lib.attention_block
         self._attention.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr, i64, i64, i64, ctypes.c_int,
-                                    ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
+                                    ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
         self._attention.restype = None
         self._decoder = lib.decoder_layers
-        self._decoder.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr,
-                                  ptr, ptr]
+        self._decoder.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64,
+                                  ptr, ptr, ptr]
         self._decoder.restype = ctypes.c_int
         self._forward = lib.forward_logits
-        self._forward.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr,
+        self._forward.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr,
                                   ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
         self._forward.restype = ctypes.c_int
         self._head_draft = lib.head_draft
@@ -167,9 +167,9 @@ class Kernels:
         _check_cache("decoder_layers", stack, where)
         out = x if overwrite else x.clone()
         ids = torch.empty(stack.L, where.n, stack.m, dtype=torch.long)  # [L, N, 0] for a dense model
-        rope_cos, rope_sin, positions, slots, k_cache, v_cache, S = where.args(0)
+        rope_cos, rope_sin, positions, slots, parents, k_cache, v_cache, S = where.args(0)
         status = self._decoder(out.data_ptr(), where.n, stack.H, stack.L, ctypes.addressof(stack.array),
-                               int(last_mlp), rope_cos, rope_sin, positions, slots, k_cache, v_cache,
+                               int(last_mlp), rope_cos, rope_sin, positions, slots, parents, k_cache, v_cache,
                                where.layer_floats, S, ids.data_ptr(), _handle(attention_pool), _handle(moe_pool))
         if status != 0:
             raise MemoryError("decoder_layers: out of memory")
@@ -196,9 +196,9 @@ class Kernels:
         R = N if rows is None else rows.shape[0]
         features, logits = torch.empty(R, stack.H), torch.empty(R, head.V)
         ids, argmax = torch.empty(stack.L, N, stack.m, dtype=torch.long), torch.empty(R, dtype=torch.long)
-        rope_cos, rope_sin, positions, slots, k_cache, v_cache, S = where.args(0)
+        rope_cos, rope_sin, positions, slots, parents, k_cache, v_cache, S = where.args(0)
         status = self._forward(tokens.data_ptr(), N, stack.H, stack.L, ctypes.addressof(stack.array),
-                               ctypes.addressof(head), rope_cos, rope_sin, positions, slots, k_cache, v_cache,
+                               ctypes.addressof(head), rope_cos, rope_sin, positions, slots, parents, k_cache, v_cache,
                                where.layer_floats, S, ids.data_ptr(), _handle(attention_pool), _handle(moe_pool),
                                _handle(lm_pool), None if rows is None else rows.data_ptr(), R, features.data_ptr(),
                                logits.data_ptr(), argmax.data_ptr())

@@ -19,13 +19,17 @@ static void axpy(float *o, float w, const float *v, int64_t n) {
     for (int64_t d = 0; d < n; d++) o[d] += w * v[d];
 }
 
-/* One query head of one token over its slot's keys and values 0..last: softmax(q k^T * scale) v.
+/* Key j of a token's sequence: row j of its slot below `split`, row tail[j - split] from there on (a
+   draft tree's node reads its ancestors' rows, see attention.py; a chain's split lies past its last key). */
+#define KEY_ROW(j, split, tail) ((j) < (split) ? (j) : (tail)[(j) - (split)])
+
+/* One query head of one token over its sequence's keys and values 0..last: softmax(q k^T * scale) v.
    scores: room for last + 16 floats. */
-static void attend_scalar(const float *q, const float *keys, const float *values, int64_t last, int64_t D,
-                          float scale, float *scores, float *o) {
+static void attend_scalar(const float *q, const float *keys, const float *values, int64_t last, int64_t split,
+                          const int64_t *tail, int64_t D, float scale, float *scores, float *o) {
     float top = -INFINITY;
     for (int64_t j = 0; j <= last; j++) {
-        scores[j] = dot(q, keys + j * D, D) * scale;
+        scores[j] = dot(q, keys + KEY_ROW(j, split, tail) * D, D) * scale;
         if (scores[j] > top) top = scores[j];
     }
     float total = 0.0f;
@@ -34,7 +38,7 @@ static void attend_scalar(const float *q, const float *keys, const float *values
         total += scores[j];
     }
     memset(o, 0, (size_t)D * sizeof(float));
-    for (int64_t j = 0; j <= last; j++) axpy(o, scores[j], values + j * D, D);
+    for (int64_t j = 0; j <= last; j++) axpy(o, scores[j], values + KEY_ROW(j, split, tail) * D, D);
     const float inv = 1.0f / total;
     for (int64_t d = 0; d < D; d++) o[d] *= inv;
 }
@@ -67,8 +71,8 @@ static inline __m512 sum16_finish(const __m512 a[8]) {
    load, and their independent sums keep more FMAs in flight; each head's arithmetic is exactly the one
    it has alone (a fixed order of operations per token and head, as everywhere here). */
 static inline __attribute__((always_inline)) void attend_heads(
-        const int NQ, const float *const q[], const float *keys, const float *values, int64_t last, int64_t D,
-        float scale, float *const scores[], float *const o[]) {
+        const int NQ, const float *const q[], const float *keys, const float *values, int64_t last, int64_t split,
+        const int64_t *tail, int64_t D, float scale, float *const scores[], float *const o[]) {
     const int64_t n = last + 1;
     const __m512 scale_v = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
     __m512 top[2] = {minus_inf, minus_inf};
@@ -80,7 +84,7 @@ static inline __attribute__((always_inline)) void attend_heads(
             for (int u = 0; u < 2; u++)
                 if (i + u < m)  /* (keys past the last are not read: they may lie past the slot) */
                     for (int64_t d = 0; d < D; d += 16) {
-                        const __m512 k = _mm512_loadu_ps(keys + (j0 + i + u) * D + d);
+                        const __m512 k = _mm512_loadu_ps(keys + KEY_ROW(j0 + i + u, split, tail) * D + d);
                         for (int h = 0; h < NQ; h++) s[h][u] = _mm512_fmadd_ps(_mm512_loadu_ps(q[h] + d), k, s[h][u]);
                     }
             for (int h = 0; h < NQ; h++) pairs[h][i / 2] = sum16_pair(s[h][0], s[h][1]);
@@ -111,7 +115,7 @@ static inline __attribute__((always_inline)) void attend_heads(
         for (int h = 0; h < 2; h++)
             for (int i = 0; i < 4; i++) acc[h][i] = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
-            const float *v = values + j * D + d;
+            const float *v = values + KEY_ROW(j, split, tail) * D + d;
             for (int i = 0; i < parts; i++) {
                 const __m512 vi = _mm512_loadu_ps(v + 16 * i);
                 for (int h = 0; h < NQ; h++) acc[h][i] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h][j]), vi, acc[h][i]);
@@ -124,43 +128,78 @@ static inline __attribute__((always_inline)) void attend_heads(
 
 /* The query heads [h0, h1) of one GQA group (one kv head: keys, values) for one token, two at a time. */
 static void attend_group(const float *q, int64_t h0, int64_t h1, const float *keys, const float *values, int64_t last,
-                         int64_t D, float scale, float *scores0, float *scores1, float *o) {
+                         int64_t split, const int64_t *tail, int64_t D, float scale, float *scores0, float *scores1,
+                         float *o) {
     for (int64_t h = h0; h < h1; h += 2) {
         if (D % 16) {
-            attend_scalar(q + h * D, keys, values, last, D, scale, scores0, o + h * D);
-            if (h + 1 < h1) attend_scalar(q + (h + 1) * D, keys, values, last, D, scale, scores0, o + (h + 1) * D);
+            attend_scalar(q + h * D, keys, values, last, split, tail, D, scale, scores0, o + h * D);
+            if (h + 1 < h1)
+                attend_scalar(q + (h + 1) * D, keys, values, last, split, tail, D, scale, scores0, o + (h + 1) * D);
         } else if (h + 1 < h1) {
             const float *qs[2] = {q + h * D, q + (h + 1) * D};
             float *const sc[2] = {scores0, scores1}, *const os[2] = {o + h * D, o + (h + 1) * D};
-            attend_heads(2, qs, keys, values, last, D, scale, sc, os);
+            attend_heads(2, qs, keys, values, last, split, tail, D, scale, sc, os);
         } else {
             const float *qs[1] = {q + h * D};
             float *const sc[1] = {scores0}, *const os[1] = {o + h * D};
-            attend_heads(1, qs, keys, values, last, D, scale, sc, os);
+            attend_heads(1, qs, keys, values, last, split, tail, D, scale, sc, os);
         }
     }
 }
 #else
 /* Portable: each head alone. */
 static void attend_group(const float *q, int64_t h0, int64_t h1, const float *keys, const float *values, int64_t last,
-                         int64_t D, float scale, float *scores0, float *scores1, float *o) {
+                         int64_t split, const int64_t *tail, int64_t D, float scale, float *scores0, float *scores1,
+                         float *o) {
     (void)scores1;
-    for (int64_t h = h0; h < h1; h++) attend_scalar(q + h * D, keys, values, last, D, scale, scores0, o + h * D);
+    for (int64_t h = h0; h < h1; h++)
+        attend_scalar(q + h * D, keys, values, last, split, tail, D, scale, scores0, o + h * D);
 }
 #endif
 
 struct attention_args {
     const float *x; int64_t N, H; const float *norm_w; float eps; const void *qkv_wt; const float *qkv_b;
-    int64_t A, K, D; const float *rope_cos, *rope_sin; const int64_t *positions, *slots; float *k_cache, *v_cache;
+    int64_t A, K, D; const float *rope_cos, *rope_sin; const int64_t *positions, *slots, *parents;
+    float *k_cache, *v_cache;
     int64_t S; const void *o_wt; int fmt; float *hn, *qkv, *att, *out; int kv_only;
 };
 
+/* Token t's path in its draft tree: path[0..depth] the pass indices of its window's first token, ..., t
+   itself -> depth. Without parents every window is a chain: depth = t's index in it (not needed). */
+static int64_t tree_path(const struct attention_args *a, int64_t t, int64_t *path) {
+    int64_t depth = 0;
+    for (int64_t u = t; a->parents[u] >= 0; u = a->parents[u]) depth++;
+    for (int64_t u = t, e = depth; e >= 0; u = a->parents[u], e--) path[e] = u;
+    return depth;
+}
+
+/* Where token t sits in its sequence: its rope position; and the key rows it attends: rows 0..*last, of
+   which rows from *split on are tail[] (its ancestors' cache rows, then its own). A chain token reads
+   rows 0..position (split past them); a tree node at depth d of a window whose first token is at b
+   reads b + d keys of the prefix, then its path's rows, at rope position b + d: exactly what decoding
+   its path as a chain would read, key for key in the same order, so bitwise the same result.
+   tail: room for N rows. */
+static int64_t token_keys(const struct attention_args *a, int64_t t, int64_t *tail, int64_t *last, int64_t *split) {
+    const int64_t pos = a->positions[t];
+    if (!a->parents) {
+        *last = pos, *split = pos + 1;
+        return pos;
+    }
+    const int64_t depth = tree_path(a, t, tail), base = a->positions[tail[0]];
+    for (int64_t e = 0; e <= depth; e++) tail[e] = a->positions[tail[e]];
+    *last = base + depth, *split = base;
+    return base + depth;
+}
+
 /* Token t's kv head g: rope on its query heads (unless skip_q) and its key head, then its key and value
-   into the cache. Each head's rope is its own, so any order of (t, g) gives the same bits. */
+   into the cache at its own row (its position). Each head's rope is its own, so any order of (t, g)
+   gives the same bits. */
 static void rope_and_store_group(const struct attention_args *a, int64_t t, int64_t g, int skip_q) {
     const int64_t D = a->D, K = a->K, Q = a->A * D, R = (a->A + 2 * K) * D, group = a->A / K, pos = a->positions[t];
     float *row = a->qkv + t * R;
-    const float *c = a->rope_cos + pos * D, *s = a->rope_sin + pos * D;
+    int64_t tail[a->parents ? a->N : 1], last, split;
+    const int64_t at_rope = token_keys(a, t, tail, &last, &split);
+    const float *c = a->rope_cos + at_rope * D, *s = a->rope_sin + at_rope * D;
     for (int64_t h = g * group; !skip_q && h < (g + 1) * group; h++) rope(row + h * D, c, s, D / 2);
     rope(row + Q + g * D, c, s, D / 2);
     const int64_t at = ((a->slots[t] * K + g) * a->S + pos) * D;
@@ -187,10 +226,12 @@ static void attend_units(const void *ctx, int64_t begin, int64_t end) {
     const int64_t D = a->D, K = a->K, Q = a->A * D, R = (a->A + 2 * K) * D, group = a->A / K;
     const float scale = 1.0f / sqrtf((float)D);
     float scores0[a->S + 16], scores1[a->S + 16];  /* (the vector path rounds the keys up to 16) */
+    int64_t tail[a->parents ? a->N : 1], last, split;
     for (int64_t u = begin; u < end; u++) {
         const int64_t t = u / K, kh = u % K, head = (a->slots[t] * K + kh) * a->S * D;
+        token_keys(a, t, tail, &last, &split);
         attend_group(a->qkv + t * R, kh * group, (kh + 1) * group, a->k_cache + head, a->v_cache + head,
-                     a->positions[t], D, scale, scores0, scores1, a->att + t * Q);
+                     last, split, tail, D, scale, scores0, scores1, a->att + t * Q);
     }
 }
 
@@ -239,19 +280,20 @@ static void o_panels(const void *ctx, int64_t begin, int64_t end) {
 }
 
 /* See attention.py. qkv_wt and o_wt: the [R, H] and [H, A D] projections packed (matmul_p);
-   k_cache / v_cache: this layer's [slots, K, S, D]; scratch: N * (H + R + A D) floats; out [N, H] must
+   k_cache / v_cache: this layer's [slots, K, S, D]; parents: NULL, or [N] each token's parent in its draft
+   tree (a pass index, -1 for its window's first token; see attention.py); scratch: N * (H + R + A D) floats; out [N, H] must
    not alias x; pool: the threads each phase's tokens are split over (NULL: this thread alone; the phases
    are joined in between, so every key is written before any token attends). kv_only: write the keys
    and values and stop (out untouched): a prefill's last layer, whose outputs nothing reads. */
 void attention_block(const float *x, int64_t N, int64_t H, const float *norm_w, float eps,
                      const void *qkv_wt, const float *qkv_b, int64_t A, int64_t K, int64_t D, int fmt,
                      const float *rope_cos, const float *rope_sin, const int64_t *positions, const int64_t *slots,
-                     float *k_cache, float *v_cache, int64_t S, const void *o_wt, float *scratch, float *out,
-                     struct kernel_pool *pool, int kv_only) {
+                     const int64_t *parents, float *k_cache, float *v_cache, int64_t S, const void *o_wt,
+                     float *scratch, float *out, struct kernel_pool *pool, int kv_only) {
     const int64_t R = (A + 2 * K) * D;
     float *hn = scratch, *qkv = hn + N * H, *att = qkv + N * R;  /* [N, H] [N, R] [N, A D] */
     const struct attention_args a = {x, N, H, norm_w, eps, qkv_wt, qkv_b, A, K, D, rope_cos, rope_sin, positions,
-                                     slots, k_cache, v_cache, S, o_wt, fmt, hn, qkv, att, out, kv_only};
+                                     slots, parents, k_cache, v_cache, S, o_wt, fmt, hn, qkv, att, out, kv_only};
     if (splits_by_columns(&a, pool)) {
         rms_norm(x, N, H, norm_w, eps, hn);
         pool_rows(pool, group_units, &a, K);

@@ -88,7 +88,7 @@ int head_draft(const struct head_weights *w, int64_t m, const int64_t *tokens, c
     }
     linear(in, m, 2 * H, w->fc_wt, w->fc_fmt, H, x, pool);
     attention_block(x, m, H, w->attn_norm_w, w->eps, w->qkv_wt, w->qkv_b, w->A, w->K, w->D, w->attn_fmt,
-                    w->rope_cos, w->rope_sin, where, where + m, w->k_cache, w->v_cache, w->S, w->o_wt,
+                    w->rope_cos, w->rope_sin, where, where + m, NULL, w->k_cache, w->v_cache, w->S, w->o_wt,
                     attn_scratch, x2, pool, 0);
     head_output(w, x2 + (m - 1) * H, feature, logits, pool);
     for (int64_t j = 0; j < k; j++) {
@@ -98,7 +98,7 @@ int head_draft(const struct head_weights *w, int64_t m, const int64_t *tokens, c
         head_input(w, w->embed + w->vocab[picks[j]] * H, feature, in);
         linear(in, 1, 2 * H, w->fc_wt, w->fc_fmt, H, x, pool);
         attention_block(x, 1, H, w->attn_norm_w, w->eps, w->qkv_wt, w->qkv_b, w->A, w->K, w->D, w->attn_fmt,
-                        w->rope_cos, w->rope_sin, &pos, &slot, w->k_cache, w->v_cache, w->S, w->o_wt,
+                        w->rope_cos, w->rope_sin, &pos, &slot, NULL, w->k_cache, w->v_cache, w->S, w->o_wt,
                         attn_scratch, x2, pool, 0);
         head_output(w, x2, feature, logits, pool);
     }
