@@ -17,13 +17,13 @@ Contract of `attention_block` (csrc/attention.c, compiled into library.py's libr
   out[t] = x[t] + W_o [heads concatenated].
 - Every token's keys and values are written before any token attends, so a window sees its own
   earlier positions; entries past a token's position (a rejected draft's) are never read.
-- Draft trees (`parents` [N], else every window is a chain): parents[t] is the pass index of token t's
-  parent, -1 for the first token of its window. Every token still writes its key and value at its own
-  position (a window's nodes take distinct rows: first token at b, node i at b + i); a node at depth d
-  is roped at b + d and attends the prefix rows 0..b-1, then its path's rows (its window's first token,
-  its ancestors, itself) as keys b..b+d: exactly what decoding its path as a chain would read, in the
-  same order, so its output is bitwise that chain's. A parent must come before its child in the pass
-  and lie in the same window.
+- Draft trees (`tree`, else every window is a chain): every token writes its key and value at its own
+  position (a tree's nodes take distinct rows); a node's path runs from its window's first token, at
+  row b, through its ancestors to itself, d + 1 rows; it is roped at b + d and attends the prefix rows
+  0..b-1, then its path's rows as keys b..b+d: exactly what decoding its path as a chain would read, in
+  the same order, so its output is bitwise that chain's. Ancestors may be tokens of the same pass or
+  rows written by an earlier one (a drafter's tree grows a depth per pass). `tree` holds N offsets,
+  then per token [d, b, r1, .., rd] (ragged.py's `encode_paths`).
 - Each token's row is computed on its own in a fixed order of operations: bitwise the same alone or
   inside any pass (what keeps greedy speculation == plain decoding exact).
 - The C code trusts its pointers: `AttentionWeights` checks a layer's weights once, `AttentionPass`
@@ -112,26 +112,26 @@ class AttentionPass:
 
     def __init__(self, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  rope_cos: torch.Tensor, rope_sin: torch.Tensor, position_range: tuple[int, int] | None = None,
-                 slot_range: tuple[int, int] | None = None, parents: torch.Tensor | None = None):
+                 slot_range: tuple[int, int] | None = None, tree: torch.Tensor | None = None):
         """positions, slots [N] int64 contiguous CPU tensors; the cache and rope tables as `CacheTables`
         takes them. position_range / slot_range: the lowest and highest of positions / slots where the
         caller knows them (a RaggedBatch does; four reductions saved a step), else read from the tensors.
-        parents: [N] int64, the draft trees of the pass (see the module's contract), or None."""
+        tree: the pass's draft-tree paths (see the module's contract), or None."""
         self._check(positions, slots, CacheTables(k_cache, v_cache, rope_cos, rope_sin), position_range, slot_range,
-                    parents)
+                    tree)
 
     @classmethod
     def over(cls, tables: CacheTables, positions: torch.Tensor, slots: torch.Tensor,
              position_range: tuple[int, int] | None = None, slot_range: tuple[int, int] | None = None,
-             parents: torch.Tensor | None = None) -> AttentionPass:
-        """A pass over tables checked before: only its positions, slots and parents are checked."""
+             tree: torch.Tensor | None = None) -> AttentionPass:
+        """A pass over tables checked before: only its positions, slots and tree are checked."""
         where = cls.__new__(cls)
-        where._check(positions, slots, tables, position_range, slot_range, parents)
+        where._check(positions, slots, tables, position_range, slot_range, tree)
         return where
 
     def _check(self, positions: torch.Tensor, slots: torch.Tensor, tables: CacheTables,
                position_range: tuple[int, int] | None, slot_range: tuple[int, int] | None,
-               parents: torch.Tensor | None = None) -> None:
+               tree: torch.Tensor | None = None) -> None:
         if positions.dtype != torch.int64 or slots.dtype != torch.int64 or positions.dim() != 1 \
                 or positions.shape != slots.shape or not (positions.is_contiguous() and slots.is_contiguous()):
             raise ValueError("attention_block: positions and slots must be contiguous int64 [N]")
@@ -144,12 +144,12 @@ class AttentionPass:
             if low < 0 or high >= tables.slots:
                 raise ValueError(f"attention_block: cache slots must lie in [0, {tables.slots})")
         self.layers, self.K, self.S, self.D = tables.layers, tables.K, tables.S, tables.D
-        if parents is not None:
-            _check_parents(parents, positions, slots)
-        self.tables, self.tensors = tables, (positions, slots, parents)  # alive while in use
+        if tree is not None:
+            _check_tree(tree, positions, tables.position_bound)
+        self.tables, self.tensors = tables, (positions, slots, tree)  # alive while in use
         self.layer_floats = tables.layer_floats
         self._shared = (*tables.rope_ptrs, positions.data_ptr(), slots.data_ptr(),
-                        None if parents is None else parents.data_ptr())
+                        None if tree is None else tree.data_ptr())
 
     def args(self, layer: int) -> tuple:
         """The kernel's rope, position, slot, parent and cache arguments for one layer."""
@@ -159,14 +159,17 @@ class AttentionPass:
         return (*self._shared, self.tables.k_ptr + offset, self.tables.v_ptr + offset, self.S)
 
 
-def _check_parents(parents: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-    """What the kernel trusts of a pass's trees: each parent comes earlier in the pass, in the same slot
-    at an earlier position (its window's), so every path ends at a window's first token."""
-    if parents.dtype != torch.int64 or parents.shape != positions.shape or not parents.is_contiguous():
-        raise ValueError("attention_block: parents must be a contiguous int64 tensor shaped like positions")
-    has = parents >= 0
-    if bool((parents >= torch.arange(parents.numel())).any()) or bool((parents < -1).any()):
-        raise ValueError("attention_block: a token's parent must be -1 or an earlier token of the pass")
-    up = parents.clamp(min=0)
-    if bool((has & ((slots[up] != slots) | (positions[up] >= positions))).any()):
-        raise ValueError("attention_block: a token's parent must sit in its slot at an earlier position")
+def _check_tree(tree: torch.Tensor, positions: torch.Tensor, bound: int) -> None:
+    """What the kernel trusts of a pass's tree paths: each token's record lies in the tensor, its rows
+    and its rope position (first row + depth) lie in the cache, and its path ends at its own position."""
+    if tree.dtype != torch.int64 or tree.dim() != 1 or not tree.is_contiguous() or not tree.is_cpu:
+        raise ValueError("attention_block: tree must be a contiguous int64 CPU tensor")
+    values, n = tree.tolist(), positions.numel()
+    for t, position in enumerate(positions.tolist()):
+        at = values[t] if t < len(values) else -1
+        if not n <= at < len(values) or not 0 <= values[at] < len(values) - at - 1:
+            raise ValueError(f"attention_block: token {t}'s tree record lies outside the tree tensor")
+        depth, path = values[at], values[at + 1:at + 2 + values[at]]
+        if path[-1] != position or min(path) < 0 or max(path) >= bound or path[0] + depth >= bound:
+            raise ValueError(f"attention_block: token {t}'s tree path {path} must end at its position {position} "
+                             f"and lie in [0, {bound})")

@@ -149,9 +149,9 @@ class DraftHead(nn.Module):
         attn = self.layer.self_attn
         if attn.block is not None and x.is_cpu and not torch.is_grad_enabled():
             where = AttentionPass(batch.positions, batch.token_slot, cache.k, cache.v, self.rope_cos, self.rope_sin,
-                                  batch.position_range, batch.slot_range, batch.parents)
+                                  batch.position_range, batch.slot_range, batch.tree)
             return self.kernels.attention_block(attn.block, where, 0, x, self.kernel_threads.attention(x.shape[0]))
-        if batch.parents is not None:
+        if batch.tree is not None:
             raise ValueError("a pass with draft trees needs the fused attention kernel (the eager step runs chains)")
         if batch.size == 1:
             first, last = batch.starts[0], batch.span

@@ -26,7 +26,7 @@ class RaggedBatch:
     """Where the N tokens of one pass go: B sequences, sequence b a window of lengths[b] tokens at
     positions starts[b].. in cache slot slots[b], concatenated in that order.
 
-    The fused attention kernel needs only `positions`, `token_slot` and `parents` (built with the batch: a step
+    The fused attention kernel needs only `positions`, `token_slot` and `tree` (built with the batch: a step
     builds one per pass). Eager (padded) attention also needs `row`, `col` and `mask`, made on first
     use: queries are laid out [B, w'] (w' the longest window) and each sequence sees its own slot's
     keys up to S' = max(starts + lengths); `mask` [B, 1, w', S'] keeps row i of sequence b to keys <=
@@ -43,9 +43,9 @@ class RaggedBatch:
     span: int  # S': keys any sequence attends to
     slot_range: tuple[int, int]  # the lowest and highest cache slot (AttentionPass's bounds check)
     tokens: torch.Tensor | None = None  # [N] the pass's token ids, where the builder was given them
-    # [N] each token's parent (a pass index; -1: its window's first token) where some window is a draft
-    # tree (kernels/attention.py: a node attends its path); None: every window is a chain. Fused attention only.
-    parents: torch.Tensor | None = None
+    # The draft trees' paths (kernels/attention.py, `encode_paths`: each node attends the prefix and its
+    # path) where some token is a tree node; None: every window is a chain. Fused attention only.
+    tree: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -77,10 +77,13 @@ class RaggedBatch:
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], lengths: list[int],
-              tokens: list[int] | None = None, trees: list[list[int] | None] | None = None) -> RaggedBatch:
+              tokens: list[int] | None = None, trees: list[list[int] | None] | None = None,
+              paths: list[list[int]] | None = None) -> RaggedBatch:
         """tokens: the pass's N token ids, to carry as a tensor (`tokens`), built with the rest.
-        trees: per window, None (a chain) or its tree: [lengths[b]] each token's parent by index in the
-        window (-1 for the first token; a parent before its child)."""
+        Draft trees, either way: trees, per window None (a chain) or [lengths[b]] each token's parent by
+        index in the window (-1 for the first token, a parent before its child: a verify pass over whole
+        trees); or paths, per token the cache rows of its path, its window's first token first and its
+        own position last (a pass over some nodes whose ancestors are in the cache already)."""
         if not slots or len(slots) != len(starts) or len(slots) != len(lengths) or min(lengths) < 1:
             raise ValueError(f"need one or more windows of >= 1 token, got {lengths}")
         # Plain lists, one tensor at the end, cut into views: every step builds this, and a small
@@ -101,22 +104,41 @@ class RaggedBatch:
         return cls(slots=packed[2 * N:2 * N + len(slots)], starts=tuple(starts), lengths=tuple(lengths),
                    positions=packed[:N], token_slot=packed[N:2 * N], width=max(lengths), span=span,
                    slot_range=(min(slots), max(slots)), tokens=None if tokens is None else packed[-N:],
-                   parents=_pass_parents(lengths, trees) if trees and any(t is not None for t in trees) else None)
+                   tree=(encode_paths(paths, positions) if paths is not None
+                         else encode_paths(_window_paths(starts, lengths, trees), positions)
+                         if trees and any(t is not None for t in trees) else None))
 
 
 
-def _pass_parents(lengths: list[int], trees: list[list[int] | None]) -> torch.Tensor:
-    """[N] pass-index parents of windows given by their own parents (None: a chain)."""
+def _window_paths(starts: list[int], lengths: list[int], trees: list[list[int] | None]) -> list[list[int]]:
+    """Each token's path of cache rows, from windows given by their parents (None: a chain)."""
     if len(trees) != len(lengths):
         raise ValueError(f"{len(trees)} trees for {len(lengths)} windows")
-    parents, offset = [], 0
-    for n, tree in zip(lengths, trees, strict=True):
+    paths = []
+    for start, n, tree in zip(starts, lengths, trees, strict=True):
         local = list(range(-1, n - 1)) if tree is None else tree
         if len(local) != n or local[0] != -1 or any(not -1 < p < i for i, p in enumerate(local) if i):
             raise ValueError(f"a window's tree must give {n} parents, -1 first, each before its child: got {local}")
-        parents += [p + offset if p >= 0 else -1 for p in local]
-        offset += n
-    return torch.tensor(parents, dtype=torch.int64)
+        window: list[list[int]] = []
+        for i, parent in enumerate(local):
+            window.append([start] if parent < 0 else [*window[parent], start + i])
+        paths += window
+    return paths
+
+
+def encode_paths(paths: list[list[int]], positions: list[int]) -> torch.Tensor:
+    """The fused attention's `tree` argument: N offsets, then per token [d, b, r1, .., rd], its path's
+    rows from its window's first token b to its own position rd (d = 0: the first token itself)."""
+    if len(paths) != len(positions):
+        raise ValueError(f"{len(paths)} paths for {len(positions)} tokens")
+    offsets, records = [], []
+    for path, position in zip(paths, positions, strict=True):
+        if not path or path[-1] != position or min(path) < 0 or path[0] != min(path):
+            raise ValueError(f"a token's path must run from its window's first row to its own position "
+                             f"{position}: got {path}")
+        offsets.append(len(paths) + len(records))
+        records += [len(path) - 1, *path]
+    return torch.tensor(offsets + records, dtype=torch.int64)
 
 
 class KVCache:

@@ -199,7 +199,7 @@ class Transformer(nn.Module):
             if self.decoder_stack is not None and x.shape[0] <= self.decoder_stack_max and not capture:
                 return (*self.kernels.decoder_layers(self.decoder_stack, where, x, last_mlp, pool,
                                                      self.kernel_threads.moe(x.shape[0]), overwrite=True), None)
-        elif batch.parents is not None:
+        elif batch.tree is not None:
             raise ValueError("a pass with draft trees needs the fused attention kernel (the eager step runs chains)")
         else:
             cos, sin = self._rope(batch)
@@ -233,7 +233,7 @@ class Transformer(nn.Module):
         if tables is None or not tables.reads(cache.k, cache.v):
             tables = self._cache_tables = CacheTables(cache.k, cache.v, self.rope_cos, self.rope_sin)
         return AttentionPass.over(tables, batch.positions, batch.token_slot, batch.position_range, batch.slot_range,
-                                  batch.parents)
+                                  batch.tree)
 
     def _rope(self, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, 1, D] at each token's position (eager attention)."""

@@ -127,3 +127,49 @@ def test_the_eager_step_refuses_a_tree_pass():
     batch = RaggedBatch.build([0], [0], [3], trees=[[-1, 0, 0]])
     with torch.no_grad(), pytest.raises(ValueError, match="fused attention"):
         model.forward_ragged(torch.tensor([1, 2, 3]), batch, cache)
+
+
+def test_a_tree_grown_a_depth_per_pass_gives_the_whole_tree_pass_bits(built):
+    """A drafter grows its tree a depth per pass: each pass holds only the new nodes, their ancestors'
+    keys already in the cache (explicit paths). Every node's logits are the whole-tree pass's bits."""
+    model = load_for_inference(DEFAULT_TARGET_DIR, kernels=built, math=built.default_math())
+    V = model.cfg.vocab_size
+    prefix, tokens = tree_tokens([0] * 20, 7, V), tree_tokens(WIDE, 8, V)
+    window = torch.cat([prefix[-1:], tokens[1:]])
+    b = len(prefix) - 1
+    depth = [len(path_of(WIDE, i)) - 1 for i in range(len(WIDE))]
+    with torch.no_grad():
+        whole_cache = KVCache(model.cfg, 64)
+        model.forward(prefix[:-1], 0, whole_cache)
+        whole = model.forward_ragged(window, RaggedBatch.build([0], [b], [len(WIDE)], trees=[WIDE]), whole_cache).logits
+        cache = KVCache(model.cfg, 64)
+        model.forward(prefix[:-1], 0, cache)
+        grown = torch.empty_like(whole)
+        for d in range(max(depth) + 1):
+            nodes = [i for i in range(len(WIDE)) if depth[i] == d]
+            paths = [[b + j for j in path_of(WIDE, i)] for i in nodes]
+            batch = RaggedBatch.build([0] * len(nodes), [b + i for i in nodes], [1] * len(nodes), paths=paths)
+            grown[nodes] = model.forward_ragged(window[nodes], batch, cache).logits
+    assert torch.equal(grown, whole)
+
+
+@pytest.mark.parametrize("paths,message", [
+    ([[5], [5, 7]], "own position"),  # the second token sits at 6
+    ([[5], [-1, 6]], "window's first row"),
+])
+def test_malformed_paths_are_refused(paths, message):
+    with pytest.raises(ValueError, match=message):
+        RaggedBatch.build([0], [5], [2], paths=paths)
+
+
+def test_the_kernel_checks_a_tree_tensor_it_is_handed(built):
+    from service.engine.kernels.attention import AttentionPass
+
+    model = load(built)
+    cache = KVCache(model.cfg, 16)
+    positions, slots = torch.tensor([3, 4]), torch.tensor([0, 0])
+    bad = torch.tensor([2, 4, 0, 3, 1, 3, 40])  # token 1's path runs to row 40, past the cache
+    with pytest.raises(ValueError, match="must end at its position"):
+        AttentionPass(positions, slots, cache.k, cache.v, model.rope_cos, model.rope_sin, tree=bad)
+    with pytest.raises(ValueError, match="outside the tree tensor"):
+        AttentionPass(positions, slots, cache.k, cache.v, model.rope_cos, model.rope_sin, tree=torch.tensor([2, 9]))

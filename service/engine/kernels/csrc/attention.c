@@ -159,35 +159,25 @@ static void attend_group(const float *q, int64_t h0, int64_t h1, const float *ke
 
 struct attention_args {
     const float *x; int64_t N, H; const float *norm_w; float eps; const void *qkv_wt; const float *qkv_b;
-    int64_t A, K, D; const float *rope_cos, *rope_sin; const int64_t *positions, *slots, *parents;
+    int64_t A, K, D; const float *rope_cos, *rope_sin; const int64_t *positions, *slots, *tree;
     float *k_cache, *v_cache;
     int64_t S; const void *o_wt; int fmt; float *hn, *qkv, *att, *out; int kv_only;
 };
 
-/* Token t's path in its draft tree: path[0..depth] the pass indices of its window's first token, ..., t
-   itself -> depth. Without parents every window is a chain: depth = t's index in it (not needed). */
-static int64_t tree_path(const struct attention_args *a, int64_t t, int64_t *path) {
-    int64_t depth = 0;
-    for (int64_t u = t; a->parents[u] >= 0; u = a->parents[u]) depth++;
-    for (int64_t u = t, e = depth; e >= 0; u = a->parents[u], e--) path[e] = u;
-    return depth;
-}
-
 /* Where token t sits in its sequence: its rope position; and the key rows it attends: rows 0..*last, of
-   which rows from *split on are tail[] (its ancestors' cache rows, then its own). A chain token reads
-   rows 0..position (split past them); a tree node at depth d of a window whose first token is at b
-   reads b + d keys of the prefix, then its path's rows, at rope position b + d: exactly what decoding
-   its path as a chain would read, key for key in the same order, so bitwise the same result.
-   tail: room for N rows. */
-static int64_t token_keys(const struct attention_args *a, int64_t t, int64_t *tail, int64_t *last, int64_t *split) {
-    const int64_t pos = a->positions[t];
-    if (!a->parents) {
-        *last = pos, *split = pos + 1;
-        return pos;
+   which rows from *split on are tail[] (its path's cache rows). A chain token reads rows 0..position
+   (split past them). A tree node's record in `tree` (see attention.py) is [d, b, r1, .., rd]: its path
+   from its window's first token (row b) to itself (row rd, its position); it is roped at b + d and
+   reads b prefix rows, then its path's d + 1 rows as keys b..b + d: exactly what decoding its path as
+   a chain would read, key for key in the same order, so bitwise the same result. */
+static int64_t token_keys(const struct attention_args *a, int64_t t, const int64_t **tail, int64_t *last,
+                          int64_t *split) {
+    if (!a->tree) {
+        *last = a->positions[t], *split = a->positions[t] + 1, *tail = NULL;
+        return a->positions[t];
     }
-    const int64_t depth = tree_path(a, t, tail), base = a->positions[tail[0]];
-    for (int64_t e = 0; e <= depth; e++) tail[e] = a->positions[tail[e]];
-    *last = base + depth, *split = base;
+    const int64_t *record = a->tree + a->tree[t], depth = record[0], base = record[1];
+    *last = base + depth, *split = base, *tail = record + 1;
     return base + depth;
 }
 
@@ -197,8 +187,9 @@ static int64_t token_keys(const struct attention_args *a, int64_t t, int64_t *ta
 static void rope_and_store_group(const struct attention_args *a, int64_t t, int64_t g, int skip_q) {
     const int64_t D = a->D, K = a->K, Q = a->A * D, R = (a->A + 2 * K) * D, group = a->A / K, pos = a->positions[t];
     float *row = a->qkv + t * R;
-    int64_t tail[a->parents ? a->N : 1], last, split;
-    const int64_t at_rope = token_keys(a, t, tail, &last, &split);
+    const int64_t *tail;
+    int64_t last, split;  /* (the rows it attends are attend_units' concern) */
+    const int64_t at_rope = token_keys(a, t, &tail, &last, &split);
     const float *c = a->rope_cos + at_rope * D, *s = a->rope_sin + at_rope * D;
     for (int64_t h = g * group; !skip_q && h < (g + 1) * group; h++) rope(row + h * D, c, s, D / 2);
     rope(row + Q + g * D, c, s, D / 2);
@@ -226,10 +217,11 @@ static void attend_units(const void *ctx, int64_t begin, int64_t end) {
     const int64_t D = a->D, K = a->K, Q = a->A * D, R = (a->A + 2 * K) * D, group = a->A / K;
     const float scale = 1.0f / sqrtf((float)D);
     float scores0[a->S + 16], scores1[a->S + 16];  /* (the vector path rounds the keys up to 16) */
-    int64_t tail[a->parents ? a->N : 1], last, split;
+    const int64_t *tail;
+    int64_t last, split;
     for (int64_t u = begin; u < end; u++) {
         const int64_t t = u / K, kh = u % K, head = (a->slots[t] * K + kh) * a->S * D;
-        token_keys(a, t, tail, &last, &split);
+        token_keys(a, t, &tail, &last, &split);
         attend_group(a->qkv + t * R, kh * group, (kh + 1) * group, a->k_cache + head, a->v_cache + head,
                      last, split, tail, D, scale, scores0, scores1, a->att + t * Q);
     }
@@ -280,20 +272,20 @@ static void o_panels(const void *ctx, int64_t begin, int64_t end) {
 }
 
 /* See attention.py. qkv_wt and o_wt: the [R, H] and [H, A D] projections packed (matmul_p);
-   k_cache / v_cache: this layer's [slots, K, S, D]; parents: NULL, or [N] each token's parent in its draft
-   tree (a pass index, -1 for its window's first token; see attention.py); scratch: N * (H + R + A D) floats; out [N, H] must
+   k_cache / v_cache: this layer's [slots, K, S, D]; tree: NULL (chains), or the pass's draft-tree paths (see
+   attention.py); scratch: N * (H + R + A D) floats; out [N, H] must
    not alias x; pool: the threads each phase's tokens are split over (NULL: this thread alone; the phases
    are joined in between, so every key is written before any token attends). kv_only: write the keys
    and values and stop (out untouched): a prefill's last layer, whose outputs nothing reads. */
 void attention_block(const float *x, int64_t N, int64_t H, const float *norm_w, float eps,
                      const void *qkv_wt, const float *qkv_b, int64_t A, int64_t K, int64_t D, int fmt,
                      const float *rope_cos, const float *rope_sin, const int64_t *positions, const int64_t *slots,
-                     const int64_t *parents, float *k_cache, float *v_cache, int64_t S, const void *o_wt,
+                     const int64_t *tree, float *k_cache, float *v_cache, int64_t S, const void *o_wt,
                      float *scratch, float *out, struct kernel_pool *pool, int kv_only) {
     const int64_t R = (A + 2 * K) * D;
     float *hn = scratch, *qkv = hn + N * H, *att = qkv + N * R;  /* [N, H] [N, R] [N, A D] */
     const struct attention_args a = {x, N, H, norm_w, eps, qkv_wt, qkv_b, A, K, D, rope_cos, rope_sin, positions,
-                                     slots, parents, k_cache, v_cache, S, o_wt, fmt, hn, qkv, att, out, kv_only};
+                                     slots, tree, k_cache, v_cache, S, o_wt, fmt, hn, qkv, att, out, kv_only};
     if (splits_by_columns(&a, pool)) {
         rms_norm(x, N, H, norm_w, eps, hn);
         pool_rows(pool, group_units, &a, K);

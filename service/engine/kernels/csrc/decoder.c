@@ -27,7 +27,7 @@ struct decoder_layer {
    Returns 0, or 1 when the scratch could not be allocated (nothing written). */
 int decoder_layers(float *x, int64_t N, int64_t H, int64_t L, const struct decoder_layer *layers, int last_mlp,
                    const float *rope_cos, const float *rope_sin, const int64_t *positions, const int64_t *slots,
-                   const int64_t *parents, float *k_cache, float *v_cache, int64_t layer_floats, int64_t S,
+                   const int64_t *tree, float *k_cache, float *v_cache, int64_t layer_floats, int64_t S,
                    int64_t *ids, struct kernel_pool *attention_pool, struct kernel_pool *moe_pool) {
     int64_t attention_floats = 0, logit_floats = 0, weight_floats = 0;
     for (int64_t l = 0; l < L; l++) {
@@ -50,7 +50,7 @@ int decoder_layers(float *x, int64_t N, int64_t H, int64_t L, const struct decod
         float *kc = k_cache + l * layer_floats, *vc = v_cache + l * layer_floats;
         const int kv_only = !last_mlp && l == L - 1;
         attention_block(x, N, H, d->attn_norm_w, d->attn_eps, d->qkv_wt, d->qkv_b, d->A, d->K, d->D, d->attn_fmt,
-                        rope_cos, rope_sin, positions, slots, parents, kc, vc, S, d->o_wt, scratch, attended,
+                        rope_cos, rope_sin, positions, slots, tree, kc, vc, S, d->o_wt, scratch, attended,
                         attention_pool, kv_only);
         if (kv_only) break;
         rms_norm(attended, N, H, d->mlp_norm_w, d->mlp_eps, normed);

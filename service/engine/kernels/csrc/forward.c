@@ -35,7 +35,7 @@ static int64_t first_max(const float *row, int64_t V) {
    id outside [0, V), 3 for a row outside [0, N) (all three before anything is written). */
 int forward_logits(const int64_t *tokens, int64_t N, int64_t H, int64_t L, const struct decoder_layer *layers,
                    const struct output_head *head, const float *rope_cos, const float *rope_sin,
-                   const int64_t *positions, const int64_t *slots, const int64_t *parents, float *k_cache,
+                   const int64_t *positions, const int64_t *slots, const int64_t *tree, float *k_cache,
                    float *v_cache, int64_t layer_floats,
                    int64_t S, int64_t *ids, struct kernel_pool *attention_pool, struct kernel_pool *moe_pool,
                    struct kernel_pool *lm_pool, const int64_t *rows, int64_t R, float *features, float *logits,
@@ -47,7 +47,7 @@ int forward_logits(const int64_t *tokens, int64_t N, int64_t H, int64_t L, const
     float *x = malloc((size_t)(N * H) * sizeof(float));
     if (!x) return 1;
     for (int64_t t = 0; t < N; t++) memcpy(x + t * H, head->embed + tokens[t] * H, (size_t)H * sizeof(float));
-    if (decoder_layers(x, N, H, L, layers, 1, rope_cos, rope_sin, positions, slots, parents, k_cache, v_cache,
+    if (decoder_layers(x, N, H, L, layers, 1, rope_cos, rope_sin, positions, slots, tree, k_cache, v_cache,
                        layer_floats, S, ids, attention_pool, moe_pool) != 0) {
         free(x);
         return 1;

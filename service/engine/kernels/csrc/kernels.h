@@ -120,7 +120,7 @@ void moe_block(const float *x, int64_t w, int64_t H, const float *router, int64_
 void attention_block(const float *x, int64_t N, int64_t H, const float *norm_w, float eps,
                      const void *qkv_wt, const float *qkv_b, int64_t A, int64_t K, int64_t D, int fmt,
                      const float *rope_cos, const float *rope_sin, const int64_t *positions, const int64_t *slots,
-                     const int64_t *parents, float *k_cache, float *v_cache, int64_t S, const void *o_wt,
+                     const int64_t *tree, float *k_cache, float *v_cache, int64_t S, const void *o_wt,
                      float *scratch, float *out, struct kernel_pool *pool, int kv_only);
 
 /* head.c */
@@ -133,14 +133,14 @@ int head_draft(const struct head_weights *w, int64_t m, const int64_t *tokens, c
 struct decoder_layer;
 int decoder_layers(float *x, int64_t N, int64_t H, int64_t L, const struct decoder_layer *layers, int last_mlp,
                    const float *rope_cos, const float *rope_sin, const int64_t *positions, const int64_t *slots,
-                   const int64_t *parents, float *k_cache, float *v_cache, int64_t layer_floats, int64_t S,
+                   const int64_t *tree, float *k_cache, float *v_cache, int64_t layer_floats, int64_t S,
                    int64_t *ids, struct kernel_pool *attention_pool, struct kernel_pool *moe_pool);
 
 /* forward.c */
 struct output_head;
 int forward_logits(const int64_t *tokens, int64_t N, int64_t H, int64_t L, const struct decoder_layer *layers,
                    const struct output_head *head, const float *rope_cos, const float *rope_sin,
-                   const int64_t *positions, const int64_t *slots, const int64_t *parents, float *k_cache,
+                   const int64_t *positions, const int64_t *slots, const int64_t *tree, float *k_cache,
                    float *v_cache, int64_t layer_floats,
                    int64_t S, int64_t *ids, struct kernel_pool *attention_pool, struct kernel_pool *moe_pool,
                    struct kernel_pool *lm_pool, const int64_t *rows, int64_t R, float *features, float *logits,
