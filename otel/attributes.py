@@ -48,6 +48,12 @@ SPEC_CONTROLLER = "moespec.spec.controller"
 # The label of the table cell whose policy a step ran ("b1-1.greedy"): verify spans and the drafted
 # tokens histogram, only for steps that ran a cell of a table policy.
 SPEC_CELL = "moespec.spec.cell"
+# Draft trees (DraftPolicy.tree_width > 1): the policy's tree width (request span: under a tree policy;
+# verify span: on a step that drafted a tree), and on the verify span the deepest draft's depth (the
+# longest path the step could accept) and the tree's root-to-leaf branch count.
+SPEC_TREE_WIDTH = "moespec.spec.tree_width"
+SPEC_TREE_DEPTH = "moespec.spec.tree_depth"
+SPEC_TREE_BRANCHES = "moespec.spec.tree_branches"
 SPEC_VERIFY_STEPS = "moespec.spec.verify_steps"
 SPEC_DRAFTED_TOKENS = "moespec.spec.drafted_tokens"
 SPEC_ACCEPTED_TOKENS = "moespec.spec.accepted_tokens"
@@ -62,6 +68,13 @@ COST_VERIFY_SECONDS = "moespec.cost.verify_seconds"
 # this request's steps, averaged over its steps, per layer. double[L]; absent when the backend
 # reports no passes.
 MOE_BATCH_UNIQUE_EXPERTS_MEAN = "moespec.moe.batch_unique_experts_mean"
+# Draft trees: per layer, the distinct routed experts of one root-to-leaf branch of a tree (the
+# window's first token and the drafts along it), beside the union over the whole tree
+# (MOE_UNIQUE_EXPERTS): how much the siblings verified together widen the pass. double[L] mean over
+# the branches (request span: over the steps, a chain step's one branch being its window), int[L]
+# the widest branch (verify span only).
+MOE_BRANCH_UNIQUE_EXPERTS_MEAN = "moespec.moe.branch_unique_experts_mean"
+MOE_BRANCH_UNIQUE_EXPERTS_MAX = "moespec.moe.branch_unique_experts_max"
 
 # ------------------------------------------------------------- verify-step span
 MOE_UNIQUE_EXPERTS = "moespec.moe.unique_experts"  # int[L]
@@ -84,6 +97,11 @@ MOE_EP_RANKS_TOUCHED_MEAN = "moespec.moe.ep_ranks_touched_mean"  # double[L] (re
 MOE_EP_MAX_RANK_EXPERTS_MAX = "moespec.moe.ep_max_rank_experts_max"  # int[L] (request span)
 EP_VERIFY_SPAN_KEYS = (MOE_EP_RANKS_TOUCHED, MOE_EP_MAX_RANK_EXPERTS, MOE_EP_DISPATCH_BYTES)
 TABLE_VERIFY_SPAN_KEYS = (SPEC_CELL,)  # only on steps that ran a table policy's cell
+# only on steps that drafted a tree (chain steps' spans are unchanged)
+TREE_VERIFY_SPAN_KEYS = (SPEC_TREE_WIDTH, SPEC_TREE_DEPTH, SPEC_TREE_BRANCHES, MOE_BRANCH_UNIQUE_EXPERTS_MEAN,
+                         MOE_BRANCH_UNIQUE_EXPERTS_MAX)
+TREE_POLICY_REQUEST_SPAN_KEYS = (SPEC_TREE_WIDTH,)  # only under a tree policy (tree_width > 1)
+TREE_REQUEST_SPAN_KEYS = (MOE_BRANCH_UNIQUE_EXPERTS_MEAN,)  # only when a step of the request drafted a tree
 EP_REQUEST_SPAN_KEYS = (MOE_EP_RANKS_TOUCHED_MEAN, MOE_EP_MAX_RANK_EXPERTS_MAX, MOE_EP_DISPATCH_BYTES)
 
 # ---------------------------------------------------------- verify_batch span (one per sampled pass)

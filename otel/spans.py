@@ -32,6 +32,7 @@ def request_attributes(info: ModelInfo, request: GenerationRequest, policy: Draf
         a.SPEC_DRAFT_LENGTH: policy.draft_length,
         a.SPEC_DRAFT_TEMPERATURE: float(policy.draft_temperature),
         a.SPEC_CONTROLLER: policy.controller.value,
+        **({a.SPEC_TREE_WIDTH: policy.tree_width} if policy.tree_width > 1 else {}),
     }
 
 
@@ -55,6 +56,8 @@ def result_attributes(result: GenerationResult) -> dict:
         a.COST_VERIFY_SECONDS: float(spec.verify_seconds),
         **ep_request_attributes(result.steps),
         **batch,
+        **({a.MOE_BRANCH_UNIQUE_EXPERTS_MEAN: tuple(float(x) for x in spec.branch_unique_experts_mean)}
+           if spec.branch_unique_experts_mean else {}),
     }
 
 
@@ -86,6 +89,7 @@ def verify_attributes(step: StepRecord) -> dict:
         a.COST_VERIFY_SECONDS: float(step.verify_seconds),
         a.COST_DECODE_STEP_EQUIVALENTS: float(step.decode_step_equivalents),
         **({a.SPEC_CELL: step.cell} if step.cell else {}),
+        **tree_attributes(step),
         **({} if not step.pairwise_overlap_mean else {
             a.MOE_PAIRWISE_OVERLAP_MEAN: tuple(float(x) for x in step.pairwise_overlap_mean),
             a.MOE_PAIRWISE_OVERLAP_MIN: tuple(int(x) for x in step.pairwise_overlap_min),
@@ -95,6 +99,19 @@ def verify_attributes(step: StepRecord) -> dict:
             a.MOE_EP_MAX_RANK_EXPERTS: tuple(int(x) for x in step.ep_max_rank_experts),
             a.MOE_EP_DISPATCH_BYTES: int(step.ep_dispatch_bytes),
         }),
+    }
+
+
+def tree_attributes(step: StepRecord) -> dict:
+    """A tree step's shape and per-branch unions; nothing for a chain step (its one branch is the window)."""
+    if not step.is_tree:
+        return {}
+    return {
+        a.SPEC_TREE_WIDTH: step.tree_width,
+        a.SPEC_TREE_DEPTH: step.tree_depth,
+        a.SPEC_TREE_BRANCHES: step.branches,
+        a.MOE_BRANCH_UNIQUE_EXPERTS_MEAN: step.branch_unique_mean,
+        a.MOE_BRANCH_UNIQUE_EXPERTS_MAX: tuple(int(x) for x in step.branch_unique_max),
     }
 
 

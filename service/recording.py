@@ -11,12 +11,18 @@ Format (JSON Lines, appendable, one complete line per step so a killed server le
   "draft_s", "verify_s", "dse": decode-step equivalents, "tokens": [w] window token ids,
   "topk": base64 of the [L, w, m] routed ids as little-endian uint8 (uint16 when E > 256)}.
   About 0.5 kB per step for a 9-position window of a 4-layer top-8 model.
+  A step of a tree policy adds "tw": its tree width and "parents": [drafted] each node's parent node
+  (-1 = the window's first token; StepRecord.tree_parents); its "flags" then mark the nodes on the
+  accepted path, and "tokens" / "topk" hold the window's first token, then the nodes in drafting order.
+  Chain steps carry neither key, so their lines are what they were.
 The file is created 0600 (an existing one is narrowed to 0600) and never opened through a symlink:
 its token ids let anyone who reads it rebuild the requests' outputs.
 A file may hold several headers (a server restarted on the same file); they must describe the same
 model, and request numbers restart under each.
-On load the per-position acceptance is derived from "accepted" (service.types.accepted_positions),
-not read from "flags": files written before the flags meant the accepted prefix replay the same.
+On load a chain step's per-position acceptance is derived from "accepted"
+(service.types.accepted_positions), not read from "flags": files written before the flags meant the
+accepted prefix replay the same. A tree step's is read from "flags" (checked to be a path from the root
+of "accepted" nodes), and its per-branch unions are recounted from "topk", like the pairwise overlaps.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import numpy as np
 
 from service.routing.expert_sets import pairwise_overlap
 from service.security.private_files import open_private
-from service.types import Drafter, ModelInfo, StepRecord, accepted_positions
+from service.types import Drafter, ModelInfo, StepRecord, accepted_positions, tree_branches
 
 FORMAT = "moespec.steps"
 VERSION = 1
@@ -67,6 +73,7 @@ def step_line(step: StepRecord, request: int, num_experts: int) -> str:
         "flags": "".join("1" if ok else "0" for ok in step.accepted_per_position), "w": step.window,
         "draft_s": step.draft_seconds, "verify_s": step.verify_seconds, "dse": step.decode_step_equivalents,
         "tokens": list(step.window_ids), "topk": base64.b64encode(ids.tobytes()).decode("ascii"),
+        **({"tw": step.tree_width, "parents": list(step.tree_parents)} if step.tree_width > 1 else {}),
     }, separators=(",", ":"))
 
 
@@ -149,11 +156,15 @@ def _step(row: dict, header: dict, where: str) -> StepRecord:
         w = int(row["w"])
         ids = np.frombuffer(base64.b64decode(row["topk"]), dtype=_id_dtype(E)).reshape(L, w, m)
         overlap_mean, overlap_min = pairwise_overlap(ids.astype(np.int64), E)
+        drafted, accepted = int(row["drafted"]), int(row["accepted"])
+        parents = tuple(int(p) for p in row.get("parents", ()))
+        tree = _tree_fields(row, parents, ids, drafted, accepted) if parents else {}
+        per_position = tree.pop("accepted_per_position") if tree else accepted_positions(drafted, accepted)
         return StepRecord(
             drafter=Drafter(row["drafter"]), draft_length=int(row["k"]), draft_temperature=float(row["temp"]),
-            policy_id=str(row["policy"]), drafted=int(row["drafted"]), accepted=int(row["accepted"]),
+            policy_id=str(row["policy"]), drafted=drafted, accepted=accepted,
             committed=int(row["committed"]),
-            accepted_per_position=accepted_positions(int(row["drafted"]), int(row["accepted"])),
+            accepted_per_position=per_position,
             window=w, unique_experts=tuple(len(np.unique(layer)) for layer in ids),
             shared_experts=int(header.get("shared_experts", 0)), unique_experts_bound=min(E, w * m),
             draft_seconds=float(row["draft_s"]), verify_seconds=float(row["verify_s"]),
@@ -161,6 +172,22 @@ def _step(row: dict, header: dict, where: str) -> StepRecord:
             topk_ids=tuple(tuple(tuple(p) for p in layer) for layer in ids.tolist()),
             window_ids=tuple(int(t) for t in row["tokens"]),
             pairwise_overlap_mean=overlap_mean, pairwise_overlap_min=overlap_min,
+            tree_width=int(row.get("tw", 1)), **tree,
         )
     except (KeyError, ValueError, TypeError) as e:
         raise RecordingError(f"{where}: malformed step ({e})") from None
+
+
+def _tree_fields(row: dict, parents: tuple[int, ...], ids: np.ndarray, drafted: int, accepted: int) -> dict:
+    """A tree step's acceptance (from its flags) and per-branch unions (from its [L, w, m] ids: window
+    position 0 is the first token, position i + 1 node i); ValueError when they do not fit together."""
+    if len(parents) != drafted or ids.shape[1] != drafted + 1:
+        raise ValueError(f"{len(parents)} tree parents and a {ids.shape[1]}-position window for {drafted} drafts")
+    flags = tuple(c == "1" for c in str(row["flags"]))
+    path = [i for i, ok in enumerate(flags) if ok]
+    if len(flags) != drafted or len(path) != accepted or any(
+            parents[node] != (path[d - 1] if d else -1) for d, node in enumerate(path)):
+        raise ValueError(f"flags {row['flags']!r} are not a path of {accepted} nodes from the tree's root")
+    branches = tree_branches(parents)  # refuses parents that are not a tree
+    unions = tuple(tuple(len(np.unique(layer[[0, *(n + 1 for n in branch)]])) for layer in ids) for branch in branches)
+    return {"accepted_per_position": flags, "tree_parents": parents, "branch_unique": unions}

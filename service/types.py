@@ -17,6 +17,7 @@ MAX_STOP_LENGTH = 64
 MAX_POLICY_ID_LENGTH = 128
 MAX_COST_WEIGHT = 100.0
 MAX_POLICY_CELLS = 16
+MAX_TREE_WIDTH = 4  # DraftPolicy.tree_width: candidates a tree expands per kept node at each depth
 
 
 class InvalidRequest(ValueError):
@@ -82,6 +83,12 @@ class DraftPolicy:
     With cells, the policy is a table keyed by the step's context: a step runs the policy of the
     cell that matches its pass's occupancy and its request's kind, and the fields above where no
     cell matches. Cells never overlap, so at most one matches (`for_step`).
+
+    With tree_width w > 1 a step drafts a tree rather than a chain (EAGLE-2 style: at each depth the
+    draft model expands the w most likely candidates of the nodes kept) and verifies it in one target
+    pass; draft_length is then the tree's node budget, the drafts verified per step, as for a chain.
+    Only the model drafter proposes trees (the n-gram drafter proposes chains), and only the static
+    controller plans them (the adaptive controllers plan chain lengths).
     """
 
     drafter: Drafter = Drafter.MODEL
@@ -91,6 +98,7 @@ class DraftPolicy:
     controller: Controller = Controller.STATIC
     cost_weight: float = 1.0  # the moespec controller only: > 1 drafts less, < 1 more
     cells: tuple[PolicyCell, ...] = ()
+    tree_width: int = 1  # 1 = a chain; > 1: a tree of draft_length nodes (model drafter, static controller)
 
     def for_step(self, batch_size: int, greedy: bool) -> tuple[int, DraftPolicy]:
         """(index of the matching cell or -1, the policy a step in that context runs)."""
@@ -130,7 +138,21 @@ class DraftPolicy:
         w = self.cost_weight
         if not math.isfinite(w) or not 0 < w <= MAX_COST_WEIGHT:
             raise InvalidRequest(f"{field_name}.cost_weight", f"must be in (0, {MAX_COST_WEIGHT:g}], got {w}")
+        self._validate_tree(field_name)
         self._validate_cells(max_draft_length, field_name)
+
+    def _validate_tree(self, field_name: str) -> None:
+        where = f"{field_name}.tree_width"
+        if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
+            raise InvalidRequest(where, f"must be in [1, {MAX_TREE_WIDTH}] (1 = a chain), got {self.tree_width}")
+        if self.tree_width == 1:
+            return
+        if self.drafter is not Drafter.MODEL:
+            raise InvalidRequest(where, f"a tree (tree_width {self.tree_width}) needs the model drafter: the "
+                                        f"{self.drafter.value} drafter proposes chains only (give tree_width 1)")
+        if self.controller is not Controller.STATIC:
+            raise InvalidRequest(where, f"a tree (tree_width {self.tree_width}) needs the static controller: the "
+                                        f"{self.controller.value} controller plans chain lengths (give tree_width 1)")
 
     def _validate_cells(self, max_draft_length: int, field_name: str) -> None:
         if len(self.cells) > MAX_POLICY_CELLS:
@@ -257,9 +279,43 @@ def accepted_positions(drafted: int, accepted: int) -> tuple[bool, ...]:
     return tuple(i < accepted for i in range(drafted))
 
 
+def tree_depths(parents: tuple[int, ...]) -> tuple[int, ...]:
+    """[nodes] each draft node's depth (1 = a child of the window's first token) from its parent
+    index (-1 = that first token); parents come before their children (StepRecord.tree_parents)."""
+    depths: list[int] = []
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"tree node {i}: parent {parent} is not an earlier node or -1")
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return tuple(depths)
+
+
+def tree_branches(parents: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The root-to-leaf branches of a draft tree: for each leaf (a node nobody's parent), in the order
+    of the leaves' node indices, the nodes from depth 1 down to that leaf. () for no drafts."""
+    tree_depths(parents)  # refuses a malformed tree
+    inner = set(parents)
+    branches = []
+    for leaf in (i for i in range(len(parents)) if i not in inner):
+        path, node = [], leaf
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        branches.append(tuple(reversed(path)))
+    return tuple(branches)
+
+
 @dataclass(frozen=True)
 class StepRecord:
-    """One draft/verify step (or one plain decode step: window 1, drafted = accepted = 0)."""
+    """One draft/verify step (or one plain decode step: window 1, drafted = accepted = 0).
+
+    A step of a tree policy (tree_width > 1) verified a tree of `drafted` nodes in one pass. Then
+    `window` = drafted + 1 (the window's first token, then the nodes in drafting order), `accepted`
+    is the length of the accepted path (the branch the target kept), `accepted_per_position[i]` says
+    whether node i lies on it (not a prefix: the accepted nodes need not be the first ones),
+    `unique_experts` is the union over every position of the tree, and `branch_unique` the union over
+    each root-to-leaf branch: what one chain along that branch would have touched.
+    """
 
     drafter: Drafter
     draft_length: int  # the policy's k
@@ -268,15 +324,18 @@ class StepRecord:
     drafted: int  # tokens proposed this step (n-gram may propose fewer than k, or none)
     accepted: int  # drafted tokens the target accepted
     committed: int  # tokens this step added to the output: accepted + the target's own (fewer only if EOS ended it)
-    accepted_per_position: tuple[bool, ...]  # [drafted] draft i accepted: i < accepted (accepted_positions)
+    # [drafted] chain: draft i accepted, i.e. i < accepted (accepted_positions); tree: node i lies on the
+    # accepted path
+    accepted_per_position: tuple[bool, ...]
     window: int  # positions in the verify pass = drafted + 1
-    unique_experts: tuple[int, ...]  # [L] distinct routed experts per MoE layer over the window
+    unique_experts: tuple[int, ...]  # [L] distinct routed experts per MoE layer over the window (a tree: every node)
     shared_experts: int  # always-active shared experts per layer
     unique_experts_bound: int  # min(E, window * m)
     draft_seconds: float
     verify_seconds: float
     decode_step_equivalents: float  # verify_seconds / the engine's recent plain decode step time
-    topk_ids: tuple[tuple[tuple[int, ...], ...], ...] | None = None  # [L, w, m] when captured
+    # [L, w, m] when captured; positions in window order (a tree: the first token, then the nodes in drafting order)
+    topk_ids: tuple[tuple[tuple[int, ...], ...], ...] | None = None
     window_ids: tuple[int, ...] | None = None  # [w] the verified tokens, captured with topk_ids
     # [L] mean and smallest |S_i ∩ S_j| over the window's position pairs (service/routing/expert_sets.py);
     # () where the routing was not counted.
@@ -291,6 +350,14 @@ class StepRecord:
     planned: int | None = None  # drafts the controller asked of the drafter (None: the policy's draft_length)
     predicted_accepted: float | None = None  # the moespec rule's expected accepted drafts of this step
     cell: str = ""  # the label of the table cell whose policy this step ran ("": the base policy)
+    tree_width: int = 1  # the policy's (DraftPolicy.tree_width); 1 = a chain
+    # Trees only (() for a chain). [drafted] node i's parent node, -1 = the window's first token (the last
+    # committed token); nodes in drafting order, parents before children (tree_depths, tree_branches).
+    tree_parents: tuple[int, ...] = ()
+    # [branches][L] per root-to-leaf branch (one per leaf, in the order of the leaves' node indices): the
+    # distinct routed experts per MoE layer over the branch's positions, the window's first token included.
+    # () for a chain, whose one branch is the window (unique_experts).
+    branch_unique: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def of_policy(cls, policy: DraftPolicy, *, drafted: int, accepted: int, committed: int,
@@ -298,8 +365,10 @@ class StepRecord:
                   shared_experts: int, num_experts: int, top_k: int, draft_seconds: float, verify_seconds: float,
                   decode_step_equivalents: float, **optional) -> StepRecord:
         """The one constructor both backends use: the policy's fields copied, the union's bound
-        min(E, window * m) derived; `optional` holds topk_ids, window_ids, the EP fields, batch."""
+        min(E, window * m) derived; `optional` holds topk_ids, window_ids, the EP fields, batch and,
+        for a tree, tree_parents and branch_unique."""
         return cls(drafter=policy.drafter, draft_length=policy.draft_length, controller=policy.controller,
+                   tree_width=policy.tree_width,
                    draft_temperature=policy.draft_temperature, policy_id=policy.policy_id, drafted=drafted,
                    accepted=accepted, committed=committed, accepted_per_position=accepted_per_position,
                    window=window, unique_experts=unique_experts, shared_experts=shared_experts,
@@ -319,6 +388,42 @@ class StepRecord:
     def widest_layer(self) -> int:
         return max(range(len(self.unique_experts)), key=self.unique_experts.__getitem__) if self.unique_experts else -1
 
+    @property
+    def is_tree(self) -> bool:
+        """The step verified a tree of drafts (a tree policy's step that drafted something)."""
+        return self.tree_width > 1 and self.drafted > 0
+
+    @property
+    def tree_depth(self) -> int:
+        """The deepest draft's depth: the longest path the step could have accepted (a chain: drafted)."""
+        return max(tree_depths(self.tree_parents), default=0) if self.tree_parents else self.drafted
+
+    @property
+    def branches(self) -> int:
+        """Root-to-leaf branches the step verified (a chain: 1)."""
+        return len(self.branch_unique) or 1
+
+    @property
+    def branch_unique_mean(self) -> tuple[float, ...]:
+        """[L] the mean over the branches of each branch's union (a chain: its window's union)."""
+        if not self.branch_unique:
+            return tuple(float(u) for u in self.unique_experts)
+        return tuple(sum(layer) / len(layer) for layer in zip(*self.branch_unique, strict=True))
+
+    @property
+    def branch_unique_max(self) -> tuple[int, ...]:
+        """[L] the widest branch's union per layer (a chain: its window's union)."""
+        if not self.branch_unique:
+            return self.unique_experts
+        return tuple(max(layer) for layer in zip(*self.branch_unique, strict=True))
+
+    @property
+    def accepted_per_depth(self) -> tuple[bool, ...]:
+        """Per draft depth (0 = the first draft of the window's accepted path): accepted. A chain's
+        positions are its depths, so this is accepted_per_position; a tree's accepted path is a prefix
+        of its depths, so depth i counts iff i < accepted."""
+        return accepted_positions(self.tree_depth, self.accepted) if self.tree_parents else self.accepted_per_position
+
 
 @dataclass(frozen=True)
 class SpecStats:
@@ -328,7 +433,7 @@ class SpecStats:
     drafted_tokens: int
     accepted_tokens: int
     committed_tokens: int
-    accepted_per_position: tuple[int, ...]  # [k] how often position i was accepted
+    accepted_per_position: tuple[int, ...]  # [k] how often draft position (a tree: depth) i was accepted
     unique_experts_mean: tuple[float, ...]  # [L]
     unique_experts_max: tuple[int, ...]  # [L]
     draft_seconds: float
@@ -342,6 +447,10 @@ class SpecStats:
     # came from a batched pass (a backend that does not report passes)
     batch_unique_experts_mean: tuple[float, ...] = ()
     controller: Controller = Controller.STATIC
+    tree_width: int = 1  # the policy's (1 = chains)
+    # [L] mean over the steps of each step's mean branch union (StepRecord.branch_unique_mean; a chain
+    # step's one branch is its window); () when no step drafted a tree (it would equal unique_experts_mean)
+    branch_unique_experts_mean: tuple[float, ...] = ()
 
     @property
     def seconds_per_committed_token(self) -> float:
@@ -351,11 +460,14 @@ class SpecStats:
     def from_steps(cls, steps: list[StepRecord], policy: DraftPolicy, num_layers: int) -> SpecStats:
         per_position = [0] * policy.longest_draft
         for s in steps:
-            for i, ok in enumerate(s.accepted_per_position):
+            # by depth: a tree's node indices are not positions along the path it accepted
+            for i, ok in enumerate(s.accepted_per_depth):
                 per_position[i] += int(ok)
         n = len(steps)
         layers = range(num_layers)
         batched = [s.batch for s in steps if s.batch is not None]
+        trees = [s for s in steps if s.is_tree]
+        branch_means = [s.branch_unique_mean for s in steps] if trees else []
         return cls(
             verify_steps=n,
             drafted_tokens=sum(s.drafted for s in steps),
@@ -374,6 +486,8 @@ class SpecStats:
             batch_unique_experts_mean=tuple(sum(b.unique_experts[i] for b in batched) / len(batched)
                                             for i in layers) if batched else (),
             controller=policy.controller,
+            tree_width=policy.tree_width,
+            branch_unique_experts_mean=tuple(sum(b[i] for b in branch_means) / n for i in layers) if trees else (),
         )
 
 
@@ -418,7 +532,8 @@ class ModelInfo:
     max_context: int
     max_draft_length: int
     drafters: tuple[Drafter, ...]
-    tunable: tuple[str, ...]  # knobs the tuner may search: "drafter", "draft_length", "draft_temperature"
+    # knobs the tuner may search: "drafter", "draft_length", "draft_temperature", "tree_width"
+    tunable: tuple[str, ...]
     expert_bytes: int  # bytes of one routed expert's weights (the modelled cost's unit)
     decode_step_seconds: float  # the engine's calibrated plain decode step
     # What changing the policy costs: 0 for the embedded engine (any policy, any request); SGLang
@@ -446,3 +561,5 @@ class ModelInfo:
     controllers_note: str = ""
     # Whether a policy may be a table of cells keyed by the step's context (DraftPolicy.cells).
     policy_tables: bool = False
+    # The widest draft tree a policy may ask for (DraftPolicy.tree_width); 1 = chains only.
+    max_tree_width: int = 1

@@ -144,7 +144,7 @@ def _policy(client: MoespecClient, args: argparse.Namespace) -> int:
     else:
         policy = client.set_policy(
             DraftPolicy(Drafter(args.drafter), args.draft_length, args.draft_temperature, args.policy_id,
-                        Controller(args.controller), args.cost_weight, cells_from_args(args)),
+                        Controller(args.controller), args.cost_weight, cells_from_args(args), args.tree_width),
             timeout=args.timeout,
         )
     print(_dump(asdict(policy)))
@@ -167,11 +167,14 @@ _ACTIONS = {"generate": _generate, "policy": _policy, "info": _info, "health": _
 
 def _summary(reply: Reply) -> None:
     s = reply.spec
+    tree = f", tree width {s.tree_width}" if s.tree_width > 1 else ""
+    branch = (f" (one branch of the tree: {[round(u, 1) for u in s.branch_unique_experts_mean]})"
+              if s.branch_unique_experts_mean else "")
     print(
         f"[{reply.finish_reason.value}] {reply.completion_tokens} tokens in {reply.seconds:.3f}s; "
-        f"policy {s.policy_id} ({s.drafter.value}, k={s.draft_length}): {s.verify_steps} steps, "
+        f"policy {s.policy_id} ({s.drafter.value}, k={s.draft_length}{tree}): {s.verify_steps} steps, "
         f"accepted {s.accepted_tokens}/{s.drafted_tokens}; unique experts per layer "
-        f"{[round(u, 1) for u in s.unique_experts_mean]}",
+        f"{[round(u, 1) for u in s.unique_experts_mean]}{branch}",
         file=sys.stderr,
     )
 

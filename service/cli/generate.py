@@ -7,6 +7,7 @@ import sys
 
 from service.errors import UsageError
 from service.policy.ids import cell_from_text
+from service.policy.offers import check_offered
 from service.types import (
     Controller,
     Drafter,
@@ -41,6 +42,12 @@ def add_controller_arguments(parser: argparse.ArgumentParser, prefix: str = "") 
                              "the most a step drafts (docs/server.md, 'Adaptive speculation')")
     parser.add_argument("--cost-weight", type=float, default=1.0,
                         help=f"{prefix}the moespec controller's weight on marginal cost (> 1 drafts less)")
+    # Beside the controller: every command that takes a policy takes these, and a tree rules out the
+    # adaptive controllers (DraftPolicy.validate says so).
+    parser.add_argument("--tree-width", type=int, default=1, metavar="N",
+                        help=f"{prefix}draft a tree instead of a chain: at each depth expand the N most likely "
+                             "candidates of the nodes kept, within --draft-length nodes (model drafter, static "
+                             "controller; 1 = a chain, the default; docs/server.md, 'Draft trees')")
     parser.add_argument("--cell", action="append", default=[], metavar="LABEL=POLICY_ID",
                         help=f"{prefix}a table cell (repeatable): steps in that context run that policy, e.g. "
                              "b1-1.greedy=ngram-k4 or b9+.any=plain (docs/server.md, 'Table policies')")
@@ -70,7 +77,7 @@ def request_from_args(args: argparse.Namespace) -> tuple[GenerationRequest, Draf
     policy = DraftPolicy(drafter=Drafter(args.drafter), draft_length=args.draft_length,
                          draft_temperature=args.draft_temperature, policy_id="cli",
                          controller=Controller(args.controller), cost_weight=args.cost_weight,
-                         cells=cells_from_args(args))
+                         cells=cells_from_args(args), tree_width=args.tree_width)
     return request, policy
 
 
@@ -81,10 +88,12 @@ def step_table(result: GenerationResult) -> str:
         rows.append(f"{i:4d}  {s.drafted:7d}  {s.accepted:8d}  {s.committed:9d}  {experts:<25s} "
                     f"{s.verify_seconds * 1e3:9.2f}  {s.decode_step_equivalents:12.2f}")
     spec = result.spec
+    branches = (f" (one branch of the tree: [{', '.join(f'{u:.1f}' for u in spec.branch_unique_experts_mean)}])"
+                if spec.branch_unique_experts_mean else "")
     rows.append(
         f"steps {spec.verify_steps}, accepted {spec.accepted_tokens}/{spec.drafted_tokens} drafted, "
         f"committed {spec.committed_tokens}, mean unique experts per layer "
-        f"[{', '.join(f'{u:.1f}' for u in spec.unique_experts_mean)}], "
+        f"[{', '.join(f'{u:.1f}' for u in spec.unique_experts_mean)}]{branches}, "
         f"{spec.seconds_per_committed_token * 1e3:.2f} ms per committed token, finish {result.finish_reason.value}"
     )
     return "\n".join(rows)
@@ -101,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     engine = Engine(EngineConfig())
     try:
+        check_offered(policy, engine.info)  # as the server would: a tree the engine cannot draft is refused
         result = engine.generate(request, policy)
     except InvalidRequest as e:
         raise UsageError(str(e)) from None

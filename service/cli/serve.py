@@ -120,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             asyncio.run(serve(backend, config, telemetry, interceptors=telemetry.server_interceptors(),
                               on_ready=_announce))
+        except InvalidRequest as e:  # the initial policy against what the backend offers (its tree width, ...)
+            raise UsageError(f"initial draft policy: {e}") from None
         finally:
             telemetry.shutdown()  # flushes what is still buffered
     finally:
@@ -157,7 +159,7 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
         raise UsageError("--max-request-bytes must be at least 1024")
     policy = DraftPolicy(Drafter(args.drafter), args.draft_length, args.draft_temperature, policy_id="default",
                          controller=Controller(args.controller), cost_weight=args.cost_weight,
-                         cells=cells_from_args(args))
+                         cells=cells_from_args(args), tree_width=args.tree_width)
     try:
         policy.validate()
     except InvalidRequest as e:

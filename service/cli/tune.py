@@ -76,12 +76,12 @@ def _describe(parser: argparse.ArgumentParser) -> None:
     """What `moespec tune --help` says above and below the flags."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = (
-        "Tune the server's draft policy (drafter, draft length, draft temperature) online: each Optuna\n"
-        "trial sets a policy, measures seconds per committed token from the request spans the server\n"
-        "exports to --otlp-listen, and tells the value. The study lives in --storage, so the tuner can\n"
-        "be stopped and restarted without losing a finished trial. Point the server's\n"
-        "OTEL_EXPORTER_OTLP_ENDPOINT at http://<otlp-listen> (and set OTEL_BSP_SCHEDULE_DELAY=200\n"
-        "or so: the SDK's 5 s batching delay makes every window 5 s longer)."
+        "Tune the server's draft policy (drafter, draft length, draft temperature, and tree width where\n"
+        "the server drafts trees) online: each Optuna trial sets a policy, measures seconds per committed\n"
+        "token from the request spans the server exports to --otlp-listen, and tells the value. The study\n"
+        "lives in --storage, so the tuner can be stopped and restarted without losing a finished trial.\n"
+        "Point the server's OTEL_EXPORTER_OTLP_ENDPOINT at http://<otlp-listen> (and set\n"
+        "OTEL_BSP_SCHEDULE_DELAY=200 or so: the SDK's 5 s batching delay makes every window 5 s longer)."
     )
     parser.epilog = ("exit codes: 0 done, 2 bad arguments or storage, 3 server unreachable, "
                      "4 admin token refused, 5 no traffic, 130 interrupted")

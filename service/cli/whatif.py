@@ -1,6 +1,7 @@
 """`moespec whatif FILE`: predict the cost of every draft length k' <= k from one recorded run.
 
-FILE is a step recording (`moespec serve --record-steps FILE`). Prints a table (acceptance per
+FILE is a step recording (`moespec serve --record-steps FILE`). Steps of tree policies are not replayed
+(the replay predicts chains; the output says how many it skipped). Prints a table (acceptance per
 position, committed tokens per step, per-layer unions, verify / draft ms, ms per committed token),
 and writes FILE.whatif.json and FILE.whatif.png (or under --out). With --ep-size P the table adds
 the expert-parallel view of each k' (ranks touched per layer, dispatch bytes per committed token).
@@ -27,7 +28,7 @@ from service.whatif.predict import predict
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=Path, help="step recording written by `moespec serve --record-steps`")
     parser.add_argument("--policy", default=None,
-                        help="policy id to replay (default: the one with the most recorded steps)")
+                        help="policy id to replay (default: the one with the most recorded chain steps)")
     parser.add_argument("--ep-size", type=int, default=0, help="also estimate expert parallelism over P ranks")
     parser.add_argument("--ep-placement", type=Path, default=None,
                         help="physical-to-logical map [layers, slots] (.pt or .json, SGLang's shape); "
@@ -53,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
     counts = Counter(s.policy_id for s in recording.steps)
     if not counts:
         raise UsageError(f"{args.file}: the recording holds no steps")
-    policy = args.policy or counts.most_common(1)[0][0]
+    # The default is the policy with the most chain steps: the replay predicts chains only.
+    chains = Counter(s.policy_id for s in recording.steps if s.tree_width == 1)
+    policy = args.policy or (chains or counts).most_common(1)[0][0]
     if policy not in counts:
         raise UsageError(f"--policy {policy!r} is not in the recording (it has: {', '.join(sorted(counts))})")
     selected = (tuple(s for s in request if s.policy_id == policy) for request in recording.requests)

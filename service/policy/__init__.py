@@ -1,1 +1,1 @@
-"""Draft policies as clients and the tuner name them: policy ids, traffic splits."""
+"""Draft policies as clients and the tuner name them: policy ids, traffic splits, what a backend offers."""

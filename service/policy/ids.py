@@ -11,7 +11,9 @@ tuner groups trials by the same rules (tuner.loop.space.policy_key).
 Ids: "plain" (draft_length 0), "ngram-k<k>", "model-k<k>-t<T>" (T in the shortest exact form, %g);
 an adaptive controller prefixes its name, and the moespec controller appends its cost weight:
 "cascade-ngram-k8", "moespec-model-k8-t0-w1.5". The cost weight matters to the moespec controller
-only; with draft_length 0 no controller has anything to choose (plain).
+only; with draft_length 0 no controller has anything to choose (plain). A tree appends its width
+("model-k6-t0.5-tw2"; draft_length is its node budget); a chain (width 1) appends nothing, and with
+draft_length 0 there is no tree (plain).
 
 A table (DraftPolicy.cells) appends each cell's label and id to its base's:
 "plain+b1-1.greedy=ngram-k4+b2+.any=moespec-ngram-k8-w1"; an id longer than the proto allows is
@@ -48,7 +50,8 @@ def canonical(policy: DraftPolicy) -> DraftPolicy:
         return replace(canonical(replace(policy, cells=())), cells=cells)
     default = DraftPolicy()
     if is_plain(policy):
-        policy = replace(policy, drafter=default.drafter, controller=default.controller)
+        policy = replace(policy, drafter=default.drafter, controller=default.controller,
+                         tree_width=default.tree_width)
     if not temperature_matters(policy):
         policy = replace(policy, draft_temperature=default.draft_temperature)
     if policy.controller is not Controller.MOESPEC:
@@ -71,6 +74,8 @@ def _single_id(policy: DraftPolicy) -> str:
     base = f"{p.drafter.value}-k{p.draft_length}"
     if temperature_matters(p):
         base += f"-t{p.draft_temperature:g}"
+    if p.tree_width > 1:
+        base += f"-tw{p.tree_width}"
     if p.controller is Controller.STATIC:
         return base
     if p.controller is Controller.MOESPEC:
@@ -81,25 +86,28 @@ def _single_id(policy: DraftPolicy) -> str:
 _NUMBER = r"[0-9]+(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?"
 _ADAPTIVE = "|".join(re.escape(c.value) for c in Controller if c is not Controller.STATIC)
 _ID = re.compile(rf"(?:(?P<controller>{_ADAPTIVE})-)?(?P<drafter>{'|'.join(d.value for d in Drafter)})-k(?P<k>[0-9]+)"
-                 rf"(?:-t(?P<t>{_NUMBER}))?(?:-w(?P<w>{_NUMBER}))?")
+                 rf"(?:-t(?P<t>{_NUMBER}))?(?:-tw(?P<tw>[0-9]+))?(?:-w(?P<w>{_NUMBER}))?")
 _KINDS = "|".join(k.value for k in RequestKind)
 _LABEL = re.compile(rf"b(?P<min>[0-9]+)(?:-(?P<max>[0-9]+)|\+)\.(?P<kind>{_KINDS})")
 
 
 def policy_from_id(text: str) -> DraftPolicy:
-    """The policy a derived id names ("plain", "ngram-k4", "moespec-model-k8-t0-w1.5"; a model id
-    without -t drafts at temperature 1); ValueError naming the expected form otherwise."""
+    """The policy a derived id names ("plain", "ngram-k4", "moespec-model-k8-t0-w1.5",
+    "model-k6-t0.5-tw2"; a model id without -t drafts at temperature 1); ValueError naming the expected
+    form otherwise. A width the policy cannot have (a tree of the n-gram drafter) is left for
+    DraftPolicy.validate to refuse, naming the field."""
     if text == PLAIN_ID:
         return DraftPolicy(policy_id="")
     m = _ID.fullmatch(text)
     if m is None or (m["w"] is not None and m["controller"] != Controller.MOESPEC.value):
-        raise ValueError(f"{text!r} is not a policy id: expected plain, ngram-k<k>, model-k<k>[-t<T>], "
+        raise ValueError(f"{text!r} is not a policy id: expected plain, ngram-k<k>, model-k<k>[-t<T>][-tw<width>], "
                          "with an optional controller prefix (moespec-...-w<weight>, cascade-, sglang-ema-, "
                          "transformers-heuristic-)")
     default = DraftPolicy()
     return DraftPolicy(Drafter(m["drafter"]), int(m["k"]), float(m["t"]) if m["t"] else default.draft_temperature,
                        policy_id="", controller=Controller(m["controller"] or Controller.STATIC.value),
-                       cost_weight=float(m["w"]) if m["w"] else default.cost_weight)
+                       cost_weight=float(m["w"]) if m["w"] else default.cost_weight,
+                       tree_width=int(m["tw"]) if m["tw"] else default.tree_width)
 
 
 def cell_from_text(text: str) -> PolicyCell:

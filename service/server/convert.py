@@ -141,6 +141,8 @@ def policy_from_pb(msg: pb.DraftPolicy, field_prefix: str = "policy") -> DraftPo
         policy_id=msg.policy_id,
         controller=controller_from_pb(msg.controller, f"{field_prefix}.controller"),
         cost_weight=msg.cost_weight if msg.HasField("cost_weight") else d.cost_weight,
+        # 0 (unset: an older client) is a chain; a negative width stays as sent, for validate() to refuse.
+        tree_width=msg.tree_width or d.tree_width,
     )
 
 
@@ -154,7 +156,13 @@ def policy_to_pb(policy: DraftPolicy) -> pb.DraftPolicy:
         cost_weight=policy.cost_weight,
         cells=[pb.PolicyCell(min_batch=c.min_batch, max_batch=c.max_batch, kind=_KIND_TO_PB[c.kind],
                              policy=policy_to_pb(c.policy)) for c in policy.cells],
+        tree_width=_width_to_pb(policy.tree_width),
     )
+
+
+def _width_to_pb(width: int) -> int:
+    """A chain is sent as 0 (the proto's unset): chain policies and stats stay what they were on the wire."""
+    return 0 if width == 1 else width
 
 
 def split_from_pb(msg: pb.TrafficSplit) -> TrafficSplit:
@@ -194,6 +202,8 @@ def spec_to_pb(spec: SpecStats) -> pb.SpecStats:
         draft_length=spec.draft_length,
         draft_temperature=spec.draft_temperature,
         controller=_CONTROLLER_TO_PB[spec.controller],
+        tree_width=_width_to_pb(spec.tree_width),
+        branch_unique_experts_mean=list(spec.branch_unique_experts_mean),
     )
 
 
@@ -215,6 +225,8 @@ def spec_from_pb(msg: pb.SpecStats) -> SpecStats:
         draft_length=msg.draft_length,
         draft_temperature=msg.draft_temperature,
         controller=controller_from_pb(msg.controller, "spec.controller"),
+        tree_width=msg.tree_width or 1,
+        branch_unique_experts_mean=tuple(msg.branch_unique_experts_mean),
     )
 
 
@@ -289,6 +301,7 @@ def info_to_pb(info: ModelInfo) -> pb.ModelInfo:
         controllers=[_CONTROLLER_TO_PB[c] for c in info.controllers],
         controllers_note=info.controllers_note,
         policy_tables=info.policy_tables,
+        max_tree_width=info.max_tree_width,
     )
 
 
@@ -321,4 +334,5 @@ def info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
         controllers=tuple(controller_from_pb(c, "controllers") for c in msg.controllers) or (Controller.STATIC,),
         controllers_note=msg.controllers_note,
         policy_tables=msg.policy_tables,
+        max_tree_width=msg.max_tree_width or 1,  # a server that predates trees drafts chains
     )

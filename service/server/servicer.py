@@ -38,6 +38,7 @@ import grpc
 from otel.api import NoTelemetry, RequestObservation, Telemetry
 from service.limits import PromptLimits
 from service.policy.ids import derived_id
+from service.policy.offers import check_offered
 from service.policy.traffic import ArmAssigner, TrafficSplit
 from service.proto_gen.moespec.v1 import moespec_pb2 as pb
 from service.proto_gen.moespec.v1 import moespec_pb2_grpc as pb_grpc
@@ -94,19 +95,11 @@ class PolicyStore:
         return split if split.seed is not None else replace(split, seed=self._seed_source())
 
     def check(self, policy: DraftPolicy) -> DraftPolicy:
-        """Validate against this backend's bounds; an empty policy_id is derived from the policy's
-        canonical form (service.policy.ids), so policies that run alike share one id."""
+        """Validate against this backend's bounds and offers (service.policy.offers: tables, drafters,
+        controllers, tree widths); an empty policy_id is derived from the policy's canonical form
+        (service.policy.ids), so policies that run alike share one id."""
         policy.validate(self._info.max_draft_length)
-        if policy.cells and not self._info.policy_tables:
-            raise InvalidRequest("policy.cells", "this backend runs one policy for every step "
-                                 "(ModelInfo.policy_tables is false): give a policy without cells")
-        for where, part in policy.parts():
-            if part.draft_length and part.drafter not in self._info.drafters:
-                raise InvalidRequest(f"{where}.drafter", f"{part.drafter.value!r} is not offered by this backend")
-            if part.controller not in self._info.controllers:
-                note = f" ({self._info.controllers_note})" if self._info.controllers_note else ""
-                raise InvalidRequest(f"{where}.controller",
-                                     f"{part.controller.value!r} is not offered by this backend{note}")
+        check_offered(policy, self._info)
         if not policy.policy_id:
             policy = replace(policy, policy_id=derived_id(policy))
         return policy

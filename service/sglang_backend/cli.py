@@ -249,6 +249,8 @@ def initial_policy(args: argparse.Namespace, spec: SpecConfig) -> DraftPolicy:
     """serve_cli's --drafter / --draft-length, if it defines them; else plain decoding."""
     drafter = Drafter(getattr(args, "drafter", Drafter.MODEL.value))
     length = getattr(args, "draft_length", 0)
+    if getattr(args, "tree_width", 1) != 1:
+        raise UsageError("--tree-width: the sglang backend drafts chains only (give 1 or leave it out)")
     if length and drafter not in spec.drafters():
         offered = ", ".join(d.value for d in spec.drafters())
         raise UsageError(f"--drafter {drafter.value}: this sglang configuration offers {offered}")

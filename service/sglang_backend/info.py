@@ -36,4 +36,5 @@ def build_info(target: MoeGeometry, draft_name: str, spec: SpecConfig, max_conte
                           "engines switch among prepared_draft_lengths at run time, set by SetPolicy or the "
                           "tuner, never by SGLang's own acceptance rule"),
         prepared_draft_lengths=spec.prepared_lengths,
+        max_tree_width=1,  # chains only: speculative_kwargs refuses tree policies
     )

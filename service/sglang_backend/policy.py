@@ -10,6 +10,8 @@ Mapping (server-argument names from python/sglang/srt/arg_groups/fields/spec.py 
   different lengths that continue differently still branch off the root, so an NGRAM window is a
   small tree (draft_tree.py). SGLang's NGRAM always verifies all k + 1 positions (it pads when the
   cache finds too little), so empty drafts cost a full window there and are not counted as empty.
+- tree_width > 1: refused (INVALID_ARGUMENT on policy.tree_width). moespec's trees are the embedded
+  engine's; this backend drafts chains (ModelInfo.max_tree_width 1).
 - draft_temperature: no SGLang knob. Chain drafts are the draft model's argmax; with
   speculative_use_rejection_sampling (EAGLE/EAGLE3/NEXTN only) the draft samples at the request's own
   temperature. So it is never listed as tunable and StepRecords carry 0.0 (argmax).
@@ -62,6 +64,9 @@ def speculative_kwargs(policy: DraftPolicy, spec: SpecConfig) -> dict:
     """The speculative_* engine arguments for a policy ({} = speculation off). k = 0 where 0 is a prepared
     length: the adaptive model-drafter engine at 0 steps (SGLang verifies each request's one next token
     without drafting: a plain decode step, plus the draft's KV catch-up), so plain costs no swap either."""
+    if policy.tree_width > 1:  # before the k = 0 shortcut: a tree policy is refused whatever its length
+        raise InvalidRequest("policy.tree_width", f"{policy.tree_width}: this backend drafts chains only "
+                             "(ModelInfo.max_tree_width 1): give tree_width 1")
     k = policy.draft_length
     if k == 0 and 0 not in spec.prepared_lengths:
         return {}

@@ -54,9 +54,9 @@ def hint_from_prediction(result: WhatIf, measured: DraftPolicy, margin: float = 
 
 def replay_trial(recording_path: Path, measured: DraftPolicy, min_steps: int = 20) -> WhatIf | None:
     """The what-if replay of the steps recorded under `measured.policy_id`; None for plain decoding
-    (nothing shorter) or fewer than `min_steps` recorded steps. Raises RecordingError (a ValueError)
-    for a missing, unreadable or malformed file."""
-    if measured.draft_length == 0:
+    (nothing shorter), for a tree policy (the replay predicts chains only) or fewer than `min_steps`
+    recorded steps. Raises RecordingError (a ValueError) for a missing, unreadable or malformed file."""
+    if measured.draft_length == 0 or measured.tree_width > 1:
         return None
     recording = read_recording(recording_path)
     requests = trial_requests(recording, measured.policy_id)

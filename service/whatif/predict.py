@@ -24,6 +24,11 @@ Contract (pure; steps of one policy, grouped by request, in order):
   that found nothing, the same lookup.
 - With an EP placement: mean ranks touched and most experts on one rank per layer, dispatch bytes
   per committed token, for each k'.
+- Chains only. Steps of a tree policy (StepRecord.tree_width > 1) are left out and counted
+  (`WhatIf.tree_steps_skipped`): a tree's acceptance depends on its shape (how many siblings each
+  depth offered), which a chain's positions do not tell, and its window is not a chain's prefix. The
+  chain steps around them are replayed as separate runs, since the positions a tree step committed
+  are not in the walk.
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ class WhatIf:
     predictions: tuple[LengthPrediction, ...]  # k' = 0..k
     speculative_curve: CostCurve | None = None  # windows >= 2, fitted on those passes alone (if identified)
     cost_profile: str | None = None  # the profile that priced the verify passes (None: the recording's timings)
+    tree_steps_skipped: int = 0  # steps of tree policies left out: the replay predicts chains only
 
     @property
     def best(self) -> LengthPrediction:
@@ -154,8 +160,12 @@ def predict(requests: Sequence[Sequence[StepRecord]], top_k: int,
             placement: expert_parallel.Placement | None = None, ep_token_bytes: int = 0,
             seed: int = 0, profile: ProfilePricing | None = None) -> WhatIf:
     """profile: price every verify pass (recorded windows truncated and replayed ones) with a verify-cost
-    profile's model instead of the recording's own timings (service/whatif/profile_pricing.py)."""
+    profile's model instead of the recording's own timings (service/whatif/profile_pricing.py).
+    Steps of tree policies are left out (module docstring); `WhatIf.requests` then counts the chain runs."""
+    requests, skipped = chain_runs(requests)
     steps = [s for r in requests for s in r]
+    if not steps and skipped:
+        raise ValueError(f"all {skipped} recorded steps are of tree policies: {TREES_SKIPPED_WHY}")
     if not steps:
         raise ValueError("no recorded steps to replay")
     if any(s.topk_ids is None for s in steps):
@@ -190,7 +200,30 @@ def predict(requests: Sequence[Sequence[StepRecord]], top_k: int,
                    for kp in range(k + 1)]
     return WhatIf(first.drafter.value, first.draft_temperature, k, len(steps), len(requests), measured, curve,
                   window_seconds, draft_curve, tuple(predictions), speculative_curve=speculative_curve,
-                  cost_profile=profile.describe() if profile is not None else None)
+                  cost_profile=profile.describe() if profile is not None else None, tree_steps_skipped=skipped)
+
+
+TREES_SKIPPED_WHY = "the replay predicts chains only; a tree's acceptance depends on the tree's shape"
+
+
+def chain_runs(requests: Sequence[Sequence[StepRecord]]) -> tuple[list[tuple[StepRecord, ...]], int]:
+    """Each request's steps split around its steps of tree policies -> (the runs of consecutive chain
+    steps, how many tree steps were left out). A request without tree steps is one run, unchanged."""
+    runs: list[tuple[StepRecord, ...]] = []
+    skipped = 0
+    for request in requests:
+        run: list[StepRecord] = []
+        for s in request:
+            if s.tree_width > 1:
+                skipped += 1
+                if run:
+                    runs.append(tuple(run))
+                run = []
+            else:
+                run.append(s)
+        if run:
+            runs.append(tuple(run))
+    return runs, skipped
 
 
 def _replay_length(kp: int, walks: list, p_continue: float, pricer: _Pricer, seed: int) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.whatif.predict import WhatIf
+from service.whatif.predict import TREES_SKIPPED_WHY, WhatIf
 
 
 def format_table(result: WhatIf) -> str:
@@ -36,6 +36,9 @@ def format_table(result: WhatIf) -> str:
         *([] if (sc := result.speculative_curve) is None else [
             f"windows >= 2 (their own line): verify ms = {sc.intercept * 1e3:.3f} + {sc.per_position * 1e3:.3f} * "
             f"window + {sc.per_expert * 1e3:.4f} * mean union"]),
+        *([] if not result.tree_steps_skipped else [
+            f"{result.tree_steps_skipped} tree steps skipped: {TREES_SKIPPED_WHY} (the chain steps around them "
+            "are replayed as separate runs)"]),
         *([] if result.cost_profile is None else [
             f"verify passes priced by the cost profile: {result.cost_profile} (MoE blocks only; draft time as "
             "recorded)"]),

@@ -50,3 +50,14 @@ def test_generate_takes_table_cells_and_names_a_bad_one():
                         ("b1-1.any=ngram-k9", "policy.cells[0].policy.draft_length")):
         bad = subprocess.run([*base, "--cell", cell], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and named in bad.stderr.strip().splitlines()[-1], bad.stderr
+
+
+def test_generate_refuses_a_tree_it_cannot_draft_in_one_line_naming_the_field():
+    base = [*COMMAND, "--prompt", "x", "--max-new-tokens", "4", "--no-table"]
+    for extra, problem in ((["--drafter", "ngram", "--draft-length", "3", "--tree-width", "2"], "chains only"),
+                           (["--draft-length", "3", "--tree-width", "9"], "must be in [1, 4]"),
+                           (["--draft-length", "3", "--tree-width", "2", "--controller", "cascade"], "chain lengths")):
+        bad = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=60)
+        lines = bad.stderr.strip().splitlines()
+        assert bad.returncode == 2 and len(lines) == 1, bad.stderr
+        assert "policy.tree_width" in lines[0] and problem in lines[0]

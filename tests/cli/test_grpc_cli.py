@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,7 +10,8 @@ import sys
 import pytest
 
 from service.cli import main
-from tests.conftest import ADMIN_TOKEN
+from service.server.server import ServerConfig
+from tests.conftest import ADMIN_TOKEN, RecordingBackend, ServerThread
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -42,7 +44,7 @@ def test_client_policy_set_then_get_with_the_token(server, capsys, default_polic
     code, out, _ = run_cli(capsys, "client", "policy", "get", "--server", server.address, "--admin-token", ADMIN_TOKEN)
     assert code == 0 and json.loads(out) == {"drafter": "ngram", "draft_length": 2, "draft_temperature": 1.0,
                                              "policy_id": "cli", "controller": "static", "cost_weight": 1.0,
-                                             "cells": []}
+                                             "cells": [], "tree_width": 1}
 
 
 def test_client_policy_set_takes_a_controller(server, capsys, default_policy):
@@ -51,11 +53,33 @@ def test_client_policy_set_takes_a_controller(server, capsys, default_policy):
                            "--cost-weight", "2", "--cell", "b1-1.sampled=plain")
     assert code == 0
     plain_cell = {"policy": {"drafter": "model", "draft_length": 0, "draft_temperature": 1.0, "policy_id": "",
-                             "controller": "static", "cost_weight": 1.0, "cells": []},
+                             "controller": "static", "cost_weight": 1.0, "cells": [], "tree_width": 1},
                   "min_batch": 1, "max_batch": 1, "kind": "sampled"}
     assert json.loads(out) == {"drafter": "ngram", "draft_length": 8, "draft_temperature": 1.0,
                                "policy_id": "moespec-ngram-k8-w2+b1-1.sampled=plain", "controller": "moespec",
-                               "cost_weight": 2.0, "cells": [plain_cell]}
+                               "cost_weight": 2.0, "cells": [plain_cell], "tree_width": 1}
+
+
+@pytest.fixture(scope="module")
+def tree_server(engine):
+    """A server whose backend (the session's engine) says it drafts trees up to width 2."""
+    backend = RecordingBackend(engine)
+    backend.info = dataclasses.replace(engine.info, max_tree_width=2)
+    s = ServerThread(backend, ServerConfig(port=0, admin_token=ADMIN_TOKEN))
+    yield s
+    s.stop()
+
+
+def test_client_policy_set_takes_a_tree_width(tree_server, capsys):
+    code, out, _ = run_cli(capsys, "client", "policy", "set", "--server", tree_server.address, "--admin-token",
+                           ADMIN_TOKEN, "--draft-length", "6", "--draft-temperature", "0", "--tree-width", "2")
+    assert code == 0 and json.loads(out)["tree_width"] == 2 and json.loads(out)["policy_id"] == "model-k6-t0-tw2"
+    code, _, err = run_cli(capsys, "client", "policy", "set", "--server", tree_server.address, "--admin-token",
+                           ADMIN_TOKEN, "--draft-length", "6", "--tree-width", "3")
+    assert code == 1 and err.startswith("INVALID_ARGUMENT: policy.tree_width: 3 is not offered")
+    code, _, err = run_cli(capsys, "client", "policy", "set", "--server", tree_server.address, "--admin-token",
+                           ADMIN_TOKEN, "--drafter", "ngram", "--draft-length", "6", "--tree-width", "2")
+    assert code == 1 and err.startswith("INVALID_ARGUMENT: policy.tree_width") and "chains only" in err
 
 
 def test_client_policy_without_the_token_exits_1_with_the_status(server, capsys, monkeypatch):
@@ -87,8 +111,11 @@ def test_client_invalid_argument_exits_1_naming_the_field(server, capsys):
         (["--max-batch", "0", "--port", "0"], "--max-batch must be >= 1"),
         (["--workers", "0", "--port", "0"], "--workers must be >= 1"),
         (["--prefill-chunk", "0", "--port", "0"], "--prefill-chunk must be >= 1"),
+        (["--drafter", "ngram", "--draft-length", "3", "--tree-width", "2", "--port", "0"],
+         "initial draft policy: policy.tree_width"),
     ],
-    ids=["sglang-without-model", "tls-half", "port-range", "policy-bounds", "max-batch", "workers", "prefill-chunk"],
+    ids=["sglang-without-model", "tls-half", "port-range", "policy-bounds", "max-batch", "workers", "prefill-chunk",
+         "ngram-tree"],
 )
 def test_serve_bad_arguments_exit_2_with_a_one_line_reason(args, reason, capsys):
     code, _, err = run_cli(capsys, "serve", *args)

@@ -60,6 +60,14 @@ BAD_POLICY = [
      "policy.cost_weight"),
     ("cost_weight too high", pb.DraftPolicy(draft_length=2, controller=pb.DraftPolicy.MOESPEC, cost_weight=101.0),
      "policy.cost_weight"),
+    # trees: refused whatever widths the backend drafts (the n-gram drafter and the adaptive controllers
+    # plan chains; 4 is the most any backend takes)
+    ("tree_width negative", pb.DraftPolicy(draft_length=4, tree_width=-1), "policy.tree_width"),
+    ("tree_width over the max", pb.DraftPolicy(draft_length=4, tree_width=5), "policy.tree_width"),
+    ("tree of the n-gram drafter", pb.DraftPolicy(drafter=pb.DraftPolicy.NGRAM, draft_length=4, tree_width=2),
+     "policy.tree_width"),
+    ("tree under an adaptive controller", pb.DraftPolicy(draft_length=4, controller=pb.DraftPolicy.CASCADE,
+                                                         tree_width=2), "policy.tree_width"),
     # tables: the field named is the cell's
     ("cell min_batch negative", pb.DraftPolicy(cells=[pb.PolicyCell(min_batch=-2)]), "policy.cells[0].min_batch"),
     ("cell max_batch below min_batch", pb.DraftPolicy(cells=[pb.PolicyCell(min_batch=4, max_batch=2)]),
@@ -75,6 +83,8 @@ BAD_POLICY = [
      "policy.cells[0].policy.cells"),
     ("too many cells", pb.DraftPolicy(cells=[pb.PolicyCell(min_batch=i, max_batch=i) for i in range(1, 18)]),
      "policy.cells"),
+    ("cell tree of the n-gram drafter", pb.DraftPolicy(cells=[pb.PolicyCell(policy=pb.DraftPolicy(
+        drafter=pb.DraftPolicy.NGRAM, draft_length=4, tree_width=3))]), "policy.cells[0].policy.tree_width"),
 ]
 
 

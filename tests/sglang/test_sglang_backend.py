@@ -155,6 +155,9 @@ def test_invalid_requests_name_the_field(tmp_path, journal):
     with pytest.raises(InvalidRequest) as e:
         backend.generate(GenerationRequest(prompt_token_ids=(5000,)), DraftPolicy())
     assert e.value.field == "prompt_token_ids"
+    with pytest.raises(InvalidRequest) as e:  # before any engine work: no swap for a policy it cannot run
+        backend.generate(request("A"), DraftPolicy(Drafter.MODEL, 3, 0.0, tree_width=2))
+    assert e.value.field == "policy.tree_width" and backend.info.policy_switches == 0
     backend.close()
 
 

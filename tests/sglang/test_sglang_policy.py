@@ -69,6 +69,13 @@ def test_a_drafter_the_server_does_not_offer_is_invalid():
         speculative_kwargs(DraftPolicy(Drafter.NGRAM, 2), no_ngram)
 
 
+@pytest.mark.parametrize("k", [0, 4])
+def test_a_tree_is_refused_naming_the_field_this_backend_drafts_chains(k):
+    with pytest.raises(InvalidRequest) as e:
+        speculative_kwargs(DraftPolicy(Drafter.MODEL, k, 0.0, tree_width=2), STANDALONE)
+    assert e.value.field == "policy.tree_width" and "drafts chains only" in str(e.value)
+
+
 def test_only_start_up_arguments_force_an_engine_swap():
     base = DraftPolicy(Drafter.MODEL, 3, 1.0, "a")
     assert engine_key(base, STANDALONE) == engine_key(DraftPolicy(Drafter.MODEL, 3, 0.3, "b"), STANDALONE)
@@ -98,6 +105,7 @@ def test_model_info_of_the_shipped_target(tmp_path):
     assert info.policy_switch_seconds == 0.0 and info.policy_switches == 0
     assert info.controllers == (Controller.STATIC,) and "EAGLE" in info.controllers_note  # says why
     assert not info.policy_tables  # speculation is fixed at engine start-up: one policy for every step
+    assert info.max_tree_width == 1 and "tree_width" not in info.tunable  # chains only
 
 
 def test_moe_layers_follow_each_family_config(tmp_path):
@@ -126,6 +134,7 @@ def parse(*argv: str) -> argparse.Namespace:
     add_arguments(parser)
     parser.add_argument("--drafter", default="model")
     parser.add_argument("--draft-length", type=int, default=0)
+    parser.add_argument("--tree-width", type=int, default=1)
     return parser.parse_args(list(argv))
 
 
@@ -151,6 +160,8 @@ def test_initial_policy_comes_from_serve_flags():
     ngram_only = SpecConfig(model_algorithm=None, draft_model_path=None)
     with pytest.raises(UsageError, match="offers ngram"):
         initial_policy(parse("--draft-length", "2"), ngram_only)
+    with pytest.raises(UsageError, match="--tree-width: the sglang backend drafts chains only"):
+        initial_policy(parse("--draft-length", "2", "--tree-width", "2"), STANDALONE)
 
 
 def _model_dir(path, config):

@@ -14,6 +14,7 @@ from otel import attributes as a
 DOC = Path(__file__).resolve().parents[2] / "docs" / "telemetry.md"
 ALWAYS, EP, TUNER, RULE = "always", "`--ep-size`", "`moespec tune --continuous`", "controller `moespec`"
 TABLE = "a table policy's cell ran the step"
+TREE_POLICY, TREE_REQUEST, TREE_STEP = "a tree policy", "a step drafted a tree", "the step drafted a tree"
 REQUEST, VERIFY, BATCH = a.request_span_name("{model}"), a.VERIFY_SPAN_NAME, a.VERIFY_BATCH_SPAN_NAME
 
 
@@ -41,6 +42,9 @@ def expected_spans() -> set[tuple[str, str, str]]:
     groups = ((REQUEST, a.REQUEST_SPAN_KEYS, ALWAYS), (REQUEST, a.EP_REQUEST_SPAN_KEYS, EP),
               (VERIFY, a.VERIFY_SPAN_KEYS, ALWAYS), (VERIFY, a.EP_VERIFY_SPAN_KEYS, EP),
               (VERIFY, a.TABLE_VERIFY_SPAN_KEYS, TABLE),
+              (REQUEST, a.TREE_POLICY_REQUEST_SPAN_KEYS, TREE_POLICY),
+              (REQUEST, a.TREE_REQUEST_SPAN_KEYS, TREE_REQUEST),
+              (VERIFY, a.TREE_VERIFY_SPAN_KEYS, TREE_STEP),
               (BATCH, a.VERIFY_BATCH_SPAN_KEYS, ALWAYS), (BATCH, a.EP_VERIFY_BATCH_SPAN_KEYS, EP))
     return {(span, key, when) for span, keys, when in groups for key in keys}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from service.policy.ids import canonical, cell_from_text, derived_id, policy_from_id
-from service.types import Controller, Drafter, DraftPolicy
+from service.types import MAX_TREE_WIDTH, Controller, Drafter, DraftPolicy, InvalidRequest
 from tuner.loop.space import policy_key
 
 # (policy, derived id): each group of equal ids runs one policy.
@@ -28,11 +28,15 @@ CASES = [
     (DraftPolicy(Drafter.MODEL, 8, 0.0, "", Controller.MOESPEC), "moespec-model-k8-t0-w1"),
     (DraftPolicy(Drafter.MODEL, 8, 0.0, "", Controller.MOESPEC, 1.5), "moespec-model-k8-t0-w1.5"),
     (DraftPolicy(Drafter.MODEL, 8, 0.0, "", Controller.TRANSFORMERS), "transformers-heuristic-model-k8-t0"),
+    (DraftPolicy(Drafter.MODEL, 6, 0.5, "", tree_width=2), "model-k6-t0.5-tw2"),
+    (DraftPolicy(Drafter.MODEL, 6, 0.5, "", tree_width=1), "model-k6-t0.5"),  # a chain: today's id
+    (DraftPolicy(Drafter.MODEL, 6, 0.0, "", tree_width=4), "model-k6-t0-tw4"),
+    (DraftPolicy(Drafter.MODEL, 0, 0.5, "", tree_width=3), "plain"),  # nothing drafted: no tree
 ]
 
 
 def case_id(p: DraftPolicy) -> str:
-    return f"{p.controller}-{p.drafter.value}-{p.draft_length}-{p.draft_temperature}-{p.cost_weight}"
+    return f"{p.controller}-{p.drafter.value}-{p.draft_length}-{p.draft_temperature}-{p.cost_weight}-{p.tree_width}"
 
 
 @pytest.mark.parametrize(("policy", "expected"), CASES, ids=[case_id(p) for p, _ in CASES])
@@ -71,9 +75,26 @@ def test_every_derived_id_parses_back_to_a_policy_with_that_id():
                 assert derived_id(policy_from_id(pid)) == pid
                 ids.add(pid)
     assert len(ids) == 6 * len(Controller)  # no two of these policies share an id
+    for width in range(2, MAX_TREE_WIDTH + 1):
+        for k, t in ((1, 0.0), (8, 0.5), (3, 1.0)):
+            pid = derived_id(DraftPolicy(Drafter.MODEL, k, t, policy_id="", tree_width=width))
+            assert pid.endswith(f"-tw{width}") and derived_id(policy_from_id(pid)) == pid
+            assert policy_from_id(pid).tree_width == width
+            ids.add(pid)
+    assert len(ids) == 6 * len(Controller) + 3 * (MAX_TREE_WIDTH - 1)
+    assert cell_from_text("b1-1.greedy=model-k6-t0-tw3").policy.tree_width == 3
     for text in ("b1-1.greedy=ngram-k4", "b9+.any=plain", "b2-8.sampled=moespec-model-k8-t0-w1.5"):
         cell = cell_from_text(text)
         assert f"{cell.label}={derived_id(cell.policy)}" == text
     for bad in ("b1.greedy=ngram-k4", "b1-1.fast=plain", "b1-1.any", "b1-1.any=ngram-k4-w2", "b1-1.any=k4"):
         with pytest.raises(ValueError):
             cell_from_text(bad)
+
+
+def test_an_id_naming_a_tree_the_drafter_cannot_draft_parses_and_is_refused_naming_the_field():
+    """The id grammar is not the validator: DraftPolicy.validate says what is wrong, as for any policy."""
+    policy = policy_from_id("ngram-k4-tw2")
+    assert (policy.drafter, policy.tree_width) == (Drafter.NGRAM, 2)
+    with pytest.raises(InvalidRequest) as e:
+        policy.validate()
+    assert e.value.field == "policy.tree_width"

@@ -44,6 +44,7 @@ class TrialRow:
     draft_temperature: float | None
     value: float | None  # COMPLETE: the value; PRUNED: the last running value
     attrs: dict
+    tree_width: int = 1  # 1 = a chain
 
 
 def trial_rows(study: optuna.Study, space: SearchSpace) -> list[TrialRow]:
@@ -53,7 +54,7 @@ def trial_rows(study: optuna.Study, space: SearchSpace) -> list[TrialRow]:
             continue
         key = policy_key(space.policy_from_params(t.params, ""))
         rows.append(TrialRow(t.number, t.state.name, role(t), key.label(), key.drafter, key.draft_length,
-                             key.draft_temperature, _value(t), dict(t.user_attrs)))
+                             key.draft_temperature, _value(t), dict(t.user_attrs), key.tree_width))
     return rows
 
 
@@ -71,6 +72,8 @@ def band_label(t: float) -> str:
 
 
 def series_of(row: TrialRow) -> str:
+    if row.drafter == "model" and row.tree_width > 1:  # a tree's cost at a node budget is not a chain's
+        return f"model tree width {row.tree_width}"
     if row.drafter == "model":
         return band_label(row.draft_temperature if row.draft_temperature is not None else 1.0)
     return row.drafter

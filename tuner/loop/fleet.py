@@ -37,8 +37,10 @@ from tuner.measurement.admin import ServerUnavailable
 
 
 def claim_key(key: PolicyKey) -> str:
-    """Exact (not the rounded label): two temperatures that print alike are still two policies."""
-    return f"{key.drafter}|{key.draft_length}|{key.draft_temperature!r}"
+    """Exact (not the rounded label): two temperatures that print alike are still two policies. A tree
+    appends its width (a chain's key is unchanged, so claims already stored keep their meaning)."""
+    chain = f"{key.drafter}|{key.draft_length}|{key.draft_temperature!r}"
+    return chain if key.tree_width == 1 else f"{chain}|tw{key.tree_width}"
 
 
 @dataclass

@@ -6,8 +6,12 @@ Contract: the space is conditional, asked in this order so that equivalent polic
   draft_greedy in {true, false}                  (only for the model drafter, when the temperature is
                                                   tunable and continuous: true = argmax drafts, T = 0)
   draft_temperature in [0, max_temperature]      (only for the model drafter, when tunable and not greedy)
+  tree_width in 1..max_tree_width                (only for the model drafter, when "tree_width" is tunable
+                                                  and the server drafts trees: ModelInfo.max_tree_width > 1;
+                                                  draft_length is then the tree's node budget)
   controller in {static, moespec}                (only with `tune_controller`, when the server offers
-                                                  moespec: draft_length is then the rule's most)
+                                                  moespec, and only for a chain (a tree runs the static
+                                                  controller): draft_length is then the rule's most)
   cost_weight in [0.25, 4], log scale            (only for moespec; GRID_COST_WEIGHTS on the grid)
 With `table_by_kind` the policy is a table of two parts, each asked in the order above under its
 own prefix ("greedy." and "sampled."): greedy requests run the first (a cell), sampled ones the
@@ -51,6 +55,7 @@ class PolicyKey:
     controller: str = "static"  # who picks each step's length (draft_length its most)
     cost_weight: float | None = None  # the moespec controller's only
     cells: tuple[tuple[str, PolicyKey], ...] = ()  # a table's cells: (label, key)
+    tree_width: int = 1  # 1 = a chain
 
     def label(self) -> str:
         if self.cells:
@@ -64,6 +69,8 @@ class PolicyKey:
         label = f"{self.drafter} k={self.draft_length}"
         if self.draft_temperature is not None:
             label += f" T={self.draft_temperature:.2f}"
+        if self.tree_width > 1:
+            label += f" tw={self.tree_width}"
         if self.controller != "static":
             label = f"{self.controller} {label}" + (f" w={self.cost_weight:g}" if self.cost_weight is not None else "")
         return label
@@ -81,7 +88,8 @@ def policy_key(policy: DraftPolicy) -> PolicyKey:
     temperature = round(policy.draft_temperature, 4) if temperature_matters(policy) else None
     c = canonical(policy)
     weight = round(c.cost_weight, 4) if c.controller is Controller.MOESPEC else None
-    return PolicyKey(policy.drafter.value, policy.draft_length, temperature, c.controller.value, weight)
+    return PolicyKey(policy.drafter.value, policy.draft_length, temperature, c.controller.value, weight,
+                     tree_width=c.tree_width)
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,7 @@ class SearchSpace:
     fixed_temperature: float = DEFAULT_TEMPERATURE  # the model drafter's temperature when it is not tuned
     tune_controller: bool = False  # static or the moespec rule (with its cost weight)
     table_by_kind: bool = False  # one part for greedy requests, one for sampled ones
+    max_tree_width: int = 1  # > 1: the model drafter's policies may be trees up to this width
 
     @classmethod
     def from_model_info(
@@ -119,7 +128,13 @@ class SearchSpace:
             tune_temperature="draft_temperature" in info.tunable,
             max_temperature=min(max_temperature, MAX_DRAFT_TEMPERATURE),
             temperature_step=temperature_step,
+            max_tree_width=info.max_tree_width if "tree_width" in info.tunable else 1,
         )
+
+    @property
+    def tree_widths(self) -> list[int]:
+        """The widths a model-drafter policy may have (1 = a chain): [1] where trees are not searched."""
+        return list(range(1, self.max_tree_width + 1))
 
     def suggest(self, trial: optuna.Trial, policy_id: str) -> DraftPolicy:
         """Ask the trial for a policy, following the conditional order above."""
@@ -143,14 +158,17 @@ class SearchSpace:
                 temperature = trial.suggest_float(
                     f"{prefix}draft_temperature", 0.0, self.max_temperature, step=self.temperature_step
                 )
+        width = 1
+        if drafter is Drafter.MODEL and self.max_tree_width > 1:
+            width = trial.suggest_categorical(f"{prefix}tree_width", self.tree_widths)
         controller, weight = Controller.STATIC, DraftPolicy().cost_weight
-        if self.tune_controller:
+        if self.tune_controller and width == 1:  # the adaptive controllers plan chains
             controller = Controller(trial.suggest_categorical(
                 f"{prefix}controller", [Controller.STATIC.value, Controller.MOESPEC.value]))
             if controller is Controller.MOESPEC:
                 weight = trial.suggest_float(f"{prefix}cost_weight", *COST_WEIGHT_RANGE, log=True)
         return DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=temperature, policy_id="",
-                           controller=controller, cost_weight=weight)
+                           controller=controller, cost_weight=weight, tree_width=width)
 
     def policy_from_params(self, params: dict[str, object], policy_id: str) -> DraftPolicy:
         """Rebuild a stored trial's policy (the inverse of `suggest`)."""
@@ -169,8 +187,9 @@ class SearchSpace:
         temperature = 0.0 if greedy else float(params.get(f"{prefix}draft_temperature", default))
         controller = Controller(params.get(f"{prefix}controller", Controller.STATIC.value))
         weight = float(params.get(f"{prefix}cost_weight", DraftPolicy().cost_weight))
+        width = int(params.get(f"{prefix}tree_width", 1))  # trials stored before trees were searched: chains
         return DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=temperature, policy_id="",
-                           controller=controller, cost_weight=weight)
+                           controller=controller, cost_weight=weight, tree_width=width)
 
     def params_of(self, policy: DraftPolicy) -> dict[str, object]:
         """The Optuna params that make `suggest` return `policy` (for enqueue_trial); a policy
@@ -190,7 +209,9 @@ class SearchSpace:
                 params[f"{prefix}draft_greedy"] = greedy
             if not greedy:
                 params[f"{prefix}draft_temperature"] = policy.draft_temperature
-        if policy.draft_length and self.tune_controller:
+        if policy.draft_length and policy.drafter is Drafter.MODEL and self.max_tree_width > 1:
+            params[f"{prefix}tree_width"] = policy.tree_width
+        if policy.draft_length and self.tune_controller and policy.tree_width == 1:
             params[f"{prefix}controller"] = policy.controller.value
             if policy.controller is Controller.MOESPEC:
                 params[f"{prefix}cost_weight"] = policy.cost_weight
@@ -209,6 +230,8 @@ class SearchSpace:
             and (policy.draft_length == 0 or policy.controller is Controller.STATIC
                  or (self.tune_controller and policy.controller is Controller.MOESPEC
                      and lo <= policy.cost_weight <= hi))
+            and (policy.draft_length == 0 or policy.tree_width == 1
+                 or (policy.drafter is Drafter.MODEL and policy.tree_width <= self.max_tree_width))
         )
 
     def baselines(self) -> list[DraftPolicy]:
@@ -224,8 +247,9 @@ class SearchSpace:
     def corners(self) -> list[DraftPolicy]:
         """A small deterministic initial design that spans the space before TPE models it: plain
         decoding, then each drafter at the longest and at a short draft length, the model drafter at
-        temperature 0 (argmax drafts: the most agreement per position). Long first: on this model
-        pair the long argmax draft is the one a few random TPE startup points kept missing."""
+        temperature 0 (argmax drafts: the most agreement per position), and where trees are searched
+        the widest tree at the longest budget. Long first: on this model pair the long argmax draft is
+        the one a few random TPE startup points kept missing."""
         out = [DraftPolicy(draft_length=0)]
         if not self.tune_length or self.max_draft_length < 1:
             return out
@@ -237,16 +261,21 @@ class SearchSpace:
                 out.append(DraftPolicy(drafter=drafter, draft_length=length,
                                        draft_temperature=temperature if drafter is Drafter.MODEL else
                                        DEFAULT_TEMPERATURE))
+        if self.max_tree_width > 1 and Drafter.MODEL in drafters:
+            # The widest tree at the longest budget: the corner of the tree axis, which a chain-only
+            # initial design leaves to TPE's random start-up to find.
+            out.append(DraftPolicy(drafter=Drafter.MODEL, draft_length=self.max_draft_length,
+                                   draft_temperature=temperature, tree_width=self.max_tree_width))
         return out
 
     def grid(self, temperatures: tuple[float, ...]) -> Iterator[DraftPolicy]:
-        """Every point of the discrete space (plain once, n-gram per length, model per length x T;
-        each drafting point also under the moespec rule at GRID_COST_WEIGHTS with `tune_controller`;
+        """Every point of the discrete space (plain once, n-gram per length, model per length x T x tree
+        width; each drafting chain also under the moespec rule at GRID_COST_WEIGHTS with `tune_controller`;
         with `table_by_kind`, every pair of those for greedy and sampled requests)."""
         singles = list(self._single_grid(temperatures))
         if self.tune_controller:
             singles += [replace(p, controller=Controller.MOESPEC, cost_weight=w)
-                        for p in list(singles) if p.draft_length for w in GRID_COST_WEIGHTS]
+                        for p in list(singles) if p.draft_length and p.tree_width == 1 for w in GRID_COST_WEIGHTS]
         if not self.table_by_kind:
             yield from singles
             return
@@ -260,13 +289,12 @@ class SearchSpace:
             return
         for length in range(1, self.max_draft_length + 1):
             for drafter in self.drafters if self.tune_drafter else self.drafters[:1]:
-                if drafter is Drafter.MODEL and self.tune_temperature:
-                    for t in temperatures:
-                        yield DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=t)
-                elif drafter is Drafter.MODEL:
-                    yield DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=self.fixed_temperature)
-                else:
+                if drafter is not Drafter.MODEL:
                     yield DraftPolicy(drafter=drafter, draft_length=length)
+                    continue
+                for t in temperatures if self.tune_temperature else (self.fixed_temperature,):
+                    for width in self.tree_widths:
+                        yield DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=t, tree_width=width)
 
 
 def by_kind(greedy: DraftPolicy, sampled: DraftPolicy, policy_id: str) -> DraftPolicy:
@@ -284,7 +312,7 @@ def kind_parts(policy: DraftPolicy) -> tuple[DraftPolicy, DraftPolicy]:
 @dataclass(frozen=True)
 class LengthOnly:
     """Search only the draft length (0 = plain decoding included) of one drafter, at a fixed draft
-    temperature (model drafter only). Why it exists: the what-if hint answers "which draft length for
+    temperature (model drafter only), as chains. Why it exists: the what-if hint answers "which draft length for
     this drafter"; in the full space its savings drown in TPE's drafter and temperature choices."""
 
     drafter: Drafter
@@ -298,7 +326,7 @@ class LengthOnly:
         if not space.tune_length:
             raise ValueError("the server does not let the draft length be tuned")
         return replace(space, drafters=(self.drafter,), tune_drafter=False, tune_temperature=False,
-                       fixed_temperature=self.draft_temperature)
+                       fixed_temperature=self.draft_temperature, max_tree_width=1)
 
     def label(self) -> str:
         if self.drafter is Drafter.MODEL:

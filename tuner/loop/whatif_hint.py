@@ -51,6 +51,10 @@ class WhatIfHinter:
         path, policy = self._recording, m.policy
         if path is None or m.outcome is not Outcome.COMPLETE or policy.draft_length == 0:
             return None
+        if policy.tree_width > 1:  # the replay predicts chains only: a tree gets no hint, and that is no error
+            self._emit(TunerEvent(EventKind.WHATIF, trial.number, policy=policy,
+                                  message="no hint: the replay predicts chains only"))
+            return None
         try:
             result = replay_trial(path, policy, min_steps=self._min_steps)
         except (OSError, ValueError, KeyError, ArithmeticError) as e:  # RecordingError is a ValueError

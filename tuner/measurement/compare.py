@@ -37,6 +37,7 @@ class Compared:
             "drafter": self.policy.drafter.value,
             "draft_length": self.policy.draft_length,
             "draft_temperature": self.policy.draft_temperature,
+            "tree_width": self.policy.tree_width,
             "seconds_per_token": self.seconds_per_token if self.stats.committed else None,
             "per_round": [x if x != float("inf") else None for x in self.per_round],
             "starved_rounds": self.starved,

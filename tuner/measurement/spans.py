@@ -38,6 +38,7 @@ def request_sample(span: Mapping) -> RequestSample | None:
             drafter=str(a.get(attr.SPEC_DRAFTER, "")),
             draft_length=int(a.get(attr.SPEC_DRAFT_LENGTH, -1)),
             draft_temperature=float(a.get(attr.SPEC_DRAFT_TEMPERATURE, 1.0)),
+            tree_width=int(a.get(attr.SPEC_TREE_WIDTH, 1)),
             ep_dispatch_bytes=int(a.get(attr.MOE_EP_DISPATCH_BYTES, 0)),
             instance_id=str((span.get("resource") or {}).get(attr.RESOURCE_SERVICE_INSTANCE_ID, "")),
         )
@@ -52,7 +53,8 @@ def ran_policy(sample: RequestSample, policy: DraftPolicy) -> bool:
     if sample.draft_length < 0 or not sample.drafter:
         return True
     try:
-        ran = DraftPolicy(Drafter(sample.drafter), sample.draft_length, sample.draft_temperature)
+        ran = DraftPolicy(Drafter(sample.drafter), sample.draft_length, sample.draft_temperature,
+                          tree_width=sample.tree_width)
     except ValueError:
         return False
     return policy_key(ran) == policy_key(policy)

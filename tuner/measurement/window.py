@@ -33,6 +33,7 @@ class RequestSample:
     drafter: str = ""  # the policy the server says it ran ("" / -1 when the span does not say)
     draft_length: int = -1
     draft_temperature: float = 1.0
+    tree_width: int = 1  # the span's moespec.spec.tree_width (absent: a chain)
     ep_dispatch_bytes: int = 0  # expert-parallel all-to-all estimate (0 unless the server runs --ep-size)
     instance_id: str = ""  # the sending server's service.instance.id resource attribute ("" = none)
 

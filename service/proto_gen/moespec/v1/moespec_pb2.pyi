@@ -34,7 +34,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("verify_steps", "drafted_tokens", "accepted_tokens", "committed_tokens", "accepted_per_position", "unique_experts_mean", "unique_experts_max", "draft_seconds", "verify_seconds", "seconds_per_committed_token", "policy_id", "empty_drafts", "drafter", "draft_length", "draft_temperature", "controller")
+    __slots__ = ("verify_steps", "drafted_tokens", "accepted_tokens", "committed_tokens", "accepted_per_position", "unique_experts_mean", "unique_experts_max", "draft_seconds", "verify_seconds", "seconds_per_committed_token", "policy_id", "empty_drafts", "drafter", "draft_length", "draft_temperature", "controller", "tree_width", "branch_unique_experts_mean")
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,8 @@ class SpecStats(_message.Message):
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_FIELD_NUMBER: _ClassVar[int]
+    TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_UNIQUE_EXPERTS_MEAN_FIELD_NUMBER: _ClassVar[int]
     verify_steps: int
     drafted_tokens: int
     accepted_tokens: int
@@ -67,7 +69,9 @@ class SpecStats(_message.Message):
     draft_length: int
     draft_temperature: float
     controller: DraftPolicy.Controller
-    def __init__(self, verify_steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., unique_experts_mean: _Optional[_Iterable[float]] = ..., unique_experts_max: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., seconds_per_committed_token: _Optional[float] = ..., policy_id: _Optional[str] = ..., empty_drafts: _Optional[int] = ..., drafter: _Optional[_Union[DraftPolicy.Drafter, str]] = ..., draft_length: _Optional[int] = ..., draft_temperature: _Optional[float] = ..., controller: _Optional[_Union[DraftPolicy.Controller, str]] = ...) -> None: ...
+    tree_width: int
+    branch_unique_experts_mean: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, verify_steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., unique_experts_mean: _Optional[_Iterable[float]] = ..., unique_experts_max: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., seconds_per_committed_token: _Optional[float] = ..., policy_id: _Optional[str] = ..., empty_drafts: _Optional[int] = ..., drafter: _Optional[_Union[DraftPolicy.Drafter, str]] = ..., draft_length: _Optional[int] = ..., draft_temperature: _Optional[float] = ..., controller: _Optional[_Union[DraftPolicy.Controller, str]] = ..., tree_width: _Optional[int] = ..., branch_unique_experts_mean: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "trace_id", "spec", "seconds", "time_to_first_token", "max_new_tokens", "max_new_tokens_cut")
@@ -126,7 +130,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("backend", "model_name", "draft_model_name", "num_layers", "num_experts", "top_k", "shared_experts", "vocab_size", "max_context", "max_draft_length", "drafters", "tunable", "expert_bytes", "decode_step_seconds", "max_draft_temperature", "policy_switch_seconds", "policy_switches", "concurrent_policies", "device", "shared_passes", "instance_id", "controllers", "controllers_note", "policy_tables", "prepared_draft_lengths", "length_switch_seconds", "length_switches")
+    __slots__ = ("backend", "model_name", "draft_model_name", "num_layers", "num_experts", "top_k", "shared_experts", "vocab_size", "max_context", "max_draft_length", "drafters", "tunable", "expert_bytes", "decode_step_seconds", "max_draft_temperature", "policy_switch_seconds", "policy_switches", "concurrent_policies", "device", "shared_passes", "instance_id", "controllers", "controllers_note", "policy_tables", "prepared_draft_lengths", "length_switch_seconds", "length_switches", "max_tree_width")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +158,7 @@ class ModelInfo(_message.Message):
     PREPARED_DRAFT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_SWITCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_SWITCHES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     backend: str
     model_name: str
     draft_model_name: str
@@ -181,10 +186,11 @@ class ModelInfo(_message.Message):
     prepared_draft_lengths: _containers.RepeatedScalarFieldContainer[int]
     length_switch_seconds: float
     length_switches: int
-    def __init__(self, backend: _Optional[str] = ..., model_name: _Optional[str] = ..., draft_model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., shared_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DraftPolicy.Drafter, str]]] = ..., tunable: _Optional[_Iterable[str]] = ..., expert_bytes: _Optional[int] = ..., decode_step_seconds: _Optional[float] = ..., max_draft_temperature: _Optional[float] = ..., policy_switch_seconds: _Optional[float] = ..., policy_switches: _Optional[int] = ..., concurrent_policies: _Optional[bool] = ..., device: _Optional[str] = ..., shared_passes: _Optional[bool] = ..., instance_id: _Optional[str] = ..., controllers: _Optional[_Iterable[_Union[DraftPolicy.Controller, str]]] = ..., controllers_note: _Optional[str] = ..., policy_tables: _Optional[bool] = ..., prepared_draft_lengths: _Optional[_Iterable[int]] = ..., length_switch_seconds: _Optional[float] = ..., length_switches: _Optional[int] = ...) -> None: ...
+    max_tree_width: int
+    def __init__(self, backend: _Optional[str] = ..., model_name: _Optional[str] = ..., draft_model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., shared_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[DraftPolicy.Drafter, str]]] = ..., tunable: _Optional[_Iterable[str]] = ..., expert_bytes: _Optional[int] = ..., decode_step_seconds: _Optional[float] = ..., max_draft_temperature: _Optional[float] = ..., policy_switch_seconds: _Optional[float] = ..., policy_switches: _Optional[int] = ..., concurrent_policies: _Optional[bool] = ..., device: _Optional[str] = ..., shared_passes: _Optional[bool] = ..., instance_id: _Optional[str] = ..., controllers: _Optional[_Iterable[_Union[DraftPolicy.Controller, str]]] = ..., controllers_note: _Optional[str] = ..., policy_tables: _Optional[bool] = ..., prepared_draft_lengths: _Optional[_Iterable[int]] = ..., length_switch_seconds: _Optional[float] = ..., length_switches: _Optional[int] = ..., max_tree_width: _Optional[int] = ...) -> None: ...
 
 class DraftPolicy(_message.Message):
-    __slots__ = ("drafter", "draft_length", "draft_temperature", "policy_id", "controller", "cost_weight", "cells")
+    __slots__ = ("drafter", "draft_length", "draft_temperature", "policy_id", "controller", "cost_weight", "cells", "tree_width")
     class Drafter(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         MODEL: _ClassVar[DraftPolicy.Drafter]
@@ -210,6 +216,7 @@ class DraftPolicy(_message.Message):
     CONTROLLER_FIELD_NUMBER: _ClassVar[int]
     COST_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     CELLS_FIELD_NUMBER: _ClassVar[int]
+    TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     drafter: DraftPolicy.Drafter
     draft_length: int
     draft_temperature: float
@@ -217,7 +224,8 @@ class DraftPolicy(_message.Message):
     controller: DraftPolicy.Controller
     cost_weight: float
     cells: _containers.RepeatedCompositeFieldContainer[PolicyCell]
-    def __init__(self, drafter: _Optional[_Union[DraftPolicy.Drafter, str]] = ..., draft_length: _Optional[int] = ..., draft_temperature: _Optional[float] = ..., policy_id: _Optional[str] = ..., controller: _Optional[_Union[DraftPolicy.Controller, str]] = ..., cost_weight: _Optional[float] = ..., cells: _Optional[_Iterable[_Union[PolicyCell, _Mapping]]] = ...) -> None: ...
+    tree_width: int
+    def __init__(self, drafter: _Optional[_Union[DraftPolicy.Drafter, str]] = ..., draft_length: _Optional[int] = ..., draft_temperature: _Optional[float] = ..., policy_id: _Optional[str] = ..., controller: _Optional[_Union[DraftPolicy.Controller, str]] = ..., cost_weight: _Optional[float] = ..., cells: _Optional[_Iterable[_Union[PolicyCell, _Mapping]]] = ..., tree_width: _Optional[int] = ...) -> None: ...
 
 class PolicyCell(_message.Message):
     __slots__ = ("min_batch", "max_batch", "kind", "policy")
