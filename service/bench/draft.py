@@ -8,14 +8,17 @@ on loopback, two workloads on the same held-out prompts: greedy requests, and sa
 (`--temperature`, `--top-p`, a seed per prompt). Every round runs each (prompt, policy) pair once,
 in a shuffled order (SetPolicy, then Generate: request-by-request interleaving, so drift on a shared
 machine hits every policy alike). Policies: plain decoding, the n-gram drafter at `--ngram-lengths`,
-the model drafter at every `--lengths` x `--draft-temperatures`.
+the model drafter's chains at every `--lengths` x `--draft-temperatures`, and its trees at every
+`--lengths` (the node budget) x `--tree-widths` (widths up to the budget) x `--tree-temperatures`.
 
 Figures per workload and policy, from each round's own plain requests:
 - speed: tokens/s over the round's requests of that policy / plain's (median, min..max over rounds);
 - draft cost: draft seconds per drafted token / plain's verify seconds per step (responses' `spec`);
-- verify cost: verify seconds per step / plain's, beside the per-layer distinct experts of a pass;
+- verify cost: verify seconds per step / plain's, beside the per-layer distinct experts of a pass
+  (a tree's: every node's) and the drafts accepted per verify pass;
 - per workload: the best model-drafter policy, and at its draft length the worst draft temperature's
-  cost per token over the best's.
+  cost per token over the best's; per node budget, the best tree's accepted drafts per pass beside the
+  best chain's.
 With `--out DIR`: draft-bench.json, draft-bench.md and draft-bench.png.
 """
 
@@ -33,7 +36,7 @@ from pathlib import Path
 
 from service.bench.server import PROMPTS, ServeProcess
 from service.server.client import MoespecClient
-from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
+from service.types import MAX_TREE_WIDTH, Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
 PLAIN = DraftPolicy(Drafter.MODEL, 0, 0.0, policy_id="plain")
 
@@ -41,15 +44,17 @@ PLAIN = DraftPolicy(Drafter.MODEL, 0, 0.0, policy_id="plain")
 @dataclass(frozen=True)
 class Row:
     workload: str
-    policy: str  # "plain", "ngram k=4", "model k=3 T=0.5"
+    policy: str  # "plain", "ngram k=4", "model k=3 T=0.5", "tree k=6 w=3 T=0"
     drafter: str
     draft_length: int
     draft_temperature: float
+    tree_width: int  # 1: a chain
     speed: float  # x plain, median over rounds
     speed_min: float
     speed_max: float
     ms_per_token: float  # client wall time per output token, median over rounds
     acceptance: float  # accepted / drafted over every round
+    accepted_per_pass: float  # accepted drafts per verify step over every round
     draft_cost: float  # draft seconds per drafted token / plain verify seconds per step (median over rounds)
     verify_cost: float  # verify seconds per step / plain's (median over rounds)
     unique_experts: tuple[float, ...]  # per layer, mean over the verify passes
@@ -60,13 +65,18 @@ def label(policy: DraftPolicy) -> str:
         return "plain"
     if policy.drafter is Drafter.NGRAM:
         return f"ngram k={policy.draft_length}"
+    if policy.tree_width > 1:
+        return f"tree k={policy.draft_length} w={policy.tree_width} T={policy.draft_temperature:g}"
     return f"model k={policy.draft_length} T={policy.draft_temperature:g}"
 
 
-def policies(lengths: list[int], temperatures: list[float], ngram_lengths: list[int]) -> list[DraftPolicy]:
+def policies(lengths: list[int], temperatures: list[float], ngram_lengths: list[int], tree_widths: list[int] = (),
+             tree_temperatures: list[float] = ()) -> list[DraftPolicy]:
     out = [PLAIN]
     out += [DraftPolicy(Drafter.NGRAM, k, 0.0, policy_id=f"ngram-k{k}") for k in ngram_lengths]
     out += [DraftPolicy(Drafter.MODEL, k, t, policy_id=f"model-k{k}-t{t:g}") for k in lengths for t in temperatures]
+    out += [DraftPolicy(Drafter.MODEL, k, t, policy_id=f"tree-k{k}-w{w}-t{t:g}", tree_width=w)
+            for k in lengths for w in tree_widths if 1 < w <= k for t in tree_temperatures]
     return out
 
 
@@ -128,9 +138,10 @@ def summarise(per_round: list[dict], grid: list[DraftPolicy], loads: dict[str, l
                 experts = [a + b for a, b in zip(experts or [0.0] * len(s["experts"]), s["experts"], strict=True)]
             rows.append(Row(
                 workload=name, policy=label(policy), drafter=policy.drafter.value, draft_length=policy.draft_length,
-                draft_temperature=policy.draft_temperature, speed=statistics.median(speeds), speed_min=min(speeds),
+                draft_temperature=policy.draft_temperature, tree_width=policy.tree_width,
+                speed=statistics.median(speeds), speed_min=min(speeds),
                 speed_max=max(speeds), ms_per_token=statistics.median(ms),
-                acceptance=accepted / drafted if drafted else 0.0,
+                acceptance=accepted / drafted if drafted else 0.0, accepted_per_pass=accepted / steps,
                 draft_cost=statistics.median(draft_costs) if draft_costs else 0.0,
                 verify_cost=statistics.median(verify_costs), unique_experts=tuple(x / steps for x in experts)))
     return rows
@@ -157,7 +168,24 @@ def headline(rows: list[Row]) -> dict[str, dict]:
             "verify_cost_k4": next((round(r.verify_cost, 3) for r in model if r.draft_length == 4), None),
             "unique_experts_k4": next((list(map(lambda x: round(x, 1), r.unique_experts))
                                        for r in model if r.draft_length == 4), None),
+            "trees_against_chains": trees_against_chains(model),
         }
+    return out
+
+
+def trees_against_chains(model: list[Row]) -> list[dict]:
+    """Per node budget with a tree: the best tree and the best chain by accepted drafts per pass, and
+    both policies' speed (a tree is accepted more; whether it pays is the speed)."""
+    out = []
+    for k in sorted({r.draft_length for r in model if r.tree_width > 1}):
+        trees = [r for r in model if r.draft_length == k and r.tree_width > 1]
+        chains = [r for r in model if r.draft_length == k and r.tree_width == 1]
+        if not chains:
+            continue
+        tree, chain = max(trees, key=lambda r: r.accepted_per_pass), max(chains, key=lambda r: r.accepted_per_pass)
+        out.append({"node_budget": k, "tree": tree.policy, "tree_accepted_per_pass": round(tree.accepted_per_pass, 2),
+                    "tree_speed": round(tree.speed, 3), "chain": chain.policy,
+                    "chain_accepted_per_pass": round(chain.accepted_per_pass, 2), "chain_speed": round(chain.speed, 3)})
     return out
 
 
@@ -165,12 +193,12 @@ def format_report(rows: list[Row], heads: dict[str, dict], rounds: int) -> str:
     lines = []
     for name, h in heads.items():
         lines += [f"## {name} ({rounds} interleaved rounds; speed x plain: median, min..max over rounds)", "",
-                  "| policy | speed x plain | ms / token | acceptance | draft token (plain steps) | "
+                  "| policy | speed x plain | ms / token | acceptance | accepted / pass | draft token (plain steps) | "
                   "verify pass (plain steps) | unique experts / layer |",
-                  "|---|---:|---:|---:|---:|---:|---|"]
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in (r for r in rows if r.workload == name):
             lines.append(f"| {r.policy} | {r.speed:.2f} ({r.speed_min:.2f}..{r.speed_max:.2f}) | "
-                         f"{r.ms_per_token:.2f} | {r.acceptance:.2f} | "
+                         f"{r.ms_per_token:.2f} | {r.acceptance:.2f} | {r.accepted_per_pass:.2f} | "
                          f"{r.draft_cost:.3f} | {r.verify_cost:.2f} | "
                          f"{', '.join(f'{x:.1f}' for x in r.unique_experts)} |")
         lines += ["", f"best model drafter: {h['best_model']} at {h['best_model_speed']:.2f}x plain "
@@ -178,6 +206,11 @@ def format_report(rows: list[Row], heads: dict[str, dict], rounds: int) -> str:
                       f"token {h['best_model_draft_cost']:.3f} of a plain step; best n-gram: {h['best_ngram']} at "
                       f"{h['best_ngram_speed']}x; at that draft length the worst draft temperature costs "
                       f"{h['draft_temperature_spread_at_best_k']:.2f}x the best per token", ""]
+        for t in h["trees_against_chains"]:
+            lines.append(f"- {t['node_budget']} drafts per pass: best tree {t['tree']} accepts "
+                         f"{t['tree_accepted_per_pass']:.2f} per pass ({t['tree_speed']:.2f}x plain), best chain "
+                         f"{t['chain']} {t['chain_accepted_per_pass']:.2f} ({t['chain_speed']:.2f}x plain)")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -191,19 +224,23 @@ def plot(rows: list[Row], path: Path) -> None:
     fig, axes = plt.subplots(1, len(names) + 1, figsize=(6 * (len(names) + 1), 4.5))
     for ax, name in zip(axes, names, strict=False):
         model = [r for r in rows if r.workload == name and r.drafter == "model" and r.draft_length]
-        for t in sorted({r.draft_temperature for r in model}):
-            pts = sorted((r.draft_length, r.speed) for r in model if r.draft_temperature == t)
-            ax.plot(*zip(*pts, strict=True), marker="o", label=f"model, draft T={t:g}")
+        for t in sorted({r.draft_temperature for r in model if r.tree_width == 1}):
+            pts = sorted((r.draft_length, r.speed) for r in model if r.draft_temperature == t and r.tree_width == 1)
+            ax.plot(*zip(*pts, strict=True), marker="o", label=f"model chain, draft T={t:g}")
+        for w, t in sorted({(r.tree_width, r.draft_temperature) for r in model if r.tree_width > 1}):
+            pts = sorted((r.draft_length, r.speed) for r in model if (r.tree_width, r.draft_temperature) == (w, t))
+            ax.plot(*zip(*pts, strict=True), marker="^", ls=":", label=f"model tree w={w}, draft T={t:g}")
         ngram = sorted((r.draft_length, r.speed) for r in rows if r.workload == name and r.drafter == "ngram")
         if ngram:
             ax.plot(*zip(*ngram, strict=True), "k--", marker="s", label="n-gram")
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xlabel("draft length")
+        ax.set_xlabel("draft length (a tree's node budget)")
         ax.set_ylabel("tokens/s x plain (median over rounds)")
         ax.set_title(name)
         ax.legend(fontsize=8)
     ax = axes[-1]
-    greedy = [r for r in rows if r.workload == names[0] and r.drafter == "model" and r.draft_temperature == 0]
+    greedy = [r for r in rows if r.workload == names[0] and r.drafter == "model" and r.draft_temperature == 0
+              and r.tree_width == 1]
     for layer in range(len(greedy[0].unique_experts) if greedy else 0):
         ax.plot([r.draft_length for r in greedy], [r.unique_experts[layer] for r in greedy], marker="o",
                 label=f"layer {layer}")
@@ -223,6 +260,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1, 2, 3, 4, 6], help="model draft lengths")
     parser.add_argument("--draft-temperatures", type=float, nargs="+", default=[0.0, 0.5, 0.8, 1.2])
     parser.add_argument("--ngram-lengths", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--tree-widths", type=int, nargs="*", default=[2, 3],
+                        help="draft tree widths, each at every --lengths node budget it fits (none: chains only)")
+    parser.add_argument("--tree-temperatures", type=float, nargs="+", default=[0.0],
+                        help="draft temperatures of the trees (they rank the candidates)")
     parser.add_argument("--temperature", type=float, default=0.8, help="the sampled workload's temperature")
     parser.add_argument("--top-p", type=float, default=0.95, help="the sampled workload's top-p")
     parser.add_argument("--draft-model", type=Path, default=None, help="serve this draft (default: the shipped head)")
@@ -240,7 +281,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--temperature must be > 0 and --top-p in (0, 1]")
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()[:args.requests]]
     loads = workloads(prompts, args.max_new_tokens, args.temperature, args.top_p)
-    grid = policies(args.lengths, args.draft_temperatures, args.ngram_lengths)
+    if args.tree_widths and not all(1 < w <= MAX_TREE_WIDTH for w in args.tree_widths):
+        raise UsageError(f"--tree-widths must lie in [2, {MAX_TREE_WIDTH}]")
+    grid = policies(args.lengths, args.draft_temperatures, args.ngram_lengths, args.tree_widths,
+                    args.tree_temperatures)
     token = secrets.token_hex(16)
     server_args = ["--port", "0", "--admin-token", token]
     if args.draft_model is not None:

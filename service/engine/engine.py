@@ -37,7 +37,7 @@ from tokenizers import Tokenizer
 from service.engine.kernels.library import build as build_kernels
 from service.engine.kernels.packed import MATHS
 from service.engine.kernels.pool import ONE_THREAD, KernelPool, KernelThreads
-from service.engine.model.draft_head import is_head_dir, load_head
+from service.engine.model.draft_head import DraftHead, is_head_dir, load_head
 from service.engine.model.eagle3 import check_aux_layer_ids, is_eagle3_dir, load_eagle3
 from service.engine.model.layers import KERNEL_WINDOW_MAX
 from service.engine.model.ragged import KVCache
@@ -54,6 +54,7 @@ from service.recording import StepRecorder
 from service.routing import expert_parallel
 from service.types import (
     MAX_DRAFT_LENGTH,
+    MAX_TREE_WIDTH,
     Controller,
     Drafter,
     DraftPolicy,
@@ -210,6 +211,9 @@ class Engine:
         for where, part in policy.parts():
             if part.draft_length and part.drafter is Drafter.MODEL and self.draft is None:
                 raise InvalidRequest(f"{where}.drafter", "this engine has no draft model; use the n-gram drafter")
+            if part.tree_width > self.info.max_tree_width:
+                raise InvalidRequest(f"{where}.tree_width", f"this engine drafts trees up to width "
+                                     f"{self.info.max_tree_width}: {self._trees_note()}")
         prompt = list(request.prompt_token_ids) or self.tokenizer.encode(request.prompt).ids
         if not prompt:
             raise InvalidRequest("prompt", "tokenizes to no tokens")
@@ -251,6 +255,8 @@ class Engine:
         cfg = self.target.cfg
         drafters = (Drafter.MODEL, Drafter.NGRAM) if self.draft else (Drafter.NGRAM,)
         tunable = ("drafter", "draft_length", "draft_temperature") if self.draft else ("drafter", "draft_length")
+        trees = self._trees_note() == ""
+        tunable += ("tree_width",) if trees else ()
         bytes_per_param = 2  # bf16 on disk: the weight traffic a real deployment would move
         return ModelInfo(
             backend=self.backend_name,
@@ -272,7 +278,17 @@ class Engine:
             shared_passes=self.config.max_batch > 1,  # continuous batching: one target pass serves them all
             controllers=tuple(Controller),  # every controller runs per request in the scheduler
             policy_tables=True,  # the scheduler picks each step's cell
+            max_tree_width=MAX_TREE_WIDTH if trees else 1,
         )
+
+    def _trees_note(self) -> str:
+        """Why this engine drafts chains only ("" where it drafts trees): trees grow with the draft head
+        and are verified by the fused attention kernel (kernels/attention.py)."""
+        if not isinstance(self.draft, DraftHead):
+            return "draft trees need a draft head as the model drafter"
+        if not self.target.fused_attention:
+            return "draft trees need the fused attention kernel (fast_step, fused_attention and a C compiler)"
+        return ""
 
 
 def _shut_down(scheduler: Scheduler, pool: KernelPool | None) -> None:

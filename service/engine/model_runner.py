@@ -102,8 +102,9 @@ class ModelRunner:
         t1 = time.perf_counter()
         windows = [[s.ids[-1], *p.drafts] for s, p in zip(seqs, proposals, strict=True)]  # [w_b]
         lengths = [len(w) for w in windows]
+        trees = [p.window_parents for p in proposals] if any(p.tree for p in proposals) else None
         batch = RaggedBatch.build([s.slot for s in seqs], [len(s.ids) - 1 for s in seqs], lengths,
-                                  tokens=[t for w in windows for t in w])
+                                  tokens=[t for w in windows for t in w], trees=trees)
         capture = rt.target_capture if any(uses_head(s) for s in seqs) else ()
         out = rt.target.forward_ragged(batch.tokens, batch, rt.target_cache, capture=capture)
         if rt.draft_is_head and any(uses_head(s) for s in seqs):  # what the head's next catch-up reads
@@ -111,5 +112,28 @@ class ModelRunner:
         elif capture:  # what an EAGLE-3 draft's next catch-up reads
             rt.target_features[batch.token_slot, batch.positions] = out.aux
         accepted = accept_pass(seqs, proposals, out.logits, lengths, out.argmax)
+        if trees is not None:
+            self._keep_accepted_paths(seqs, proposals, accepted)
         return VerifyOutput(proposals, windows, lengths, out.routed_ids, accepted, start_ns, t0, t1,
                             time.perf_counter())
+
+    def _keep_accepted_paths(self, seqs: list[Sequence], proposals: list[Proposal], accepted: PassVerdicts) -> None:
+        """A tree's nodes took rows b + 1 + i of the target cache (b: the window's first token); its accepted
+        path's keys and values (roped by depth, so valid at any row) and features move to rows b + 1, b + 2,
+        .. where the committed tokens now sit. The rows past them are stale, as a chain's rejected rows are,
+        and never read: every later window overwrites them before it attends."""
+        rt = self.rt
+        for seq, proposal, (_, on_path, _) in zip(seqs, proposals, accepted.verdicts, strict=True):
+            if proposal.tree is None:
+                continue
+            base = len(seq.ids)  # b + 1: the first node's row and the first committed draft's position
+            path = [i for i, ok in enumerate(on_path) if ok]
+            moves = [(base + i, base + depth) for depth, i in enumerate(path) if i != depth]
+            if not moves:
+                continue
+            source, target = torch.tensor([m[0] for m in moves]), torch.tensor([m[1] for m in moves])
+            # Ascending: a node's index is at least its depth, so no move overwrites a row still to be read.
+            for cache in (rt.target_cache.k, rt.target_cache.v):
+                cache[:, seq.slot, :, target] = cache[:, seq.slot, :, source]
+            if rt.target_features is not None:
+                rt.target_features[seq.slot, target] = rt.target_features[seq.slot, source]

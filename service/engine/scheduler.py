@@ -220,13 +220,17 @@ class Scheduler:
         step_unit = rt.clock.decode_step_seconds()
         # Each window's routed ids, only where a record keeps them (top-k capture, the EP estimate): a
         # batched step does this loop for every request, so it does nothing a request does not need.
-        window_ids = out.routed.split(lengths, dim=1) if records.keeps_ids else [None] * len(seqs)
+        trees = any(p.tree is not None for p in out.proposals)  # (a tree's record counts its branches' unions)
+        window_ids = out.routed.split(lengths, dim=1) if records.keeps_ids or trees else [None] * len(seqs)
         adaptive = self._observe_controllers(seqs, out)
         finished = []
-        for seq, proposal, window, ids, unique, overlap, (n_ok, _, bonus) in zip(
+        for seq, proposal, window, ids, unique, overlap, (n_ok, flags, bonus) in zip(
                 seqs, out.proposals, out.windows, window_ids, own_unique, own_overlap, out.accepted.verdicts,
                 strict=True):
             drafts = proposal.drafts
+            # (a chain's flags mark matches, not its accepted prefix; a tree's its accepted path)
+            accepted = drafts[:n_ok] if proposal.tree is None else [d for d, ok in zip(drafts, flags, strict=True)
+                                                                    if ok]
             k = len(drafts)
             if seq.step_policy.drafter is Drafter.MODEL and k > 0:
                 # The draft cache holds the old tokens plus drafts 1..k-1. A dense draft's entries of
@@ -236,9 +240,9 @@ class Scheduler:
                 seq.draft_valid = (len(seq.ids) - 1 if rt.draft_is_eagle3
                                    else len(seq.ids) + (0 if rt.draft_is_head else min(n_ok, k - 1)))
             record = records.step_record(seq, k, n_ok, window, ids, unique, proposal.seconds, verify_s, step_unit,
-                                         pass_record, proposal.planned, overlap)
+                                         pass_record, proposal.planned, overlap, proposal.tree, flags)
             try:
-                finish = seq.commit([*drafts[:n_ok], bonus], record, rt.eos_id, rt.decode)
+                finish = seq.commit([*accepted, bonus], record, rt.eos_id, rt.decode)
             except Exception as error:  # e.g. the caller's on_delta raised: only this request fails
                 self._release(seq)
                 seq.fail(error)

@@ -22,9 +22,10 @@ import torch
 
 from service.engine.sequence import Sequence
 from service.engine.spec.adaptive.controller import StepController, adapts
+from service.engine.spec.tree_acceptance import DraftTree
 from service.routing import expert_parallel
 from service.routing.expert_sets import pairwise_overlap
-from service.types import BatchPassRecord, StepRecord, accepted_positions
+from service.types import BatchPassRecord, StepRecord, accepted_positions, tree_branches
 
 
 def unique_experts_per_layer(routed: torch.Tensor, num_experts: int) -> tuple[int, ...]:
@@ -130,17 +131,19 @@ class StepRecords:
 
     def step_record(self, seq: Sequence, drafted: int, accepted: int, window: list[int],
                     routed: torch.Tensor | None, unique: tuple[int, ...], draft_s: float, verify_s: float,
-                    step_unit: float, batch: BatchPassRecord, planned: int, overlap: dict) -> StepRecord:
-        """routed: the window's ids [L, w, m] (None unless `keeps_ids`); planned: the drafts the
-        sequence's controller asked for (recorded where a controller adapts the length); overlap: its
-        pairwise-overlap fields (`overlaps`)."""
+                    step_unit: float, batch: BatchPassRecord, planned: int, overlap: dict,
+                    tree: DraftTree | None = None, on_path: tuple[bool, ...] = ()) -> StepRecord:
+        """routed: the window's ids [L, w, m] (None unless `keeps_ids` or the window is a tree); planned:
+        the drafts the sequence's controller asked for (recorded where a controller adapts the length);
+        overlap: its pairwise-overlap fields (`overlaps`); tree: the window's draft tree, on_path [drafted]
+        its nodes on the accepted path (a chain: None, ())."""
         capture = self.keep_topk
         return StepRecord.of_policy(
             seq.step_policy,
             drafted=drafted,
             accepted=accepted,
             committed=accepted + 1,
-            accepted_per_position=accepted_positions(drafted, accepted),
+            accepted_per_position=accepted_positions(drafted, accepted) if tree is None else on_path,
             window=len(window),
             unique_experts=unique,
             shared_experts=1,
@@ -156,7 +159,18 @@ class StepRecords:
             **adaptive_fields(seq.controller, planned, drafted),
             **overlap,
             **self._ep_fields(routed),
+            **({} if tree is None else self._tree_fields(tree, routed)),
         )
+
+    def _tree_fields(self, tree: DraftTree, routed: torch.Tensor) -> dict:
+        """A tree window's parents and its per-branch unions: each root-to-leaf branch's positions (the
+        window's first token, then its nodes) counted per layer, as a chain along it would have been."""
+        if not self.count_routing:
+            branches = [(0,) * routed.shape[0]] * len(tree_branches(tree.parents))
+        else:
+            branches = [unique_experts_per_layer(routed[:, [0, *(1 + i for i in branch)]], self.num_experts)
+                        for branch in tree_branches(tree.parents)]
+        return {"tree_parents": tree.parents, "branch_unique": tuple(branches)}
 
     def _ep_fields(self, routed: torch.Tensor | None) -> dict:
         """The optional expert-parallel fields, estimated only with an EP placement."""

@@ -20,8 +20,11 @@ import torch
 from service.engine.sequence import Sequence
 from service.engine.spec.drafting import Proposal
 from service.engine.spec.sampling import accept, accept_greedy_ids, target_probs
+from service.engine.spec.tree_acceptance import Children, accept_tree_greedy, accept_tree_sampled
 
-Verdict = tuple[int, tuple[bool, ...], int]  # (drafts accepted, accepted flags [k'], the target's next token)
+# (drafts accepted, accepted flags [k'], the target's next token); a tree's flags mark its accepted
+# path's nodes (tree_acceptance.py), a chain's its accepted prefix.
+Verdict = tuple[int, tuple[bool, ...], int]
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,17 @@ def accept_pass(seqs: list[Sequence], proposals: list[Proposal], logits: torch.T
     verdicts, offset, sampled_rows = [], 0, 0
     for seq, proposal, w, p in zip(seqs, proposals, lengths, probs, strict=True):
         drafts, q = proposal.drafts, proposal.q
-        if p is None:
+        if proposal.tree is not None:
+            started = time.perf_counter()
+            path, bonus = (accept_tree_greedy(proposal.tree, greedy_ids[offset:offset + w]) if p is None
+                           else accept_tree_sampled(proposal.tree, p, q, Children.TOP if q is None
+                                                    else Children.SAMPLED, seq.gen))
+            on_path = set(path)
+            verdicts.append((len(path), tuple(i in on_path for i in range(len(drafts))), bonus))
+            if p is not None:
+                sampling_seconds += time.perf_counter() - started
+                sampled_rows += w
+        elif p is None:
             verdicts.append(accept_greedy_ids(drafts, greedy_ids[offset:offset + w]))
         else:
             started = time.perf_counter()

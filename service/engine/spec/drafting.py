@@ -19,9 +19,10 @@ import torch
 
 from service.engine.runtime import Runtime
 from service.engine.sequence import Sequence
-from service.engine.spec import eagle3_drafting, model_drafting, ngram
+from service.engine.spec import eagle3_drafting, model_drafting, ngram, tree_drafting
 from service.engine.spec.adaptive.controller import DraftConfidence, adapts
 from service.engine.spec.sampling import point_mass
+from service.engine.spec.tree_acceptance import DraftTree
 from service.types import Drafter
 
 
@@ -34,6 +35,15 @@ class Proposal:
     seconds: float  # drafting time (the model drafter's rounds are shared by the sequences in them)
     confidence: DraftConfidence | None = None  # of the drafts verified, where the drafter reports it
     planned: int = 0  # drafts the controller asked for (after its cut, for the model drafter)
+    tree: DraftTree | None = None  # a tree policy's drafts (drafts = its nodes' tokens); None: a chain
+
+    @property
+    def window_parents(self) -> list[int] | None:
+        """The verify window's tree (RaggedBatch's `trees`: -1 for the last committed token, then each
+        node's parent by window index), or None for a chain."""
+        if self.tree is None:
+            return None
+        return [-1, *(p + 1 for p in self.tree.parents)]
 
 
 def uses_head(seq: Sequence) -> bool:
@@ -47,6 +57,7 @@ def draft(rt: Runtime, seqs: list[Sequence]) -> list[Proposal]:
     vocab = rt.target.cfg.vocab_size
     out: list[Proposal] = []
     model_rows: list[tuple[int, int]] = []  # (index in seqs, k)
+    tree_rows: list[tuple[int, int]] = []  # (index in seqs, node budget): tree policies
     fed = 0  # positions the model drafter feeds this step: each row's catch-up, then a round per later draft
     for i, seq in enumerate(seqs):
         k = limit = seq.draft_budget()
@@ -67,9 +78,17 @@ def draft(rt: Runtime, seqs: list[Sequence]) -> list[Proposal]:
             out.append(Proposal(drafts, q, seconds, planned=k))
         else:
             out.append(Proposal([], None, 0.0, planned=k))
-            if k > 0:
+            if k > 0 and seq.step_policy.tree_width > 1:
+                tree_rows.append((i, k))
+            elif k > 0:
                 model_rows.append((i, k))
                 fed += lag + k - 1
+    if tree_rows:  # (static policies only: no controller plans or cuts a tree)
+        t0 = time.perf_counter()
+        trees = tree_drafting.draft_trees(rt, [seqs[i] for i, _ in tree_rows], [k for _, k in tree_rows])
+        seconds = time.perf_counter() - t0
+        for (i, k), drafted in zip(tree_rows, trees, strict=True):  # (a tree's q: [n + 1, V], tree_drafting.py)
+            out[i] = Proposal(list(drafted.tree.tokens), drafted.q, seconds, planned=k, tree=drafted.tree)
     if model_rows:
         t0 = time.perf_counter()
         draft_rounds = (model_drafting.draft_with_head if rt.draft_is_head
