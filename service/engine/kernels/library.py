@@ -89,6 +89,12 @@ class Kernels:
         self._head_draft = lib.head_draft
         self._head_draft.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ptr]
         self._head_draft.restype = ctypes.c_int
+        self._head_tree = lib.head_tree
+        self._head_tree.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr]
+        self._head_tree.restype = ctypes.c_int64
+        self._head_rows = lib.head_rows
+        self._head_rows.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
+        self._head_rows.restype = ctypes.c_int
         self.bf16_dot_native = bool(lib.bf16_dot_native())  # see `default_math`
         # AMX tiles in the build and granted by the kernel (csrc/amx.c); asked once, when loaded
         self.amx_native = bool(lib.amx_enable())
@@ -239,6 +245,63 @@ class Kernels:
         if status != 0:
             raise MemoryError("head_draft: out of memory")
         return picks, q
+
+    def head_tree(self, weights: head_kernel.HeadWeights, tokens: torch.Tensor, features: torch.Tensor,
+                  slot: int, start: int, budget: int, width: int, taus: torch.Tensor,
+                  pool: KernelPool | None = None) -> tuple[list[int], list[int]]:
+        """A draft head's catch-up over tokens [m] (target ids) with features [m, H] at positions start.. of
+        `slot`, then its top-candidate tree of at most `budget` nodes of `width` candidates per expanded
+        node, ranked at taus [budget] (depth d's temperature at d - 1) -> (draft-vocabulary indices [n],
+        parents [n]: node indices, -1 the root), by depth; see head.py."""
+        H = weights.H
+        m = tokens.shape[0]
+        if tokens.dtype != torch.int64 or tokens.dim() != 1 or m < 1 or features.shape != (m, H) \
+                or features.dtype != torch.float32:
+            raise ValueError(f"head_tree: tokens must be int64 [m >= 1] and features float32 [m, {H}]")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= weights.V:
+            raise ValueError(f"head_tree: token ids must lie in [0, {weights.V})")
+        if budget < 1 or not 1 <= width <= 8 or start < 0 or start + m > weights.S or not 0 <= slot < weights.slots:
+            raise ValueError(f"head_tree: {m} entries from position {start} of slot {slot} and a tree of {budget} "
+                             f"nodes of width {width} (1..8) do not fit the cache ({weights.slots} slots of "
+                             f"{weights.S})")
+        if taus.shape != (budget,) or taus.dtype != torch.float32 or not bool((taus > 0).all()):
+            raise ValueError(f"head_tree: taus must be float32 [{budget}], each > 0")
+        tokens, features, taus = tokens.contiguous(), features.contiguous(), taus.contiguous()
+        picks, parents = torch.empty(budget, dtype=torch.long), torch.empty(budget, dtype=torch.long)
+        n = self._head_tree(ctypes.addressof(weights), m, tokens.data_ptr(), features.data_ptr(), slot, start, budget,
+                            width, taus.data_ptr(), picks.data_ptr(), parents.data_ptr(), _handle(pool))
+        if n < 0:
+            raise MemoryError("head_tree: out of memory")
+        return picks[:n].tolist(), parents[:n].tolist()
+
+    def head_rows(self, weights: head_kernel.HeadWeights, tokens: torch.Tensor, features: torch.Tensor,
+                  where: AttentionPass, out_rows: torch.Tensor, pool: KernelPool | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft head over the entries of one pass (tokens [R] target ids with features [R, H], at the
+        positions, slots and tree paths of `where`, a pass over the head's own cache), keys and values
+        written -> (logits [n, Vd], features [n, H]) of the rows out_rows [n]; see head.py."""
+        H, R = weights.H, tokens.shape[0]
+        if tokens.dtype != torch.int64 or tokens.dim() != 1 or where.n != R or features.shape != (R, H) \
+                or features.dtype != torch.float32:
+            raise ValueError(f"head_rows: tokens must be int64 [{where.n}] and features float32 [{where.n}, {H}]")
+        if (where.K, where.D, where.S) != (weights.K, weights.D, weights.S) or where.tables.k_ptr != weights.k_cache:
+            raise ValueError("head_rows: the pass must run over the head's own cache")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= weights.V:
+            raise ValueError(f"head_rows: token ids must lie in [0, {weights.V})")
+        if out_rows.dtype != torch.int64 or out_rows.dim() != 1:
+            raise ValueError("head_rows: out_rows must be int64 [n]")
+        tokens, features, out_rows = tokens.contiguous(), features.contiguous(), out_rows.contiguous()
+        n = out_rows.shape[0]
+        fhat, logits = features.new_empty(n, H), features.new_empty(n, weights.Vd)
+        _, _, positions, slots, tree, _, _, _ = where.args(0)
+        status = self._head_rows(ctypes.addressof(weights), R, tokens.data_ptr(), features.data_ptr(), positions,
+                                 slots, tree, n, out_rows.data_ptr(), fhat.data_ptr(), logits.data_ptr(),
+                                 _handle(pool))
+        if status == 3:
+            raise IndexError(f"head_rows: an out row lies outside the pass's {R} entries")
+        if status != 0:
+            raise MemoryError("head_rows: out of memory")
+        return logits, fhat
 
     def default_math(self) -> str:
         """The arithmetic of the matrix products where none is asked for: bf16 where this CPU multiplies

@@ -78,7 +78,7 @@ def draft(rt: Runtime, seqs: list[Sequence]) -> list[Proposal]:
             out.append(Proposal(drafts, q, seconds, planned=k))
         else:
             out.append(Proposal([], None, 0.0, planned=k))
-            if k > 0 and seq.step_policy.tree_width > 1:
+            if k > 1 and seq.step_policy.tree_width > 1:  # (one node is a chain of one)
                 tree_rows.append((i, k))
             elif k > 0:
                 model_rows.append((i, k))

@@ -1,7 +1,8 @@
 """The C sources of the fused kernels, shipped as package data and compiled by c_build.py.
 
-What the files share is declared in two headers: kernel_pool.h (the worker pool) and kernels.h (the
-packed panels' layout, the tile macros, the helpers later files call, every entry point); linkage.h
+What the files share is declared in headers: kernel_pool.h (the worker pool), kernels.h (the packed
+panels' layout, the tile macros, the helpers later files call, every entry point) and head.h (the draft
+head's weights and the steps its chain and its tree share); linkage.h
 makes those helpers static in a library's build and extern in a file compiled alone. Every file
 includes what it uses, so each compiles alone (tests/engine/kernels/test_csrc_warnings.py checks it).
 

@@ -1,23 +1,11 @@
 /* A draft head's catch-up and drafting chain for one sequence: see head.py. */
-#include "kernels.h"
+#include "head.h"
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-struct head_weights {
-    int64_t H, I, Vd, A, K, D, S, V, slots;  /* S: cache positions per slot; V: the target's vocabulary */
-    float eps;
-    const float *embed;  /* [V, H]: the target's embedding table */
-    const float *embed_norm_w, *feature_norm_w, *attn_norm_w, *post_norm_w, *final_norm_w;  /* [H] each */
-    const void *fc_wt; int fc_fmt;  /* packed [H, 2H] */
-    const void *qkv_wt; const float *qkv_b; const void *o_wt; int attn_fmt;
-    const void *gate_up_t, *down_t; int mlp_fmt;
-    const void *lm_wt; int lm_fmt;  /* packed [Vd, H] */
-    const int64_t *vocab;  /* [Vd] target token id of each draft index */
-    const float *rope_cos, *rope_sin;
-    float *k_cache, *v_cache;  /* the head's one layer: [slots, K, S, D] */
-};
+
 
 /* Draft index from logits [Vd]: first maximum at temperature 0, else an inverse-CDF draw with u from
    softmax(logits / T), written to q. */
@@ -47,7 +35,7 @@ static int64_t head_pick(const float *logits, int64_t Vd, float temperature, flo
 
 /* The head over one entry's input (embedding row e, feature row f) up to its attention: writes the fc
    input [2H] to in. */
-static void head_input(const struct head_weights *w, const float *e, const float *f, float *in) {
+KERNEL_PRIVATE void head_input(const struct head_weights *w, const float *e, const float *f, float *in) {
     rms_norm(e, 1, w->H, w->embed_norm_w, w->eps, in);
     rms_norm(f, 1, w->H, w->feature_norm_w, w->eps, in + w->H);
 }
@@ -56,8 +44,8 @@ static void head_input(const struct head_weights *w, const float *e, const float
    split their output panels over the pool (`linear`), each panel as matmul_p computes it; the MLP is
    swiglu_experts' one expert of weight 1 step by step (its products, swiglu_act with r = 1, the sum
    into a zeroed row), so the row is bitwise the one-thread chain's and `DraftHead.forward_ragged`'s. */
-static void head_output(const struct head_weights *w, const float *x2, float *feature, float *logits,
-                        struct kernel_pool *pool) {
+KERNEL_PRIVATE void head_output(const struct head_weights *w, const float *x2, float *feature, float *logits,
+                                struct kernel_pool *pool) {
     const int64_t H = w->H, I = w->I;
     float hn[H], gu[2 * I], act[I], mlp[H];
     rms_norm(x2, 1, H, w->post_norm_w, w->eps, hn);
@@ -104,5 +92,30 @@ int head_draft(const struct head_weights *w, int64_t m, const int64_t *tokens, c
     }
     free(in);
     free(where);
+    return 0;
+}
+
+/* R entries, of one sequence or several (target ids tokens [R], features [R, H]), at positions [R] of
+   slots [R] (tree: their draft-tree paths as attention_block takes them; NULL: chains), keys and values
+   written; then for the n_out rows out_rows [n_out] (indices into the R): their features [n_out, H] and
+   logits [n_out, Vd]. Each row's arithmetic is head_draft's (and `DraftHead.forward_ragged`'s kernel
+   path's), so bitwise theirs. Returns 0, -1 when out of memory, 3 for an out row outside [0, R). */
+int head_rows(const struct head_weights *w, int64_t R, const int64_t *tokens, const float *features,
+              const int64_t *positions, const int64_t *slots, const int64_t *tree, int64_t n_out,
+              const int64_t *out_rows, float *out_features, float *out_logits, struct kernel_pool *pool) {
+    const int64_t H = w->H, QKV = (w->A + 2 * w->K) * w->D;
+    for (int64_t r = 0; r < n_out; r++)
+        if (out_rows[r] < 0 || out_rows[r] >= R) return 3;
+    float *in = malloc((size_t)(R * (4 * H + H + QKV + w->A * w->D)) * sizeof(float));
+    if (!in) return -1;
+    float *x = in + R * 2 * H, *x2 = x + R * H, *attn_scratch = x2 + R * H;
+    for (int64_t i = 0; i < R; i++) head_input(w, w->embed + tokens[i] * H, features + i * H, in + i * 2 * H);
+    linear(in, R, 2 * H, w->fc_wt, w->fc_fmt, H, x, pool);
+    attention_block(x, R, H, w->attn_norm_w, w->eps, w->qkv_wt, w->qkv_b, w->A, w->K, w->D, w->attn_fmt,
+                    w->rope_cos, w->rope_sin, positions, slots, tree, w->k_cache, w->v_cache, w->S, w->o_wt,
+                    attn_scratch, x2, pool, 0);
+    for (int64_t r = 0; r < n_out; r++)
+        head_output(w, x2 + out_rows[r] * H, out_features + r * H, out_logits + r * w->Vd, pool);
+    free(in);
     return 0;
 }

@@ -19,5 +19,6 @@ this one reads bottom-up. */
 #include "moe.c"
 #include "attention.c"
 #include "head.c"
+#include "head_tree.c"
 #include "decoder.c"
 #include "forward.c"
