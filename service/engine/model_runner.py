@@ -102,7 +102,8 @@ class ModelRunner:
         t1 = time.perf_counter()
         windows = [[s.ids[-1], *p.drafts] for s, p in zip(seqs, proposals, strict=True)]  # [w_b]
         lengths = [len(w) for w in windows]
-        trees = [p.window_parents for p in proposals] if any(p.tree for p in proposals) else None
+        trees = [p.window_parents for p in proposals]
+        trees = trees if any(t is not None for t in trees) else None
         batch = RaggedBatch.build([s.slot for s in seqs], [len(s.ids) - 1 for s in seqs], lengths,
                                   tokens=[t for w in windows for t in w], trees=trees)
         capture = rt.target_capture if any(uses_head(s) for s in seqs) else ()
@@ -112,7 +113,7 @@ class ModelRunner:
         elif capture:  # what an EAGLE-3 draft's next catch-up reads
             rt.target_features[batch.token_slot, batch.positions] = out.aux
         accepted = accept_pass(seqs, proposals, out.logits, lengths, out.argmax)
-        if trees is not None:
+        if trees is not None:  # (a chain's accepted drafts sit where they belong already)
             self._keep_accepted_paths(seqs, proposals, accepted)
         return VerifyOutput(proposals, windows, lengths, out.routed_ids, accepted, start_ns, t0, t1,
                             time.perf_counter())

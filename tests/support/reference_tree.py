@@ -1,7 +1,8 @@
 """The top-candidate draft tree grown in Python, step by step, as an independent reference for the C
 kernel (`Kernels.head_tree`, csrc/head_tree.c): the same rule written another way (torch's log-softmax
 and top-k per depth, the head's rows through `DraftHead.rows`), so a test can hold the kernel's trees to
-it. See service/engine/spec/tree_drafting.py for the rule."""
+it. See service/engine/spec/tree_drafting.py for the rule. The head runs through
+`DraftHead.forward_ragged` (the torch path over the kernels), not the C tree's own loop."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from service.engine.model.ragged import RaggedBatch
 from service.engine.runtime import Runtime
 from service.engine.sequence import Sequence
 from service.engine.spec.tree_acceptance import ROOT, DraftTree
-from service.engine.spec.tree_drafting import _catch_up, _head_pass
+from service.engine.spec.tree_drafting import _pending
 
 
 @dataclass
@@ -115,8 +117,31 @@ def top_candidate_trees(rt: Runtime, seqs: list[Sequence], budgets: list[int]) -
         for j, new in offered.items():
             g = grown[j]
             new.sort(key=lambda c: (-g.scores[c], c))
-            # No new child outscores the N-th best: none of their descendants could enter the tree.
-            if g.scores[new[0]] < g.kth_best():
-                g.done = True
-            g.frontier = new[:g.width]
+            # A child below the N-th best is not expanded: none of its descendants could enter the tree.
+            kth = g.kth_best()
+            g.frontier = [c for c in new[:g.width] if g.scores[c] >= kth]
+            g.done = not g.frontier
     return [g.tree() for g in grown]
+
+
+def _catch_up(rt: Runtime, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's entries each cache lacks, up to the root, in one pass -> the root's logits [B, Vd] and
+    feature [B, H]."""
+    pending = [_pending(rt, s) for s in seqs]
+    lengths = [tokens.shape[0] for tokens, _ in pending]
+    batch = RaggedBatch.build([s.slot for s in seqs], [s.draft_valid for s in seqs], lengths)
+    logits, fhat = rt.draft.forward_ragged(rt.target.embed_tokens(torch.cat([t for t, _ in pending])),
+                                           torch.cat([f for _, f in pending]), batch, rt.draft_cache,
+                                           torch.tensor(lengths).cumsum(0) - 1)  # [B, Vd], [B, H]
+    for s in seqs:
+        s.draft_valid = len(s.ids)
+    return logits, fhat
+
+
+def _head_pass(rt: Runtime, seqs: list[Sequence], tokens: list[int], features: torch.Tensor,
+               paths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head on one node per row (target token ids, the parent's feature [R, H]) at the head-cache
+    rows ending each path -> logits [R, Vd], features [R, H]."""
+    batch = RaggedBatch.build([s.slot for s in seqs], [p[-1] for p in paths], [1] * len(paths), paths=paths)
+    return rt.draft.forward_ragged(rt.target.embed_tokens(torch.tensor(tokens)), features, batch, rt.draft_cache,
+                                   torch.arange(len(paths)))

@@ -92,9 +92,6 @@ class Kernels:
         self._head_tree = lib.head_tree
         self._head_tree.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr]
         self._head_tree.restype = ctypes.c_int64
-        self._head_rows = lib.head_rows
-        self._head_rows.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
-        self._head_rows.restype = ctypes.c_int
         self.bf16_dot_native = bool(lib.bf16_dot_native())  # see `default_math`
         # AMX tiles in the build and granted by the kernel (csrc/amx.c); asked once, when loaded
         self.amx_native = bool(lib.amx_enable())
@@ -273,35 +270,6 @@ class Kernels:
         if n < 0:
             raise MemoryError("head_tree: out of memory")
         return picks[:n].tolist(), parents[:n].tolist()
-
-    def head_rows(self, weights: head_kernel.HeadWeights, tokens: torch.Tensor, features: torch.Tensor,
-                  where: AttentionPass, out_rows: torch.Tensor, pool: KernelPool | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A draft head over the entries of one pass (tokens [R] target ids with features [R, H], at the
-        positions, slots and tree paths of `where`, a pass over the head's own cache), keys and values
-        written -> (logits [n, Vd], features [n, H]) of the rows out_rows [n]; see head.py."""
-        H, R = weights.H, tokens.shape[0]
-        if tokens.dtype != torch.int64 or tokens.dim() != 1 or where.n != R or features.shape != (R, H) \
-                or features.dtype != torch.float32:
-            raise ValueError(f"head_rows: tokens must be int64 [{where.n}] and features float32 [{where.n}, {H}]")
-        if (where.K, where.D, where.S) != (weights.K, weights.D, weights.S) or where.tables.k_ptr != weights.k_cache:
-            raise ValueError("head_rows: the pass must run over the head's own cache")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= weights.V:
-            raise ValueError(f"head_rows: token ids must lie in [0, {weights.V})")
-        if out_rows.dtype != torch.int64 or out_rows.dim() != 1:
-            raise ValueError("head_rows: out_rows must be int64 [n]")
-        tokens, features, out_rows = tokens.contiguous(), features.contiguous(), out_rows.contiguous()
-        n = out_rows.shape[0]
-        fhat, logits = features.new_empty(n, H), features.new_empty(n, weights.Vd)
-        _, _, positions, slots, tree, _, _, _ = where.args(0)
-        status = self._head_rows(ctypes.addressof(weights), R, tokens.data_ptr(), features.data_ptr(), positions,
-                                 slots, tree, n, out_rows.data_ptr(), fhat.data_ptr(), logits.data_ptr(),
-                                 _handle(pool))
-        if status == 3:
-            raise IndexError(f"head_rows: an out row lies outside the pass's {R} entries")
-        if status != 0:
-            raise MemoryError("head_rows: out of memory")
-        return logits, fhat
 
     def default_math(self) -> str:
         """The arithmetic of the matrix products where none is asked for: bf16 where this CPU multiplies

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from service.engine.kernels.attention import AttentionPass, CacheTables
+from service.engine.kernels.attention import AttentionPass
 from service.engine.kernels.head import HeadWeights
 from service.engine.kernels.hugepages import PanelArena
 from service.engine.kernels.library import Kernels
@@ -79,7 +79,6 @@ class DraftHead(nn.Module):
         self.kernel_threads = ONE_THREAD
         self.fc_packed: PackedWeight | None = None
         self.lm_head_packed: PackedWeight | None = None
-        self._cache_tables: CacheTables | None = None  # the last cache `rows` ran over, checked
 
     # ------------------------------------------------------------------ inference
     def fuse_for_inference(self, kernels: Kernels | None, kernel_threads: KernelThreads = ONE_THREAD) -> None:
@@ -122,19 +121,6 @@ class DraftHead(nn.Module):
         x = x.index_select(0, logit_rows)
         x = x + self._mlp(self.layer.post_attention_layernorm(x))
         return self._linear(self.norm(x), self.lm_head_packed, self.lm_head), x
-
-    def rows(self, chain: HeadWeights | None, embed: nn.Embedding, tokens: torch.Tensor, features: torch.Tensor,
-             batch: RaggedBatch, cache: KVCache, logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward_ragged` from token ids [N] (embedded with `embed`, the target's table), in one C call
-        where the chain's weights are given (`chain_weights` of this cache: bitwise the same rows)."""
-        if chain is None:
-            return self.forward_ragged(embed(tokens), features, batch, cache, logit_rows)
-        tables = self._cache_tables
-        if tables is None or not tables.reads(cache.k, cache.v):
-            tables = self._cache_tables = CacheTables(cache.k, cache.v, self.rope_cos, self.rope_sin)
-        where = AttentionPass.over(tables, batch.positions, batch.token_slot, batch.position_range, batch.slot_range,
-                                   batch.tree)
-        return self.kernels.head_rows(chain, tokens, features, where, logit_rows, self.kernel_threads.pool)
 
     def chain_weights(self, embed: torch.Tensor, cache: KVCache) -> HeadWeights | None:
         """The C chain's view of this head, the target's embedding table [V, H] and the head's cache

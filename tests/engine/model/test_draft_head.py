@@ -232,30 +232,3 @@ def test_sampled_picks_follow_the_distribution_they_report(head, target, oracle_
     f_exp = torch.cat([q[likely], (1 - q[likely].sum())[None]]) * draws
     assert chisquare(f_obs.numpy(), f_exp.numpy()).pvalue > 1e-3
 
-
-def test_the_heads_rows_in_one_c_call_are_bitwise_its_ragged_pass_over_a_tree():
-    """`DraftHead.rows` with the chain's weights (one C call, `Kernels.head_rows`) against
-    `forward_ragged`'s kernel path, over a catch-up and then one depth of a tree whose ancestors are in
-    the cache (explicit paths): the same logits and features, bit for bit."""
-    from service.engine.model.weights import load_for_inference
-
-    built = kernels.build()
-    assert built is not None
-    target = load_for_inference(DEFAULT_TARGET_DIR, kernels=built)
-    head = load_head(DEFAULT_HEAD_DIR, kernels=built)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, target.cfg.vocab_size, (12,), generator=gen)
-    features = torch.randn(12, target.cfg.hidden_size, generator=gen)
-    got, want = [], []
-    for use_c in (True, False):
-        cache = KVCache(head.cfg, 64)
-        chain = head.chain_weights(target.embed_tokens.weight, cache) if use_c else None
-        with torch.inference_mode():
-            catch_up = RaggedBatch.build([0], [0], [9])
-            out = [head.rows(chain, target.embed_tokens, tokens[:9], features[:9], catch_up, cache, torch.tensor([8]))]
-            # three children of the last entry (row 8), at rows 9, 10 and 11
-            depth = RaggedBatch.build([0, 0, 0], [9, 10, 11], [1, 1, 1], paths=[[8, 9], [8, 10], [8, 11]])
-            out.append(head.rows(chain, target.embed_tokens, tokens[9:], features[9:], depth, cache, torch.arange(3)))
-        (got if use_c else want).append(out)
-    for (gl, gf), (wl, wf) in zip(got[0], want[0], strict=True):
-        assert torch.equal(gl, wl) and torch.equal(gf, wf)

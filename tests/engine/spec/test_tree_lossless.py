@@ -160,6 +160,8 @@ def test_tree_unions_equal_transformers_router_over_each_nodes_path(recording_en
             continue
         window = list(step.window_ids)  # [last committed token, nodes...]
         assert window[0] == committed[-1]
+        if step.drafted == 6:  # sampled branches: three draws at the root, the first continued three deep
+            assert step.tree_parents == (-1, -1, -1, 0, 3, 4)
         per_node = []
         for node in range(step.window):
             path, i = [], node - 1
@@ -196,10 +198,11 @@ def test_the_kernels_top_candidate_tree_is_the_reference_growths(engine, budget,
         ids = engine.tokenizer.encode(prompt).ids[-60:]
         seq = Sequence(GenerationRequest(prompt_token_ids=tuple(ids), sampling=sampling), policy, ids, 16, None, None)
         seq.slot = 0
-        engine._scheduler.runner.prefill([PrefillChunk(seq, 0, len(ids) - 1, completes=True)])
-        want = top_candidate_trees(engine.runtime, [seq], [budget])[0]
-        seq.draft_valid = 0
-        got = tree_drafting.draft_trees(engine.runtime, [seq], [budget])[0].tree
+        with torch.inference_mode():  # (as on the scheduler's thread)
+            engine._scheduler.runner.prefill([PrefillChunk(seq, 0, len(ids) - 1, completes=True)])
+            want = top_candidate_trees(engine.runtime, [seq], [budget])[0]
+            seq.draft_valid = 0
+            got = tree_drafting.draft_trees(engine.runtime, [seq], [budget])[0].tree
         assert got == want
         shapes.add(want.parents)
     assert len(shapes) > 1 or sampling.greedy  # (a greedy tree is a chain where the calibrated head is sure)

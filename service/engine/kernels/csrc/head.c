@@ -94,28 +94,3 @@ int head_draft(const struct head_weights *w, int64_t m, const int64_t *tokens, c
     free(where);
     return 0;
 }
-
-/* R entries, of one sequence or several (target ids tokens [R], features [R, H]), at positions [R] of
-   slots [R] (tree: their draft-tree paths as attention_block takes them; NULL: chains), keys and values
-   written; then for the n_out rows out_rows [n_out] (indices into the R): their features [n_out, H] and
-   logits [n_out, Vd]. Each row's arithmetic is head_draft's (and `DraftHead.forward_ragged`'s kernel
-   path's), so bitwise theirs. Returns 0, -1 when out of memory, 3 for an out row outside [0, R). */
-int head_rows(const struct head_weights *w, int64_t R, const int64_t *tokens, const float *features,
-              const int64_t *positions, const int64_t *slots, const int64_t *tree, int64_t n_out,
-              const int64_t *out_rows, float *out_features, float *out_logits, struct kernel_pool *pool) {
-    const int64_t H = w->H, QKV = (w->A + 2 * w->K) * w->D;
-    for (int64_t r = 0; r < n_out; r++)
-        if (out_rows[r] < 0 || out_rows[r] >= R) return 3;
-    float *in = malloc((size_t)(R * (4 * H + H + QKV + w->A * w->D)) * sizeof(float));
-    if (!in) return -1;
-    float *x = in + R * 2 * H, *x2 = x + R * H, *attn_scratch = x2 + R * H;
-    for (int64_t i = 0; i < R; i++) head_input(w, w->embed + tokens[i] * H, features + i * H, in + i * 2 * H);
-    linear(in, R, 2 * H, w->fc_wt, w->fc_fmt, H, x, pool);
-    attention_block(x, R, H, w->attn_norm_w, w->eps, w->qkv_wt, w->qkv_b, w->A, w->K, w->D, w->attn_fmt,
-                    w->rope_cos, w->rope_sin, positions, slots, tree, w->k_cache, w->v_cache, w->S, w->o_wt,
-                    attn_scratch, x2, pool, 0);
-    for (int64_t r = 0; r < n_out; r++)
-        head_output(w, x2 + out_rows[r] * H, out_features + r * H, out_logits + r * w->Vd, pool);
-    free(in);
-    return 0;
-}

@@ -126,15 +126,17 @@ int64_t head_tree(const struct head_weights *w, int64_t m, const int64_t *tokens
                            depth + 1);
         }
         expanded += rows;
-        /* the next frontier: the best `width` new children; none if none outscores the budget-th best so far
-           (a descendant never scores above its ancestor, so none could enter the tree) */
+        /* the next frontier: the best `width` new children that score at least the budget-th best so far (a
+           descendant never scores above its ancestor: below that, none of its descendants could enter the
+           tree, so it is not worth a head row) */
         const int64_t n_new = t.n - first_new;
         for (int64_t i = 0; i < t.n; i++) order[i] = i;
         sort_by_score(c, order, t.n);
         const double kth = t.n >= budget ? c[order[budget - 1]].score : -INFINITY;
         for (int64_t i = 0; i < n_new; i++) frontier[i] = first_new + i;
         sort_by_score(c, frontier, n_new);
-        n_frontier = n_new == 0 || c[frontier[0]].score < kth ? 0 : (n_new < width ? n_new : width);
+        n_frontier = 0;
+        while (n_frontier < n_new && n_frontier < width && c[frontier[n_frontier]].score >= kth) n_frontier++;
     }
     /* the tree: the `budget` best candidates, then by depth and offer order; parents renumbered */
     for (int64_t i = 0; i < t.n; i++) order[i] = i;

@@ -131,9 +131,6 @@ int head_draft(const struct head_weights *w, int64_t m, const int64_t *tokens, c
 int64_t head_tree(const struct head_weights *w, int64_t m, const int64_t *tokens, const float *features,
                   int64_t slot, int64_t start, int64_t budget, int64_t width, const float *taus, int64_t *out_tokens,
                   int64_t *out_parents, struct kernel_pool *pool);
-int head_rows(const struct head_weights *w, int64_t R, const int64_t *tokens, const float *features,
-              const int64_t *positions, const int64_t *slots, const int64_t *tree, int64_t n_out,
-              const int64_t *out_rows, float *out_features, float *out_logits, struct kernel_pool *pool);
 
 /* decoder.c */
 struct decoder_layer;
