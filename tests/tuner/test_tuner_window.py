@@ -122,3 +122,24 @@ def test_collector_refuses_spans_whose_policy_fields_disagree_with_the_watched_p
                                 "moespec.spec.draft_temperature": 0.3})  # ignored by n-gram
     c.on_spans([stale, fresh, request_span("s/0")])  # the last one omits the fields: accepted
     assert c.snapshot("s/0").requests == 2 and c.traffic().unwatched_spans == 1
+
+
+def test_the_span_check_compares_only_the_fields_a_request_span_carries():
+    """An adaptive or table trial's real spans carry the base policy's drafter, length, temperature and
+    width, not its controller, cost weight or cells: they are its own spans, and a stale span of another
+    length is still refused."""
+    from dataclasses import replace
+
+    from service.types import Controller, Drafter, DraftPolicy, PolicyCell, RequestKind
+    from tuner.measurement.spans import ran_policy
+
+    span = request_span("s/2")
+    span["attributes"].update({"moespec.spec.drafter": "model", "moespec.spec.draft_length": 8,
+                               "moespec.spec.draft_temperature": 0.0})
+    sample = request_sample(span)
+    adaptive = DraftPolicy(Drafter.MODEL, 8, 0.0, "s/2", controller=Controller.MOESPEC, cost_weight=1.5)
+    table = DraftPolicy(Drafter.MODEL, 8, 0.0, "s/2",
+                        cells=(PolicyCell(DraftPolicy(Drafter.NGRAM, 4), kind=RequestKind.GREEDY),))
+    assert ran_policy(sample, adaptive) and ran_policy(sample, table)
+    assert not ran_policy(sample, replace(adaptive, draft_length=6))
+    assert not ran_policy(sample, replace(table, drafter=Drafter.NGRAM))

@@ -8,6 +8,7 @@ A span missing a required aggregate yields None rather than a wrong number in th
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from otel import attributes as attr
 from service.types import Drafter, DraftPolicy
@@ -49,12 +50,15 @@ def request_sample(span: Mapping) -> RequestSample | None:
 def ran_policy(sample: RequestSample, policy: DraftPolicy) -> bool:
     """Whether the span's own policy fields agree with `policy` (True when the span omits them).
     Guards a window against stale spans that reuse its id, e.g. from an earlier study of the same
-    name on another storage, whose requests ran a different policy."""
+    name on another storage, whose requests ran a different policy. A request span carries the
+    drafter, draft length, draft temperature and tree width of the policy's base (not its controller,
+    cost weight or table cells), so only those are compared: the rest is taken from `policy`."""
     if sample.draft_length < 0 or not sample.drafter:
         return True
+    base = replace(policy, cells=())
     try:
-        ran = DraftPolicy(Drafter(sample.drafter), sample.draft_length, sample.draft_temperature,
-                          tree_width=sample.tree_width)
+        ran = replace(base, drafter=Drafter(sample.drafter), draft_length=sample.draft_length,
+                      draft_temperature=sample.draft_temperature, tree_width=sample.tree_width)
     except ValueError:
         return False
-    return policy_key(ran) == policy_key(policy)
+    return policy_key(ran) == policy_key(base)
