@@ -44,7 +44,7 @@ def test_a_tree_width_is_asked_only_where_a_tree_can_run():
         policy.validate()  # never a tree the service refuses
         assert space.policy_from_params(params, "p") == policy
         assert space.policy_from_params(space.params_of(policy), "p") == policy
-        assert ("tree_width" in params) == (policy.draft_length > 0 and policy.drafter is Drafter.MODEL)
+        assert ("tree_width" in params) == (policy.draft_length > 1 and policy.drafter is Drafter.MODEL)
         assert ("controller" in params) == (policy.draft_length > 0 and policy.tree_width == 1)
         assert space.contains(policy)
         widths.add(policy.tree_width)
@@ -65,7 +65,8 @@ def test_the_grid_and_the_corners_hold_the_trees_of_the_model_drafter():
     space = SearchSpace.from_model_info(TREE_INFO, temperature_step=temperature_step(SamplerKind.GRID),
                                         adaptive=True)
     grid = list(initial_policies(SamplerKind.GRID, space, InitialDesign.CORNERS))
-    static = 1 + 8 + 8 * 4 * 3  # plain, n-gram x k, model x k x {0,.5,1,1.5} x widths 1..3
+    # plain, n-gram x k, model x k x {0,.5,1,1.5} x widths 1..min(3, k) (a wider tree runs as one k wide)
+    static = 1 + 8 + 4 * (1 + 2 + 6 * 3)
     chains = 1 + 8 + 8 * 4
     assert len({policy_key(p) for p in grid}) == len(grid) == static + (chains - 1) * 3  # the rule: chains only
     assert {p.tree_width for p in grid if p.drafter is Drafter.NGRAM} == {1}
@@ -92,7 +93,7 @@ def test_labels_claims_and_span_checks_tell_a_tree_from_its_chain():
 
 def landscape(policy: DraftPolicy) -> float:
     """Seconds per token: drafting pays, and a width-2 tree of 2 nodes pays most."""
-    return {(0, 1): 1.0, (1, 1): 0.8, (1, 2): 0.85, (2, 1): 0.7, (2, 2): 0.5}[policy.draft_length, policy.tree_width]
+    return {(0, 1): 1.0, (1, 1): 0.8, (2, 1): 0.7, (2, 2): 0.5}[policy.draft_length, policy.tree_width]
 
 
 def test_a_grid_search_over_a_server_that_drafts_trees_runs_the_best_tree(tmp_path):
@@ -108,7 +109,7 @@ def test_a_grid_search_over_a_server_that_drafts_trees_runs_the_best_tree(tmp_pa
         best = built.tuner.run()
     measured = {policy_key(built.space.policy_from_params(t.params, "")) for t in built.study.get_trials()
                 if t.state in (TrialState.COMPLETE, TrialState.PRUNED)}
-    assert {(k.draft_length, k.tree_width) for k in measured} == {(0, 1), (1, 1), (1, 2), (2, 1), (2, 2)}
+    assert {(k.draft_length, k.tree_width) for k in measured} == {(0, 1), (1, 1), (2, 1), (2, 2)}
     assert (best.policy.draft_length, best.policy.tree_width) == (2, 2)
     assert server.policy == best.policy and any(p.tree_width == 2 for p in server.history)
     rows = {(r.draft_length, r.tree_width): r for r in trial_rows(built.study, built.space)}

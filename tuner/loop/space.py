@@ -6,9 +6,11 @@ Contract: the space is conditional, asked in this order so that equivalent polic
   draft_greedy in {true, false}                  (only for the model drafter, when the temperature is
                                                   tunable and continuous: true = argmax drafts, T = 0)
   draft_temperature in [0, max_temperature]      (only for the model drafter, when tunable and not greedy)
-  tree_width in 1..max_tree_width                (only for the model drafter, when "tree_width" is tunable
-                                                  and the server drafts trees: ModelInfo.max_tree_width > 1;
-                                                  draft_length is then the tree's node budget)
+  tree_width in 1..max_tree_width                (only for the model drafter at draft_length >= 2 (one node
+                                                  is a chain), when "tree_width" is tunable and the server
+                                                  drafts trees: ModelInfo.max_tree_width > 1; draft_length
+                                                  is then the tree's node budget; the grid keeps widths up
+                                                  to the budget, as a wider tree runs as one that wide)
   controller in {static, moespec}                (only with `tune_controller`, when the server offers
                                                   moespec, and only for a chain (a tree runs the static
                                                   controller): draft_length is then the rule's most)
@@ -159,7 +161,7 @@ class SearchSpace:
                     f"{prefix}draft_temperature", 0.0, self.max_temperature, step=self.temperature_step
                 )
         width = 1
-        if drafter is Drafter.MODEL and self.max_tree_width > 1:
+        if drafter is Drafter.MODEL and self.max_tree_width > 1 and length > 1:  # (one node is a chain)
             width = trial.suggest_categorical(f"{prefix}tree_width", self.tree_widths)
         controller, weight = Controller.STATIC, DraftPolicy().cost_weight
         if self.tune_controller and width == 1:  # the adaptive controllers plan chains
@@ -209,7 +211,7 @@ class SearchSpace:
                 params[f"{prefix}draft_greedy"] = greedy
             if not greedy:
                 params[f"{prefix}draft_temperature"] = policy.draft_temperature
-        if policy.draft_length and policy.drafter is Drafter.MODEL and self.max_tree_width > 1:
+        if policy.draft_length > 1 and policy.drafter is Drafter.MODEL and self.max_tree_width > 1:
             params[f"{prefix}tree_width"] = policy.tree_width
         if policy.draft_length and self.tune_controller and policy.tree_width == 1:
             params[f"{prefix}controller"] = policy.controller.value
@@ -293,7 +295,7 @@ class SearchSpace:
                     yield DraftPolicy(drafter=drafter, draft_length=length)
                     continue
                 for t in temperatures if self.tune_temperature else (self.fixed_temperature,):
-                    for width in self.tree_widths:
+                    for width in (w for w in self.tree_widths if w <= length):  # (a wider tree runs as this one)
                         yield DraftPolicy(drafter=drafter, draft_length=length, draft_temperature=t, tree_width=width)
 
 
