@@ -390,8 +390,9 @@ class StepRecord:
 
     @property
     def is_tree(self) -> bool:
-        """The step verified a tree of drafts (a tree policy's step that drafted something)."""
-        return self.tree_width > 1 and self.drafted > 0
+        """The step verified a tree of drafts: it records the tree (a tree policy's step that drafted one
+        node verified a chain, and records none)."""
+        return bool(self.tree_parents)
 
     @property
     def tree_depth(self) -> int:
