@@ -6,10 +6,6 @@ it. See service/engine/spec/tree_drafting.py for the rule. The head runs through
 
 from __future__ import annotations
 
-import heapq
-import math
-from dataclasses import dataclass
-
 import torch
 
 from service.engine.model.ragged import RaggedBatch
@@ -19,109 +15,61 @@ from service.engine.spec.tree_acceptance import ROOT, DraftTree
 from service.engine.spec.tree_drafting import _pending
 
 
-@dataclass
-class _Grown:
-    """One sequence's tree while it grows: every child offered so far, and the frontier the head runs on."""
-
-    root_row: int  # the head-cache row of the root entry (the last committed token's position)
-    budget: int
-    width: int
-    tokens: list[int]  # [c] each child offered: its target token id
-    parents: list[int]  # [c] its parent (an earlier child, or ROOT)
-    scores: list[float]  # [c] its path's log-probability
-    frontier: list[int]  # children whose head entries are run next (their logits give the next depth)
-    rows: dict[int, list[int]]  # expanded child -> its head-cache path (root row first, its own row last)
-    done: bool = False
-
-    def offer(self, parent: int, values: list[float], tokens: list[int]) -> list[int]:
-        """Children of `parent` (ROOT or an expanded child): its w likeliest tokens (target ids) and their
-        log-probabilities, best first."""
-        base = 0.0 if parent == ROOT else self.scores[parent]
-        new = []
-        for value, token in zip(values[:self.width], tokens[:self.width], strict=True):
-            self.tokens.append(token)
-            self.parents.append(parent)
-            self.scores.append(base + value)
-            new.append(len(self.tokens) - 1)
-        return new
-
-    def kth_best(self) -> float:
-        """The N-th best score offered so far (-inf while fewer were offered)."""
-        return heapq.nlargest(self.budget, self.scores)[-1] if len(self.scores) >= self.budget else -math.inf
-
-    def tree(self) -> DraftTree:
-        """The N best-scored children (ties to the earlier), parents before children."""
-        order = sorted(range(len(self.scores)), key=lambda c: (-self.scores[c], c))[:self.budget]
-        kept = sorted(order, key=lambda c: (self._depth(c), c))
-        index = {c: i for i, c in enumerate(kept)}
-        return DraftTree(tuple(self.tokens[c] for c in kept),
-                         tuple(ROOT if self.parents[c] == ROOT else index[self.parents[c]] for c in kept))
-
-    def _depth(self, c: int) -> int:
-        d = 0
-        while c != ROOT:
-            c, d = self.parents[c], d + 1
-        return d
+def _top_candidates(rt: Runtime, seq: Sequence, logits: torch.Tensor, width: int, vocab: list[int],
+                    depth: int) -> tuple[list[float], list[int]]:
+    """The `width` likeliest draft tokens (target ids) at `depth` and their log-probabilities under the
+    request's acceptance: a greedy request's at the head's calibrated tau for that depth, a sampled one's
+    at its own temperature (tree_calibration.py), best first."""
+    sampling = seq.request.sampling
+    tau = rt.tree_greedy_taus[min(depth, len(rt.tree_greedy_taus)) - 1] if sampling.greedy else sampling.temperature
+    top = torch.log_softmax(logits.float() / tau, dim=-1).topk(width)
+    return top.values.tolist(), [vocab[i] for i in top.indices.tolist()]
 
 
-
-
-def _top_candidates(rt: Runtime, seqs: list[Sequence], logits: torch.Tensor, width: int, vocab: list[int],
-                    depth: int) -> tuple[list[list[float]], list[list[int]]]:
-    """Each row's `width` likeliest draft tokens (target ids) at `depth` and their log-probabilities under
-    the request's acceptance: a greedy request's at the head's calibrated tau for that depth, a sampled
-    one's at its own temperature (tree_calibration.py), best first."""
-    greedy_tau = rt.tree_greedy_taus[min(depth, len(rt.tree_greedy_taus)) - 1]
-    tau = torch.tensor([[greedy_tau if s.request.sampling.greedy else s.request.sampling.temperature]
-                        for s in seqs])
-    top = torch.log_softmax(logits.float() / tau, dim=-1).topk(width, dim=-1)
-    return top.values.tolist(), [[vocab[i] for i in row] for row in top.indices.tolist()]
-
-
-def top_candidate_trees(rt: Runtime, seqs: list[Sequence], budgets: list[int]) -> list[DraftTree]:
-    logits, fhat = _catch_up(rt, seqs)
+def top_candidate_tree(rt: Runtime, seq: Sequence, budget: int) -> DraftTree:
+    """Best first: expand the best candidate not yet expanded (one head row per pass) while it scores at
+    least the budget-th best offered so far; the tree is the budget best candidates."""
+    logits, fhat = _catch_up(rt, [seq])
     vocab = rt.draft.vocab.tolist()
-    rows_left = rt.draft_cache.max_len
-    width = max(min(s.step_policy.tree_width, n) for s, n in zip(seqs, budgets, strict=True))
-    grown = []
-    values, tokens = _top_candidates(rt, seqs, logits, width, vocab, 1)
-    for j, (s, n) in enumerate(zip(seqs, budgets, strict=True)):
-        g = _Grown(len(s.ids) - 1, n, min(s.step_policy.tree_width, n), [], [], [], [], {})
-        g.frontier = g.offer(ROOT, values[j], tokens[j])
-        grown.append(g)
-    parent_feature = {(j, ROOT): fhat[j] for j in range(len(seqs))}
-    for depth in range(1, max(budgets)):
-        # The frontier's entries: each at a head-cache row of its own past the root, while rows are left.
-        nodes = []  # (sequence index, child)
-        for j, g in enumerate(grown):
-            if g.done or depth >= g.budget:
-                continue
-            for c in g.frontier:
-                row = g.root_row + 1 + len(g.rows)
-                if row >= rows_left:
-                    g.done = True
-                    break
-                parent = g.parents[c]
-                g.rows[c] = [*(g.rows[parent] if parent != ROOT else [g.root_row]), row]
-                nodes.append((j, c))
-        if not nodes:
+    width = min(seq.step_policy.tree_width, budget)
+    root_row = len(seq.ids) - 1
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    depths: list[int] = []
+    rows: dict[int, list[int]] = {ROOT: [root_row]}  # expanded candidate -> its head-cache path
+    features = {ROOT: fhat[0]}
+
+    def offer(parent: int, row_logits: torch.Tensor) -> None:
+        depth = 1 if parent == ROOT else depths[parent] + 1
+        values, ids = _top_candidates(rt, seq, row_logits, width, vocab, depth)
+        for value, token in zip(values, ids, strict=True):
+            tokens.append(token)
+            parents.append(parent)
+            scores.append((0.0 if parent == ROOT else scores[parent]) + value)
+            depths.append(depth)
+
+    def best_first(candidates) -> list[int]:
+        return sorted(candidates, key=lambda c: (-scores[c], c))
+
+    offer(ROOT, logits[0])
+    for expanded in range(1, budget + 1):
+        if root_row + expanded >= rt.draft_cache.max_len:
             break
-        parent_features = torch.stack([parent_feature[(j, grown[j].parents[c])] for j, c in nodes])
-        logits, fhat = _head_pass(rt, [seqs[j] for j, _ in nodes], [grown[j].tokens[c] for j, c in nodes],
-                                  parent_features, [grown[j].rows[c] for j, c in nodes])  # [R, Vd], [R, H]
-        values, tokens = _top_candidates(rt, [seqs[j] for j, _ in nodes], logits, width, vocab, depth + 1)
-        offered: dict[int, list[int]] = {}
-        for r, (j, c) in enumerate(nodes):
-            parent_feature[(j, c)] = fhat[r]
-            offered.setdefault(j, []).extend(grown[j].offer(c, values[r], tokens[r]))
-        for j, new in offered.items():
-            g = grown[j]
-            new.sort(key=lambda c: (-g.scores[c], c))
-            # A child below the N-th best is not expanded: none of its descendants could enter the tree.
-            kth = g.kth_best()
-            g.frontier = [c for c in new[:g.width] if g.scores[c] >= kth]
-            g.done = not g.frontier
-    return [g.tree() for g in grown]
+        open_ = [c for c in range(len(tokens)) if c not in rows and depths[c] < budget]
+        if not open_:
+            break
+        best = best_first(open_)[0]
+        if len(scores) >= budget and scores[best] < scores[best_first(range(len(scores)))[budget - 1]]:
+            break
+        rows[best] = [*rows[parents[best]], root_row + expanded]
+        row_logits, fhat = _head_pass(rt, [seq], [tokens[best]], features[parents[best]][None], [rows[best]])
+        features[best] = fhat[0]
+        offer(best, row_logits[0])
+    kept = sorted(best_first(range(len(tokens)))[:budget], key=lambda c: (depths[c], c))
+    index = {c: i for i, c in enumerate(kept)}
+    return DraftTree(tuple(tokens[c] for c in kept),
+                     tuple(ROOT if parents[c] == ROOT else index[parents[c]] for c in kept))
 
 
 def _catch_up(rt: Runtime, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:

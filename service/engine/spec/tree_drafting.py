@@ -4,18 +4,17 @@ A tree policy has a width w and a node budget N (its draft_length). Per sequence
 catches up on the entries its cache lacks; its last entry, at the last committed token (the root),
 gives the distribution of the next token. Then, by the policy's draft temperature:
 
-Temperature 0, the head's top candidates (EAGLE-2's dynamic tree), one C call per sequence
+Temperature 0, the head's top candidates (EAGLE-2's tree, grown best first), one C call per sequence
 (`Kernels.head_tree`, csrc/head_tree.c):
-- each depth: every node of the frontier offers its w likeliest tokens as children, scored by their
+- every expanded node (the root first) offers its w likeliest tokens as children, scored by their
   path's log-probability (the sum along the path of each token's log-probability under the head, at the
-  temperature that estimates its acceptance: `ranking_temperatures`, tree_calibration.py); the w
-  best-scored new children form the next frontier, and the head runs on them in one pass (each at a
-  head-cache row of its own past the root, attending the prefix and its path: kernels/attention.py);
-- a new child scoring below the N-th best node so far is not expanded (a descendant never scores above
-  its ancestor, so none of its could enter the tree); growth stops at depth N, when no child is left to
-  expand, or when the head cache has no row left;
-- the tree is the N best-scored nodes of all children offered (ties to the earlier one): a node's
-  ancestors outscore it, so it is a tree; where the head is sure, it is a chain.
+  temperature that estimates its acceptance: `ranking_temperatures`, tree_calibration.py);
+- the best child not yet expanded is expanded next (one head row per pass, at a head-cache row of its
+  own past the root, attending the prefix and its path: kernels/attention.py), while it scores at least
+  the N-th best child so far (a descendant never scores above its ancestor, so below that none could
+  enter the tree), at most N times and while the head cache has rows left;
+- the tree is the N best-scored children (ties to the earlier one): the exact top N by path score, a
+  node's ancestors outscoring it; where the head is sure it is a chain, grown at a chain's cost.
 The children are the head's top candidates, fixed given the context: the acceptance rule treats each
 as a point mass (tree_acceptance.Children.TOP), which keeps sampled output exactly the target's.
 

@@ -190,7 +190,7 @@ def test_the_kernels_top_candidate_tree_is_the_reference_growths(engine, budget,
     from service.engine.model_runner import PrefillChunk
     from service.engine.sequence import Sequence
     from service.engine.spec import tree_drafting
-    from tests.support.reference_tree import top_candidate_trees
+    from tests.support.reference_tree import top_candidate_tree
 
     policy = DraftPolicy(draft_length=budget, tree_width=width, draft_temperature=0)
     shapes = set()
@@ -200,7 +200,7 @@ def test_the_kernels_top_candidate_tree_is_the_reference_growths(engine, budget,
         seq.slot = 0
         with torch.inference_mode():  # (as on the scheduler's thread)
             engine._scheduler.runner.prefill([PrefillChunk(seq, 0, len(ids) - 1, completes=True)])
-            want = top_candidate_trees(engine.runtime, [seq], [budget])[0]
+            want = top_candidate_tree(engine.runtime, seq, budget)
             seq.draft_valid = 0
             got = tree_drafting.draft_trees(engine.runtime, [seq], [budget])[0].tree
         assert got == want
