@@ -11,8 +11,8 @@ import torch
 from service.engine.model.ragged import RaggedBatch
 from service.engine.runtime import Runtime
 from service.engine.sequence import Sequence
+from service.engine.spec.model_drafting import head_pending
 from service.engine.spec.tree_acceptance import ROOT, DraftTree
-from service.engine.spec.tree_drafting import _pending
 
 
 def _top_candidates(rt: Runtime, seq: Sequence, logits: torch.Tensor, width: int, vocab: list[int],
@@ -75,7 +75,7 @@ def top_candidate_tree(rt: Runtime, seq: Sequence, budget: int) -> DraftTree:
 def _catch_up(rt: Runtime, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's entries each cache lacks, up to the root, in one pass -> the root's logits [B, Vd] and
     feature [B, H]."""
-    pending = [_pending(rt, s) for s in seqs]
+    pending = [head_pending(rt, s) for s in seqs]
     lengths = [tokens.shape[0] for tokens, _ in pending]
     batch = RaggedBatch.build([s.slot for s in seqs], [s.draft_valid for s in seqs], lengths)
     logits, fhat = rt.draft.forward_ragged(rt.target.embed_tokens(torch.cat([t for t, _ in pending])),

@@ -77,12 +77,7 @@ def draft_with_head(rt: Runtime, seqs: list[Sequence], ks: list[int], confident:
     calls are independent, so a sequence's drafts never depend on the rest of the batch); without,
     the catch-up is one ragged pass over every sequence and the chains run in torch ops."""
     head, vocab_size = rt.draft, rt.target.cfg.vocab_size
-    pending, features = [], []
-    for s in seqs:
-        start = s.draft_valid
-        pending.append(torch.tensor(s.ids[start:], dtype=torch.long))
-        known = rt.target_features[s.slot, max(start - 1, 0):len(s.ids) - 1]  # entry p reads feature p - 1
-        features.append(known if start > 0 else torch.cat([known.new_zeros(1, known.shape[-1]), known]))
+    pending, features = zip(*(head_pending(rt, s) for s in seqs), strict=True)
     uniforms = [torch.rand(k, generator=s.gen) if s.step_policy.draft_temperature > 0 else None
                 for s, k in zip(seqs, ks, strict=True)]
     if rt.head_chain is not None:
@@ -106,6 +101,15 @@ def draft_with_head(rt: Runtime, seqs: list[Sequence], ks: list[int], confident:
             out.append((drafts, torch.zeros(q.shape[0], vocab_size).index_copy_(1, head.vocab, q),
                         draft_confidence(q, picks) if want else None))
     return out
+
+
+def head_pending(rt: Runtime, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries a sequence's head cache lacks, up to its last committed token: their tokens [m] and the
+    target features they read [m, H] (entry p reads feature p - 1; zeros before the first)."""
+    start = seq.draft_valid
+    known = rt.target_features[seq.slot, max(start - 1, 0):len(seq.ids) - 1]
+    features = known if start > 0 else torch.cat([known.new_zeros(1, known.shape[-1]), known])
+    return torch.tensor(seq.ids[start:], dtype=torch.long), features
 
 
 def chain_reference(head: DraftHead, embed: torch.nn.Embedding, cache: KVCache, slot: int, position: int, k: int,

@@ -39,6 +39,7 @@ import torch
 
 from service.engine.runtime import Runtime
 from service.engine.sequence import Sequence
+from service.engine.spec.model_drafting import head_pending
 from service.engine.spec.sampling import sample
 from service.engine.spec.tree_acceptance import ROOT, DraftTree
 
@@ -66,18 +67,9 @@ def ranking_temperatures(rt: Runtime, seq: Sequence, budget: int) -> list[float]
     return [taus[min(d, len(taus) - 1)] if sampling.greedy else sampling.temperature for d in range(budget)]
 
 
-def _pending(rt: Runtime, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
-    """The entries a sequence's head cache lacks, up to the root: its tokens [m] and the target features
-    they read [m, H] (entry p reads feature p - 1; zeros before the first)."""
-    start = seq.draft_valid
-    known = rt.target_features[seq.slot, max(start - 1, 0):len(seq.ids) - 1]
-    features = known if start > 0 else torch.cat([known.new_zeros(1, known.shape[-1]), known])
-    return torch.tensor(seq.ids[start:], dtype=torch.long), features
-
-
 def _top_candidate_tree(rt: Runtime, seq: Sequence, budget: int) -> DraftTree:
     head = rt.draft
-    tokens, features = _pending(rt, seq)
+    tokens, features = head_pending(rt, seq)
     taus = torch.tensor(ranking_temperatures(rt, seq, budget), dtype=torch.float32)
     picks, parents = head.kernels.head_tree(rt.head_chain, tokens, features, seq.slot, seq.draft_valid, budget,
                                             min(seq.step_policy.tree_width, budget), taus, head.kernel_threads.pool)
@@ -92,7 +84,7 @@ def _sampled_branches(rt: Runtime, seq: Sequence, budget: int) -> Drafted:
     head, V = rt.draft, rt.target.cfg.vocab_size
     width = min(seq.step_policy.tree_width, budget)
     spine = budget - (width - 1)
-    tokens, features = _pending(rt, seq)
+    tokens, features = head_pending(rt, seq)
     uniforms = torch.rand(spine, generator=seq.gen)
     picks, q = head.kernels.head_draft(rt.head_chain, tokens, features, seq.slot, seq.draft_valid, spine,
                                        seq.step_policy.draft_temperature, uniforms, head.kernel_threads.pool)
