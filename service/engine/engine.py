@@ -46,7 +46,7 @@ from service.engine.runtime import Runtime, StepClock
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence
 from service.engine.spec.adaptive.state import AdaptiveState
-from service.engine.spec.tree_calibration import calibration_texts, head_greedy_temperatures
+from service.engine.spec.tree_calibration import calibration_texts, head_greedy_temperature
 from service.engine.step_records import StepRecords
 from service.engine.threads import usable_cores
 from service.engine_defaults import MAX_BATCH, PREFILL_CHUNK
@@ -162,10 +162,10 @@ class Engine:
         draft_cache = (self.draft.new_cache(self.max_context, slots=config.max_batch) if draft_is_eagle3
                        else KVCache(self.draft.cfg, self.max_context, slots=config.max_batch) if self.draft else None)
         self.decode_step_seconds = self._calibrate_decode_step(target_cache)
-        # (before the scheduler starts: slot 0 of both caches is scratch here)
-        tree_taus = (head_greedy_temperatures(self.target, self.draft, target_cache,
-                                              calibration_texts(self.tokenizer, self.max_context), MAX_DRAFT_LENGTH)
-                     if draft_is_head and self.target.fused_attention else (1.0,) * MAX_DRAFT_LENGTH)
+        # (before the scheduler starts: the target cache's slots are scratch here)
+        tree_tau = (head_greedy_temperature(self.target, self.draft, target_cache,
+                                            calibration_texts(self.tokenizer, self.max_context))
+                    if draft_is_head and self.target.fused_attention else 1.0)
         self.info = self._model_info()
         # What the server checks before any work (service/limits.py): context and prompt bytes.
         self.prompt_limits = PromptLimits(self.max_context, tokenizer_prompt_bytes(self.tokenizer, self.max_context),
@@ -185,7 +185,7 @@ class Engine:
                              if draft_is_eagle3 else None),
             head_chain=(self.draft.chain_weights(self.target.embed_tokens.weight, draft_cache)
                         if draft_is_head else None),
-            tree_greedy_taus=tree_taus,
+            tree_greedy_tau=tree_tau,
             adaptive=AdaptiveState(cfg.num_experts, cfg.num_experts_per_tok, self.decode_step_seconds),
             clock=StepClock(self.decode_step_seconds),
             records=StepRecords(cfg.num_experts, cfg.num_experts_per_tok, count_routing=config.capture_routing,

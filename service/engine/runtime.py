@@ -62,9 +62,9 @@ class Runtime:  # (not frozen: a test makes another token the EOS)
     # for an EAGLE-3 draft [S, C, n*H], the target's captured layer outputs (None for other drafts).
     target_features: torch.Tensor | None
     head_chain: HeadWeights | None  # the head's drafting chain in one C call (None: the torch rounds run)
-    # [depths] the head's temperature at each drafting depth that makes its probabilities the target's greedy
-    # token's (spec/tree_calibration.py): how a top-candidate tree ranks its nodes for greedy requests.
-    tree_greedy_taus: tuple[float, ...]
+    # The head's temperature that makes its probabilities the target's greedy token's (spec/tree_calibration.py):
+    # how a top-candidate tree ranks its candidates for greedy requests.
+    tree_greedy_tau: float
     adaptive: AdaptiveState
     clock: StepClock
     records: StepRecords

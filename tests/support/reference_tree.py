@@ -21,7 +21,7 @@ def _top_candidates(rt: Runtime, seq: Sequence, logits: torch.Tensor, width: int
     request's acceptance: a greedy request's at the head's calibrated tau for that depth, a sampled one's
     at its own temperature (tree_calibration.py), best first."""
     sampling = seq.request.sampling
-    tau = rt.tree_greedy_taus[min(depth, len(rt.tree_greedy_taus)) - 1] if sampling.greedy else sampling.temperature
+    tau = rt.tree_greedy_tau if sampling.greedy else sampling.temperature
     top = torch.log_softmax(logits.float() / tau, dim=-1).topk(width)
     return top.values.tolist(), [vocab[i] for i in top.indices.tolist()]
 

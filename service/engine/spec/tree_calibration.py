@@ -1,6 +1,5 @@
-"""How sure the draft head really is: per drafting depth, the temperature that makes its probabilities
-those of the target's greedy token, fitted once at load, so a draft tree spends its nodes where they are
-likely accepted.
+"""How sure the draft head really is: the temperature that makes its probabilities those of the target's
+greedy token, fitted once at load, so a draft tree spends its nodes where they are likely accepted.
 
 Why: a top-candidate tree keeps the nodes of highest path probability (tree_drafting.py), which is the
 tree of most expected accepted drafts only if a candidate's probability is its chance of acceptance.
@@ -59,45 +58,48 @@ def fit_greedy_temperature(logits: torch.Tensor, target: torch.Tensor, steps: in
     return math.exp((low + high) / 2)
 
 
-def head_greedy_temperatures(target, head, target_cache, texts: list[list[int]], depths: int) -> tuple[float, ...]:
-    """The head's greedy tau at each drafting depth 1..depths, on token texts (each fits the target cache,
-    whose slot 0 is scratch: run before the scheduler starts). A text's target pass gives its features and
-    argmaxes; the head's unrolled pass (`DraftHead.forward_train`: step s is what drafting the s-th token
-    of a chain sees, its own feature estimates for the s - 1 before) gives depth s's logits. A depth is
-    fitted on its own: the head is less sure on its own estimates, and a deep node's acceptance is what
-    decides whether a tree goes deeper or wider."""
+def head_greedy_temperature(target, head, target_cache, texts: list[list[int]]) -> float:
+    """The head's greedy tau on token texts (slots 0.. of the target cache are scratch: run before the
+    scheduler starts). The target's greedy continuation of each text gives the positions and their
+    argmaxes, its pass the features the head reads; the head's teacher-forced pass (entry p reads the
+    target's feature at p - 1, as its catch-up does) its logits for the next token. One tau for every
+    depth: fitted on the head's own estimates at depths 2..8 (`DraftHead.forward_train`'s unrolled
+    steps) it came out within 5% of depth 1's on the shipped pair, at eight times the load time."""
     from service.engine.model.ragged import RaggedBatch
 
     index = {int(t): i for i, t in enumerate(head.vocab.tolist())}
-    per_depth: list[list[torch.Tensor]] = [[] for _ in range(depths)]
-    labels: list[torch.Tensor] = []
+    rows, labels = [], []
     with torch.inference_mode():
-        for prompt in texts:
-            # What a greedy request drafts along: the target's own greedy continuation of the prompt (on the
-            # prompt's human-written text the target's argmax is much harder to guess than on its own output).
-            ids = greedy_continuation(target, target_cache, prompt, CONTINUATION)
+        # What a greedy request drafts along: the target's own greedy continuation of the prompt (on the
+        # prompt's human-written text the target's argmax is much harder to guess than on its own output).
+        for prompt, ids in zip(texts, greedy_continuations(target, target_cache, texts, CONTINUATION), strict=False):
             tokens = torch.tensor(ids)
             out = target.forward_ragged(tokens, RaggedBatch.build([0], [0], [len(ids)]), target_cache)
             argmax = out.logits.argmax(-1).tolist()
-            keep = torch.tensor([p for p, t in enumerate(argmax) if t in index and p >= len(prompt) - 1],
-                                dtype=torch.long)
-            labels.append(torch.tensor([index[argmax[p]] for p in keep.tolist()], dtype=torch.long))
-            unrolled = head.forward_train(target.embed_tokens(tokens)[None], out.features[None], depths)
-            for d, (logits, _) in enumerate(unrolled):
-                per_depth[d].append(logits[0, keep])
-    target_ids = torch.cat(labels)
-    # (entries p < s - 1 have no s-th draft in a chain; their rows are kept: a few per text)
-    return tuple(fit_greedy_temperature(torch.cat(rows), target_ids) for rows in per_depth)
+            keep = [p for p, t in enumerate(argmax) if t in index and p >= len(prompt) - 1]
+            ((logits, _),) = head.forward_train(target.embed_tokens(tokens)[None], out.features[None], 1)
+            rows.append(logits[0, keep])
+            labels.append(torch.tensor([index[argmax[p]] for p in keep], dtype=torch.long))
+    return fit_greedy_temperature(torch.cat(rows), torch.cat(labels))
 
 
-def greedy_continuation(target, cache, prompt: list[int], n: int) -> list[int]:
-    """prompt + the target's next n greedy tokens (cut to the cache's length), decoded in slot 0."""
-    ids = list(prompt[:cache.max_len - n])
-    logits = target.forward(torch.tensor(ids), 0, cache).logits[-1]
-    for _ in range(n):
-        ids.append(int(logits.argmax()))
-        logits = target.forward(torch.tensor(ids[-1:]), len(ids) - 1, cache).logits[-1]
-    return ids
+def greedy_continuations(target, cache, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Each prompt (as many as the cache has slots, each cut to leave room) + the target's next n greedy
+    tokens, decoded together: one prefill pass, then one pass of one token per prompt per step."""
+    from service.engine.model.ragged import RaggedBatch
+
+    texts = [list(p[:cache.max_len - n]) for p in prompts[:cache.slots]]
+    slots, lengths = list(range(len(texts))), [len(t) for t in texts]
+    batch = RaggedBatch.build(slots, [0] * len(texts), lengths)
+    last = torch.tensor(lengths).cumsum(0) - 1
+    logits = target.forward_ragged(torch.tensor([t for text in texts for t in text]), batch, cache, last).logits
+    for step in range(n):
+        for text, token in zip(texts, logits.argmax(-1).tolist(), strict=True):
+            text.append(token)
+        if step < n - 1:
+            batch = RaggedBatch.build(slots, [len(t) - 1 for t in texts], [1] * len(texts))
+            logits = target.forward_ragged(torch.tensor([t[-1] for t in texts]), batch, cache).logits
+    return texts
 
 
 def calibration_texts(tokenizer, max_len: int) -> list[list[int]]:

@@ -61,10 +61,10 @@ def draft_trees(rt: Runtime, seqs: list[Sequence], budgets: list[int]) -> list[D
 
 def ranking_temperatures(rt: Runtime, seq: Sequence, budget: int) -> list[float]:
     """[budget] the temperature a top-candidate tree ranks depth d's candidates at (index d - 1): what
-    estimates a candidate's acceptance for this request (tree_calibration.py): the head's calibrated
-    tau of that depth for a greedy request, the request's own temperature for a sampled one."""
-    sampling, taus = seq.request.sampling, rt.tree_greedy_taus
-    return [taus[min(d, len(taus) - 1)] if sampling.greedy else sampling.temperature for d in range(budget)]
+    estimates a candidate's acceptance for this request (tree_calibration.py): the head's calibrated tau
+    for a greedy request, the request's own temperature for a sampled one."""
+    sampling = seq.request.sampling
+    return [rt.tree_greedy_tau if sampling.greedy else sampling.temperature] * budget
 
 
 def _top_candidate_tree(rt: Runtime, seq: Sequence, budget: int) -> DraftTree:

@@ -22,3 +22,25 @@ def test_the_fit_recovers_the_temperature_its_labels_were_drawn_at(tau):
 
 def test_no_positions_leave_the_head_as_it_is():
     assert fit_greedy_temperature(torch.zeros(0, 8), torch.zeros(0, dtype=torch.long)) == 1.0
+
+
+def test_the_batched_continuations_are_each_prompts_own_greedy_output():
+    """The fit reads the target's greedy continuations, decoded together in one pass per token: each is
+    what `Engine.generate` gives that prompt alone."""
+    from service.engine.model.ragged import KVCache
+    from service.engine.spec.tree_calibration import calibration_texts, greedy_continuations
+    from service.types import DraftPolicy, GenerationRequest, SamplingParams
+    from tests.support.engine_helpers import make_engine
+
+    engine = make_engine()
+    try:
+        prompts = [p[-40:] for p in calibration_texts(engine.tokenizer, engine.max_context)[:3]]
+        cache = KVCache(engine.target.cfg, engine.max_context, slots=3)
+        with torch.inference_mode():
+            texts = greedy_continuations(engine.target, cache, prompts, 12)
+        for prompt, text in zip(prompts, texts, strict=True):
+            alone = engine.generate(GenerationRequest(prompt_token_ids=tuple(prompt), max_new_tokens=12,
+                                                      sampling=SamplingParams(temperature=0)), DraftPolicy())
+            assert text == prompt + list(alone.token_ids)
+    finally:
+        engine.close()
