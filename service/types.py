@@ -17,7 +17,7 @@ MAX_STOP_LENGTH = 64
 MAX_POLICY_ID_LENGTH = 128
 MAX_COST_WEIGHT = 100.0
 MAX_POLICY_CELLS = 16
-MAX_TREE_WIDTH = 4  # DraftPolicy.tree_width: candidates a tree expands per kept node at each depth
+MAX_TREE_WIDTH = 4  # DraftPolicy.tree_width: a tree's candidates per expanded node
 
 
 class InvalidRequest(ValueError):
@@ -84,9 +84,10 @@ class DraftPolicy:
     cell that matches its pass's occupancy and its request's kind, and the fields above where no
     cell matches. Cells never overlap, so at most one matches (`for_step`).
 
-    With tree_width w > 1 a step drafts a tree rather than a chain (EAGLE-2 style: at each depth the
-    draft model expands the w most likely candidates of the nodes kept) and verifies it in one target
-    pass; draft_length is then the tree's node budget, the drafts verified per step, as for a chain.
+    With tree_width w > 1 a step drafts a tree rather than a chain (w candidates per expanded node: at
+    draft temperature 0 the draft's w most likely tokens, the tree the likeliest nodes; above 0, w
+    independent draws at the root) and verifies it in one target pass; draft_length is then the tree's
+    node budget, the drafts verified per step, as for a chain.
     Only the model drafter proposes trees (the n-gram drafter proposes chains), and only the static
     controller plans them (the adaptive controllers plan chain lengths).
     """
