@@ -1,4 +1,4 @@
-"""A draft head's drafting chain for one sequence in one C call.
+"""A draft head's drafting chain, or its draft tree, for one sequence in one C call.
 
 Why: one drafting round of the head is ~15 small torch ops and four kernel calls (norms, the input
 projection, attention, the MLP, the output layer, then softmax and sampling); their dispatch cost
@@ -17,6 +17,14 @@ Contract of `head_draft` (csrc/head.c, compiled into library.py's library; it us
   written to q [k, Vd] (what the acceptance rule needs). Picks are draft-vocabulary indices.
 - The arithmetic of each round is the same as `DraftHead.forward_ragged`'s kernel path on one row,
   so the chain's drafts do not depend on which path ran them.
+
+Contract of `head_tree` (csrc/head_tree.c; spec/tree_drafting.py says why): the same catch-up, then a
+top-candidate tree of at most `budget` nodes grown best first: every expanded node (the root first)
+offers its `width` likeliest draft indices as children, scored by path log-probability at the
+temperature of their depth (`taus`); the best child not yet expanded runs next (one head row at the
+next free position past the root, attending the prefix and its path: a tree pass of attention.py)
+while it scores at least the budget-th best child so far; the tree is the `budget` best children,
+returned by depth then offer order with parents as node indices (-1: the root).
 """
 
 from __future__ import annotations
