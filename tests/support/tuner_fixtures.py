@@ -14,6 +14,20 @@ from service.policy.traffic import ArmAssigner, TrafficSplit
 from service.types import Drafter, DraftPolicy, ModelInfo
 
 
+def sample_space(space, n: int, seed: int) -> list[tuple[dict, DraftPolicy]]:
+    """n policies a random sampler draws from a tuner SearchSpace: (the trial's params, its policy)."""
+    import optuna
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+    out = []
+    for _ in range(n):
+        trial = study.ask()
+        policy = space.suggest(trial, "p")  # (asks the params it reads: read them after)
+        out.append((dict(trial.params), policy))
+        study.tell(trial, 1.0)
+    return out
+
+
 def model_info(**overrides) -> ModelInfo:
     fields = dict(
         backend="torch",

@@ -10,7 +10,7 @@ import pytest
 from optuna.trial import TrialState
 
 from service.types import Controller, Drafter, DraftPolicy, RequestKind
-from tests.support.tuner_fixtures import FakeServer, SyntheticTraffic, model_info
+from tests.support.tuner_fixtures import FakeServer, SyntheticTraffic, model_info, sample_space
 from tuner.loop import study as st
 from tuner.loop.assemble import TuneSettings, assemble
 from tuner.loop.sampler import InitialDesign, SamplerKind, initial_policies, temperature_step
@@ -25,14 +25,7 @@ ADAPTIVE_INFO = model_info(controllers=tuple(Controller), policy_tables=True)
 
 
 def sample(space: SearchSpace, n: int = 120) -> list[tuple[dict, DraftPolicy]]:
-    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
-    out = []
-    for _ in range(n):
-        trial = study.ask()
-        policy = space.suggest(trial, "p")
-        out.append((dict(trial.params), policy))
-        study.tell(trial, 1.0)
-    return out
+    return sample_space(space, n, seed=3)
 
 
 def test_the_adaptive_space_asks_the_rule_and_its_weight_only_where_they_matter():

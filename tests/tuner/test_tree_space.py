@@ -9,7 +9,7 @@ import optuna
 from optuna.trial import TrialState
 
 from service.types import Controller, Drafter, DraftPolicy
-from tests.support.tuner_fixtures import FakeServer, SyntheticTraffic, model_info, request_span
+from tests.support.tuner_fixtures import FakeServer, SyntheticTraffic, model_info, request_span, sample_space
 from tuner.drivers.report import series_of, trial_rows
 from tuner.loop import study as st
 from tuner.loop.assemble import TuneSettings, assemble
@@ -27,14 +27,7 @@ TREE_INFO = model_info(tunable=TUNABLE, max_tree_width=3, controllers=tuple(Cont
 
 
 def sample(space: SearchSpace, n: int = 150) -> list[tuple[dict, DraftPolicy]]:
-    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=5))
-    out = []
-    for _ in range(n):
-        trial = study.ask()
-        policy = space.suggest(trial, "p")
-        out.append((dict(trial.params), policy))
-        study.tell(trial, 1.0)
-    return out
+    return sample_space(space, n, seed=5)
 
 
 def test_a_tree_width_is_asked_only_where_a_tree_can_run():
