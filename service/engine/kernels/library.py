@@ -220,13 +220,7 @@ class Kernels:
         start.. of `slot`, then its k picks (draft-vocabulary indices [k]), its products and attention
         split over the pool's threads if one is given (bitwise the same), and, when temperature > 0,
         the distributions they were drawn from [k, Vd]; see head.py."""
-        H, Vd = weights.H, weights.Vd
-        m = tokens.shape[0]
-        if tokens.dtype != torch.int64 or tokens.dim() != 1 or m < 1 or features.shape != (m, H) \
-                or features.dtype != torch.float32:
-            raise ValueError(f"head_draft: tokens must be int64 [m >= 1] and features float32 [m, {H}]")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= weights.V:
-            raise ValueError(f"head_draft: token ids must lie in [0, {weights.V})")
+        Vd, m = weights.Vd, _check_catch_up("head_draft", weights, tokens, features)
         if k < 1 or start < 0 or start + m + k - 1 > weights.S or not 0 <= slot < weights.slots:
             raise ValueError(f"head_draft: {m} entries and {k} drafts from position {start} of slot {slot} do "
                              f"not fit the cache ({weights.slots} slots of {weights.S})")
@@ -250,13 +244,7 @@ class Kernels:
         `slot`, then its top-candidate tree of at most `budget` nodes of `width` candidates per expanded
         node, ranked at taus [budget] (depth d's temperature at d - 1) -> (draft-vocabulary indices [n],
         parents [n]: node indices, -1 the root), by depth; see head.py."""
-        H = weights.H
-        m = tokens.shape[0]
-        if tokens.dtype != torch.int64 or tokens.dim() != 1 or m < 1 or features.shape != (m, H) \
-                or features.dtype != torch.float32:
-            raise ValueError(f"head_tree: tokens must be int64 [m >= 1] and features float32 [m, {H}]")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= weights.V:
-            raise ValueError(f"head_tree: token ids must lie in [0, {weights.V})")
+        m = _check_catch_up("head_tree", weights, tokens, features)
         if budget < 1 or not 1 <= width <= 8 or start < 0 or start + m > weights.S or not 0 <= slot < weights.slots:
             raise ValueError(f"head_tree: {m} entries from position {start} of slot {slot} and a tree of {budget} "
                              f"nodes of width {width} (1..8) do not fit the cache ({weights.slots} slots of "
@@ -311,6 +299,19 @@ class Kernels:
         self._linear(x.data_ptr(), x.shape[0], H, weight.data_ptr(), weight.format, V, out.data_ptr(),
                      _handle(pool))
         return out
+
+
+def _check_catch_up(kernel: str, weights: head_kernel.HeadWeights, tokens: torch.Tensor,
+                    features: torch.Tensor) -> int:
+    """A head kernel's catch-up entries: int64 token ids [m >= 1] in the target's vocabulary with float32
+    features [m, H] -> m."""
+    m, H = tokens.shape[0], weights.H
+    if tokens.dtype != torch.int64 or tokens.dim() != 1 or m < 1 or features.shape != (m, H) \
+            or features.dtype != torch.float32:
+        raise ValueError(f"{kernel}: tokens must be int64 [m >= 1] and features float32 [m, {H}]")
+    if int(tokens.min()) < 0 or int(tokens.max()) >= weights.V:
+        raise ValueError(f"{kernel}: token ids must lie in [0, {weights.V})")
+    return m
 
 
 def _check_cache(kernel: str, stack: DecoderStack, where: AttentionPass) -> None:

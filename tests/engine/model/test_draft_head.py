@@ -232,3 +232,24 @@ def test_sampled_picks_follow_the_distribution_they_report(head, target, oracle_
     f_exp = torch.cat([q[likely], (1 - q[likely].sum())[None]]) * draws
     assert chisquare(f_obs.numpy(), f_exp.numpy()).pvalue > 1e-3
 
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"tokens": torch.tensor([5, 10**6])}, "token ids must lie"),
+    ({"width": 9}, "width 9"),
+    ({"taus": torch.ones(2)}, "taus must be"),
+    ({"start": 10**6}, "do not fit the cache"),
+])
+def test_the_tree_kernel_refuses_what_it_cannot_run_naming_it(change, message):
+    from service.engine.model.weights import load_for_inference
+
+    built = kernels.build()
+    target = load_for_inference(DEFAULT_TARGET_DIR, kernels=built)
+    head = load_head(DEFAULT_HEAD_DIR, kernels=built)
+    cache = KVCache(head.cfg, 64)
+    chain = head.chain_weights(target.embed_tokens.weight, cache)
+    args = {"tokens": torch.tensor([5, 6]), "width": 2, "taus": torch.ones(4), "start": 0}
+    args.update(change)
+    features = torch.zeros(args["tokens"].shape[0], target.cfg.hidden_size)
+    with pytest.raises(ValueError, match=message):
+        head.kernels.head_tree(chain, args["tokens"], features, 0, args["start"], 4, args["width"], args["taus"])
