@@ -41,7 +41,7 @@ class Proposal:
     def window_parents(self) -> list[int] | None:
         """The verify window's tree (RaggedBatch's `trees`: -1 for the last committed token, then each
         node's parent by window index), or None for a chain (a tree shaped as one included)."""
-        if self.tree is None or self.tree.parents == tuple(range(-1, self.tree.size - 1)):
+        if self.tree is None or self.tree.is_chain:
             return None  # (a tree that came out a chain verifies as one: no paths to build or check)
         return [-1, *(p + 1 for p in self.tree.parents)]
 

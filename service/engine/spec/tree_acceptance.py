@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from service.engine.spec.sampling import sample
+from service.types import tree_depths
 
 ROOT = -1
 
@@ -51,28 +52,20 @@ class DraftTree:
     def __post_init__(self):
         if len(self.tokens) != len(self.parents):
             raise ValueError(f"{len(self.tokens)} tokens for {len(self.parents)} parents")
-        for i, parent in enumerate(self.parents):
-            if not ROOT <= parent < i:
-                raise ValueError(f"node {i}: its parent {parent} must be ROOT or an earlier node")
-
-    @classmethod
-    def chain(cls, tokens: list[int]) -> DraftTree:
-        return cls(tuple(tokens), tuple(range(ROOT, len(tokens) - 1)))
+        tree_depths(self.parents)  # refuses a parent that is not ROOT or an earlier node
 
     @property
     def size(self) -> int:
         return len(self.tokens)
 
+    @property
+    def is_chain(self) -> bool:
+        """Each node the only child of the one before (the shape a chain of drafts has)."""
+        return self.parents == tuple(range(ROOT, self.size - 1))
+
     def children(self, node: int) -> list[int]:
         """The children of `node` (ROOT for the root's), in drafting order."""
         return [i for i, parent in enumerate(self.parents) if parent == node]
-
-    def depth(self, node: int) -> int:
-        """1 for the root's children."""
-        d = 0
-        while node != ROOT:
-            node, d = self.parents[node], d + 1
-        return d
 
     def path(self, node: int) -> list[int]:
         """The nodes from the root's child down to `node` (empty for ROOT)."""

@@ -19,6 +19,7 @@ from scipy.stats import chisquare
 from service.engine.spec import tree_acceptance
 from service.engine.spec.sampling import sample
 from service.engine.spec.tree_acceptance import ROOT, Children, DraftTree, accept_tree_greedy, accept_tree_sampled
+from service.types import tree_depths
 
 V = 5
 SHAPES = [(1, 3), (2, 2), (3, 1), (2, 3), (3, 2)]  # (width, depth): width 1 is a chain
@@ -166,11 +167,11 @@ def test_the_negative_controls_fail_the_same_test(rule, children):
 def test_a_tree_is_checked_and_walked():
     tree = DraftTree((5, 6, 7, 8), (ROOT, ROOT, 0, 2))
     assert tree.children(ROOT) == [0, 1] and tree.children(0) == [2] and tree.path(3) == [0, 2, 3]
-    assert [tree.depth(i) for i in range(4)] == [1, 1, 2, 3]
-    assert DraftTree.chain([4, 4, 2]).parents == (ROOT, 0, 1)
+    assert tree_depths(tree.parents) == (1, 1, 2, 3) and not tree.is_chain
+    assert DraftTree((4, 4, 2), (ROOT, 0, 1)).is_chain
     with pytest.raises(ValueError, match="parent"):
         DraftTree((1, 2), (ROOT, 1))
     with pytest.raises(ValueError, match="need those distributions"):
         accept_tree_sampled(tree, torch.ones(5, V) / V, None, Children.SAMPLED, torch.Generator())
-    assert tree_acceptance.accept_tree_greedy(DraftTree.chain([]), [3]) == ([], 3)
+    assert tree_acceptance.accept_tree_greedy(DraftTree((), ()), [3]) == ([], 3)
 
