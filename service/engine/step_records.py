@@ -165,12 +165,10 @@ class StepRecords:
     def _tree_fields(self, tree: DraftTree, routed: torch.Tensor) -> dict:
         """A tree window's parents and its per-branch unions: each root-to-leaf branch's positions (the
         window's first token, then its nodes) counted per layer, as a chain along it would have been."""
-        if not self.count_routing:
-            branches = [(0,) * routed.shape[0]] * len(tree_branches(tree.parents))
-        else:
-            branches = [unique_experts_per_layer(routed[:, [0, *(1 + i for i in branch)]], self.num_experts)
-                        for branch in tree_branches(tree.parents)]
-        return {"tree_parents": tree.parents, "branch_unique": tuple(branches)}
+        branches = tree_branches(tree.parents)
+        unique = ([unique_experts_per_layer(routed[:, [0, *(1 + i for i in branch)]], self.num_experts)
+                   for branch in branches] if self.count_routing else [(0,) * routed.shape[0]] * len(branches))
+        return {"tree_parents": tree.parents, "branch_unique": tuple(unique)}
 
     def _ep_fields(self, routed: torch.Tensor | None) -> dict:
         """The optional expert-parallel fields, estimated only with an EP placement."""

@@ -64,7 +64,7 @@ def head_greedy_temperature(target, head, target_cache, texts: list[list[int]]) 
     argmaxes, its pass the features the head reads; the head's teacher-forced pass (entry p reads the
     target's feature at p - 1, as its catch-up does) its logits for the next token. One tau for every
     depth: fitted on the head's own estimates at depths 2..8 (`DraftHead.forward_train`'s unrolled
-    steps) it came out within 5% of depth 1's on the shipped pair, at eight times the load time."""
+    steps) it came out nearly the same on the shipped pair, at several times the load time."""
     from service.engine.model.ragged import RaggedBatch
 
     index = {int(t): i for i, t in enumerate(head.vocab.tolist())}
