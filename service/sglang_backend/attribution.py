@@ -71,6 +71,12 @@ class Window:
     unique: tuple[int, ...] | None = None  # [L] distinct routed experts per layer, when measured in SGLang
     overlap: dict | None = None  # the StepRecord's pairwise-overlap fields, when measured in SGLang
     batch: BatchPassRecord | None = None  # the pass this window was verified in (plugin records only)
+    # A window the plugin saw linked as a tree (plugin records only): each node's parent (-1 for node 0,
+    # the window's first token), the accepted nodes in depth order, and [w][L] the distinct experts over
+    # each node's path (node 0 down to it).
+    parents: tuple[int, ...] | None = None
+    accepted_nodes: tuple[int, ...] = ()
+    path_unique: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def width(self) -> int:

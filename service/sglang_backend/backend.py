@@ -61,6 +61,7 @@ from service.sglang_backend.swap_gate import SwapGate
 from service.sglang_backend.tap_windows import windows_from_tap
 from service.sglang_plugin.wire import EAGLE_TARGET_ENV, STEP_PIN_ENV, TAP_ENV
 from service.types import (
+    Drafter,
     DraftPolicy,
     GenerationRequest,
     GenerationResult,
@@ -310,7 +311,7 @@ class SGLangBackend:
         expected = expected_steps(meta, len(run.output_ids))
         decode_seconds = run.seconds - run.ttft
         tokens = RequestTokens(tuple(run.prompt), run.output_ids)
-        windows = windows_from_tap(run.records, tokens, self.config.target)
+        windows = windows_from_tap(run.records, tokens, self.config.target, ngram=policy.drafter is Drafter.NGRAM)
         if any(w.drafted > policy.draft_length for w in windows):
             # The engine drafted more than the policy asks (it runs another step count than pinned): the
             # windows are not this policy's, and SGLang's counts are all this request can report.

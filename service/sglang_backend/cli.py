@@ -26,8 +26,10 @@ from service.sglang_backend.policy import (
     MODEL_ALGORITHMS,
     NEEDS_DRAFT_PATH,
     SHARES_TARGET_EMBEDDING,
+    TREE_ALGORITHMS,
     SpecConfig,
     adaptive_config,
+    max_tree_width,
 )
 from service.sglang_backend.preflight import (
     check_draft,
@@ -249,12 +251,14 @@ def initial_policy(args: argparse.Namespace, spec: SpecConfig) -> DraftPolicy:
     """serve_cli's --drafter / --draft-length, if it defines them; else plain decoding."""
     drafter = Drafter(getattr(args, "drafter", Drafter.MODEL.value))
     length = getattr(args, "draft_length", 0)
-    if getattr(args, "tree_width", 1) != 1:
-        raise UsageError("--tree-width: the sglang backend drafts chains only (give 1 or leave it out)")
+    width = getattr(args, "tree_width", 1)
+    if width > max_tree_width(spec):
+        raise UsageError(f"--tree-width {width}: this sglang configuration drafts chains only (trees need "
+                         f"--speculative-algorithm {' or '.join(TREE_ALGORITHMS)}; give 1 or leave it out)")
     if length and drafter not in spec.drafters():
         offered = ", ".join(d.value for d in spec.drafters())
         raise UsageError(f"--drafter {drafter.value}: this sglang configuration offers {offered}")
-    policy = DraftPolicy(drafter=drafter, draft_length=length, policy_id="default")
+    policy = DraftPolicy(drafter=drafter, draft_length=length, tree_width=width, policy_id="default")
     try:
         policy.validate()
     except InvalidRequest as e:

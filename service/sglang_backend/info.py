@@ -5,7 +5,7 @@ and are updated by the backend each time a policy change swaps engines, `length_
 from __future__ import annotations
 
 from service.sglang_backend.model_config import MoeGeometry
-from service.sglang_backend.policy import SpecConfig, tunable_knobs
+from service.sglang_backend.policy import SpecConfig, max_tree_width, tunable_knobs
 from service.types import MAX_DRAFT_LENGTH, Controller, ModelInfo
 
 
@@ -36,5 +36,5 @@ def build_info(target: MoeGeometry, draft_name: str, spec: SpecConfig, max_conte
                           "engines switch among prepared_draft_lengths at run time, set by SetPolicy or the "
                           "tuner, never by SGLang's own acceptance rule"),
         prepared_draft_lengths=spec.prepared_lengths,
-        max_tree_width=1,  # chains only: speculative_kwargs refuses tree policies
+        max_tree_width=max_tree_width(spec),  # EAGLE/EAGLE3 engines draft trees (speculative_eagle_topk)
     )

@@ -10,8 +10,13 @@ Mapping (server-argument names from python/sglang/srt/arg_groups/fields/spec.py 
   different lengths that continue differently still branch off the root, so an NGRAM window is a
   small tree (draft_tree.py). SGLang's NGRAM always verifies all k + 1 positions (it pads when the
   cache finds too little), so empty drafts cost a full window there and are not counted as empty.
-- tree_width > 1: refused (INVALID_ARGUMENT on policy.tree_width). moespec's trees are the embedded
-  engine's; this backend drafts chains (ModelInfo.max_tree_width 1).
+- model drafter, k > 1, tree_width w > 1 (EAGLE/EAGLE3 only): the same, but speculative_eagle_topk = w:
+  SGLang's EAGLE-2 tree. Each of k draft steps expands the w best candidates w ways, and the k best
+  of all candidates by path score (of any depth up to k) are verified in one window of k + 1 positions
+  under a tree mask: k nodes, as the embedded engine's trees of width w. Never adaptive (SGLang's
+  adaptive states are topk 1), so a tree policy always runs on an engine of its own. k = 1 drafts one
+  node whatever the width: it runs as the chain. Other algorithms refuse trees (ModelInfo.max_tree_width
+  is 1 there).
 - draft_temperature: no SGLang knob. Chain drafts are the draft model's argmax; with
   speculative_use_rejection_sampling (EAGLE/EAGLE3/NEXTN only) the draft samples at the request's own
   temperature. So it is never listed as tunable and StepRecords carry 0.0 (argmax).
@@ -27,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from service.types import Drafter, DraftPolicy, InvalidRequest
+from service.types import MAX_TREE_WIDTH, Drafter, DraftPolicy, InvalidRequest
 
 MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3", "NEXTN")
 # Algorithms whose draft is a separate checkpoint; NEXTN can use the target's own MTP layers.
@@ -37,6 +42,8 @@ NEEDS_DRAFT_PATH = ("STANDALONE", "EAGLE", "EAGLE3")
 SHARES_TARGET_EMBEDDING = ("EAGLE", "EAGLE3")
 # Algorithms SGLang 0.5.23 runs with speculative_adaptive (one runtime state per step count, topk 1).
 ADAPTIVE_ALGORITHMS = ("EAGLE", "EAGLE3")
+# Algorithms whose drafts may be trees (speculative_eagle_topk > 1), as far as moespec offers them.
+TREE_ALGORITHMS = ("EAGLE", "EAGLE3")
 # What differs between two engines of prepared lengths: the step count and the window it implies.
 STEP_ARGUMENTS = ("speculative_num_steps", "speculative_num_draft_tokens")
 EFFECTIVE_DRAFT_TEMPERATURE = 0.0
@@ -64,9 +71,10 @@ def speculative_kwargs(policy: DraftPolicy, spec: SpecConfig) -> dict:
     """The speculative_* engine arguments for a policy ({} = speculation off). k = 0 where 0 is a prepared
     length: the adaptive model-drafter engine at 0 steps (SGLang verifies each request's one next token
     without drafting: a plain decode step, plus the draft's KV catch-up), so plain costs no swap either."""
-    if policy.tree_width > 1:  # before the k = 0 shortcut: a tree policy is refused whatever its length
-        raise InvalidRequest("policy.tree_width", f"{policy.tree_width}: this backend drafts chains only "
-                             "(ModelInfo.max_tree_width 1): give tree_width 1")
+    if policy.tree_width > max_tree_width(spec):  # before the k = 0 shortcut: refused whatever its length
+        raise InvalidRequest("policy.tree_width", f"{policy.tree_width}: this server's drafts are chains only "
+                             f"(ModelInfo.max_tree_width {max_tree_width(spec)}; trees need "
+                             f"--speculative-algorithm {' or '.join(TREE_ALGORITHMS)}): give tree_width 1")
     k = policy.draft_length
     if k == 0 and 0 not in spec.prepared_lengths:
         return {}
@@ -82,15 +90,16 @@ def speculative_kwargs(policy: DraftPolicy, spec: SpecConfig) -> dict:
         if spec.ngram_max_trie_depth is not None:
             out["speculative_ngram_max_trie_depth"] = spec.ngram_max_trie_depth
         return out
+    tree = policy.tree_width > 1 and k > 1
     out = {
         "speculative_algorithm": spec.model_algorithm,
         "speculative_num_steps": k,
-        "speculative_eagle_topk": 1,
+        "speculative_eagle_topk": policy.tree_width if tree else 1,
         "speculative_num_draft_tokens": k + 1,
     }
     if spec.draft_model_path:
         out["speculative_draft_model_path"] = spec.draft_model_path
-    if k in spec.prepared_lengths:
+    if k in spec.prepared_lengths and not tree:
         out["speculative_adaptive"] = True
         out["speculative_adaptive_config"] = spec.adaptive_config_path
     return out
@@ -148,8 +157,15 @@ def effective_policy(policy: DraftPolicy) -> DraftPolicy:
     return dataclasses.replace(policy, draft_temperature=EFFECTIVE_DRAFT_TEMPERATURE)
 
 
+def max_tree_width(spec: SpecConfig) -> int:
+    """The widest draft tree this server offers (1: chains only)."""
+    return MAX_TREE_WIDTH if spec.model_algorithm in TREE_ALGORITHMS else 1
+
+
 def tunable_knobs(spec: SpecConfig) -> tuple[str, ...]:
     """What the tuner may search here: the length always (0 = off is always valid), the drafter
-    when there are two to choose from, never the draft temperature."""
-    return ("drafter", "draft_length") if len(spec.drafters()) > 1 else ("draft_length",)
+    when there are two to choose from, the tree width where trees are offered, never the draft
+    temperature."""
+    drafter = ("drafter",) if len(spec.drafters()) > 1 else ()
+    return (*drafter, "draft_length", *(("tree_width",) if max_tree_width(spec) > 1 else ()))
 

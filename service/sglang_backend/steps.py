@@ -22,7 +22,7 @@ from service.sglang_backend.attribution import Window, unique_experts
 from service.sglang_backend.ep import EPConfig, window_view
 from service.sglang_backend.meta_info import SpecMeta
 from service.sglang_backend.model_config import MoeGeometry
-from service.types import BatchPassRecord, DraftPolicy, SpecStats, StepRecord, accepted_positions
+from service.types import BatchPassRecord, DraftPolicy, SpecStats, StepRecord, accepted_positions, tree_branches
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,25 @@ def steps_from_windows(
                            w.unique if w.unique is not None else unique_experts(w.topk_ids, target.moe_layers,
                                                                                 target.num_experts),
                            share, decode_step_seconds, topk, w.input_ids if topk is not None else None,
-                           {**(w.overlap or {}), **({} if view is None else expert_parallel.step_fields(view))},
+                           {**(w.overlap or {}), **({} if view is None else expert_parallel.step_fields(view)),
+                            **(tree_fields(w) if policy.tree_width > 1 else {})},
                            w.batch))
     return out
+
+
+def tree_fields(w: Window) -> dict:
+    """A tree window's StepRecord fields (as the embedded engine records its trees): the nodes' parents
+    (-1 = the window's first token), on-path flags, and each root-to-leaf branch's union (its leaf's
+    path union). {} for a window the plugin did not link as a tree, or whose tree is a chain."""
+    if w.parents is None or w.path_unique is None:
+        return {}
+    parents = tuple(p - 1 for p in w.parents[1:])  # window node j is record node j - 1
+    if parents == tuple(range(-1, len(parents) - 1)):
+        return {}
+    on_path = set(w.accepted_nodes)
+    return {"tree_parents": parents,
+            "accepted_per_position": tuple(j in on_path for j in range(1, w.width)),
+            "branch_unique": tuple(w.path_unique[1 + branch[-1]] for branch in tree_branches(parents))}
 
 
 def _ep_views(windows: list[Window], ep: EPConfig | None) -> list[expert_parallel.PassView | None]:
@@ -100,13 +116,13 @@ def _record(policy: DraftPolicy, target: MoeGeometry, drafted: int, accepted: in
             unique: tuple[int, ...], seconds: float, decode_step_seconds: float,
             topk: tuple | None, window_ids: tuple[int, ...] | None, optional: dict,
             batch: BatchPassRecord | None) -> StepRecord:
-    """optional: the pairwise-overlap and EP fields, where known."""
+    """optional: the pairwise-overlap, EP and tree fields, where known (a tree's on-path flags among them)."""
     return StepRecord.of_policy(
         policy,
         drafted=drafted,
         accepted=accepted,
         committed=committed,
-        accepted_per_position=accepted_positions(drafted, accepted),
+        accepted_per_position=optional.pop("accepted_per_position", accepted_positions(drafted, accepted)),
         window=window,
         unique_experts=unique,
         shared_experts=target.shared_experts,

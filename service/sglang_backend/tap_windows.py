@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 
 
 def windows_from_tap(records: list[RequestPass], request: RequestTokens, target: MoeGeometry,
-                     physical_to_logical: torch.Tensor | None = None) -> list[Window]:
+                     physical_to_logical: torch.Tensor | None = None, *, ngram: bool = True) -> list[Window]:
+    """ngram: the windows may hold NGRAM filler (a model drafter's tree has siblings at one position
+    too, and any token, so only NGRAM windows are searched for filler)."""
     seq = request.tokens
     moe = list(target.moe_layers)
     out = []
@@ -32,7 +34,8 @@ def windows_from_tap(records: list[RequestPass], request: RequestTokens, target:
         p, span = record.stats, record.stats.window(record.index)
         ids, positions = tuple(int(t) for t in p.input_ids[span]), tuple(int(t) for t in p.positions[span])
         start = positions[0]
-        path = accepted_path(ids, window_parents(p, span), start, seq)
+        parents = window_parents(p, span)
+        path = accepted_path(ids, parents, start, seq)
         committed = min(len(path) + 1, len(seq) - 1 - start)
         accepted = min(len(path), committed)
         physical = None if p.topk is None else torch.from_numpy(p.topk[:, span].astype("int32"))  # [L, w, 8]
@@ -40,13 +43,22 @@ def windows_from_tap(records: list[RequestPass], request: RequestTokens, target:
             pass_index=record.pass_number, mode=p.mode, start=start, input_ids=ids, positions=positions,
             topk_ids=None if physical is None else to_logical(physical, physical_to_logical),
             physical_ids=physical, physical_to_logical=physical_to_logical,
-            accepted=accepted, committed=committed, padding=padding(ids, positions, set(path[:accepted])),
+            accepted=accepted, committed=committed,
+            padding=padding(ids, positions, set(path[:accepted])) if ngram else 0,
             unique=tuple(int(p.unions[record.index, layer]) for layer in moe),
             overlap={"pairwise_overlap_mean": tuple(float(p.pair_mean[record.index, layer]) for layer in moe),
                      "pairwise_overlap_min": tuple(int(p.pair_min[record.index, layer]) for layer in moe)},
             batch=batch_record(record, target),
+            **({} if p.next_token is None else tree_fields(p, record.index, parents, path[:accepted], moe)),
         ))
     return out
+
+
+def tree_fields(p, index: int, parents: tuple[int, ...], accepted_nodes: tuple[int, ...], moe: list[int]) -> dict:
+    """The Window fields of a window the pass linked as a tree."""
+    path_unique = (None if p.path_unions is None
+                   else tuple(tuple(int(u) for u in node[moe]) for node in p.path_unions[index]))
+    return {"parents": parents, "accepted_nodes": accepted_nodes, "path_unique": path_unique}
 
 
 def window_parents(p, span: slice) -> tuple[int, ...]:

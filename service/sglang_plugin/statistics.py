@@ -6,6 +6,11 @@ same buffers (`on_routed` is called while SGLang captures its graphs, `begin` an
 eagerly around each pass). The buffers are sized once, large enough for the largest pass seen first
 (SGLang captures its biggest graph first); a later, larger eager pass grows them.
 
+A verify pass of draft trees (EAGLE with topk > 1, NGRAM) also gets each node's *path union*: the
+distinct experts over the node's root-to-node path, what a chain along it would have touched; a
+branch's union is its leaf's path union. The tree comes as SGLang links it (first child / next
+sibling per node) and is resolved on the device with a fixed number of steps (w), no host reads.
+
 Shape legend: L layers (dense ones too; they stay empty), C capacity in tokens, n tokens of the pass,
 B requests, w tokens per request (n = B*w), E logical experts (+1 column that swallows padding ids),
 m routed ids per token as SGLang hands them (at most RECORD_WIDTH kept when asked to).
@@ -65,8 +70,11 @@ class PassStatistics:
             kept = min(m, RECORD_WIDTH)
             self._topk[layer, :n, :kept] = topk_ids[:, :kept].to(torch.int16)
 
-    def finish(self, batch: int, width: int) -> dict[str, torch.Tensor]:
-        """The pass's statistics, still on the device (the caller copies them off without waiting)."""
+    def finish(self, batch: int, width: int, next_token: torch.Tensor | None = None,
+               next_sibling: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The pass's statistics, still on the device (the caller copies them off without waiting).
+        With the window trees' links ([B*w] first child / next sibling, -1 = none), also each node's
+        path union."""
         n = batch * width
         per_token = self._bits[:, :n, :self.experts].view(self.layers, batch, width, self.experts)  # [L, B, w, E]
         unions = per_token.amax(dim=2).sum(dim=-1, dtype=torch.int32)  # [L, B]
@@ -85,6 +93,36 @@ class PassStatistics:
             "pair_mean": pair_mean.t().float(),  # [B, L]
             "pair_min": pair_min.t().to(torch.int16),  # [B, L]
         }
+        if next_token is not None and next_sibling is not None:
+            paths = ancestors(next_token.view(batch, width), next_sibling.view(batch, width))  # [B, w, w]
+            on_path = torch.einsum("bij,lbje->lbie", paths.to(sets.dtype), sets) > 0  # [L, B, w, E]
+            out["path_unions"] = on_path.sum(dim=-1, dtype=torch.int32).permute(1, 2, 0).to(torch.int16)  # [B, w, L]
         if self._topk is not None:
             out["topk"] = self._topk[:, :n]  # [L, n, RECORD_WIDTH]
         return out
+
+
+def ancestors(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
+    """[B, w, w] bool: node j lies on node i's path (the root, i's ancestors and i itself), from each
+    window's first-child / next-sibling links [B, w]. A node no link reaches hangs off the root."""
+    batch, width = next_token.shape
+    device = next_token.device
+    nodes = torch.arange(width, device=device).expand(batch, width)
+
+    def linked_from(links: torch.Tensor) -> torch.Tensor:
+        """[B, w]: the node whose link points at each node, -1 = none (column w swallows the -1 links)."""
+        source = torch.full((batch, width + 1), -1, dtype=torch.int64, device=device)
+        target = torch.where(links >= 0, links.long(), torch.full_like(links, width, dtype=torch.int64))
+        return source.scatter_(1, target, nodes)[:, :width]
+
+    parent, previous = linked_from(next_token), linked_from(next_sibling)
+    for _ in range(width):  # a later sibling inherits its parent along the sibling chain
+        inherited = parent.gather(1, previous.clamp(min=0))
+        parent = torch.where((parent < 0) & (previous >= 0), inherited, parent)
+    parent = parent.clamp(min=0)  # the root (and any node no link reaches) hangs off node 0
+    on_path = torch.zeros(batch, width, width, dtype=torch.bool, device=device)
+    node = nodes.clone()
+    for _ in range(width):  # depth < w: w climbs reach the root from every node
+        on_path.scatter_(2, node.unsqueeze(-1), True)
+        node = parent.gather(1, node)
+    return on_path

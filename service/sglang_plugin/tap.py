@@ -78,11 +78,12 @@ class TapState:
 
     def _send(self, statistics: PassStatistics, forward_batch, pass_id: int, batch: int, width: int,
               start_ns: int) -> None:
-        device_tensors = statistics.finish(batch, width)
+        links = _tree_links(forward_batch.spec_info, batch, width)
+        device_tensors = statistics.finish(batch, width, links.get("next_token"), links.get("next_sibling"))
         n = batch * width
         device_tensors["input_ids"] = forward_batch.input_ids[:n].to(torch.int32)
         device_tensors["positions"] = forward_batch.positions[:n].to(torch.int32)
-        device_tensors.update(_tree_links(forward_batch.spec_info, batch, width))
+        device_tensors.update(links)
         if statistics.device.type == "cuda":
             host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
                     for k, v in device_tensors.items()}

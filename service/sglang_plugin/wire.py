@@ -11,11 +11,11 @@ order per connection. The endpoint and options reach the scheduler in one enviro
 step_pin.py, which send nothing.)
 
 Messages are multipart: frame 0 a small JSON header, the rest raw little-endian arrays (no pickle:
-nothing the server reads can run code). Version 2:
+nothing the server reads can run code). Version 3:
 
-hello  {"v": 2, "kind": "hello", "pid", "layers": L, "experts": E}  once per tap, when SGLang made
+hello  {"v": 3, "kind": "hello", "pid", "layers": L, "experts": E}  once per tap, when SGLang made
        its expert recorder (model loaded, before any pass): proof the plugin runs in that scheduler.
-pass   {"v": 2, "kind": "pass", "pass": id, "mode": SGLang ForwardMode value, "rids": [B request ids
+pass   {"v": 3, "kind": "pass", "pass": id, "mode": SGLang ForwardMode value, "rids": [B request ids
        in batch order], "width": w tokens per request, "layers": L, "topk": m or 0, "tree": 0 or 1,
        "start_ns", "end_ns": wall clock around the target's forward}
        frames: input_ids int32 [B*w], positions int32 [B*w],
@@ -26,6 +26,8 @@ pass   {"v": 2, "kind": "pass", "pass": id, "mode": SGLang ForwardMode value, "r
                (only when tree) next_token int16 [B*w], next_sibling int16 [B*w]: each window's draft
                  tree as SGLang's verify input links it (first child, next sibling; window-local node
                  indices, -1 = none); without them a window is a chain,
+                 path_unions int16 [B, w, L]: distinct routed experts over each node's path (the
+                 window's first token down to the node; a leaf's is its branch's union),
                (only when topk > 0) topk int16 [L, B*w, m]: the routed *physical* slot ids, -1 = none.
        One per DECODE or TARGET_VERIFY pass of the target model; the drafter's passes and prefills
        send none. Tokens are request-major: request b owns tokens [b*w, (b+1)*w).
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-VERSION = 2
+VERSION = 3
 TAP_ENV = "MOESPEC_SGLANG_TAP"  # JSON {"endpoint": "ipc://...", "capture_topk": bool}; absent: plugin inert
 # "1": give a Qwen2-MoE target the embedding/head lookup EAGLE drafts need (embed_head.py); absent: untouched.
 EAGLE_TARGET_ENV = "MOESPEC_SGLANG_EAGLE_TARGET"
@@ -94,6 +96,7 @@ class PassStats:
     topk: np.ndarray | None = None  # [L, B*w, m] int16 physical slot ids
     next_token: np.ndarray | None = None  # [B*w] int16 first child of each node (None: chains)
     next_sibling: np.ndarray | None = None  # [B*w] int16 next sibling of each node
+    path_unions: np.ndarray | None = None  # [B, w, L] int16 distinct experts over each node's path (with the links)
 
     @property
     def batch_size(self) -> int:
@@ -119,7 +122,8 @@ def encode_pass(p: PassStats) -> list[bytes]:
         frames.append(np.ascontiguousarray(array, dtype=dtype).tobytes())
     if p.next_token is not None:
         frames += [np.ascontiguousarray(p.next_token, dtype="<i2").tobytes(),
-                   np.ascontiguousarray(p.next_sibling, dtype="<i2").tobytes()]
+                   np.ascontiguousarray(p.next_sibling, dtype="<i2").tobytes(),
+                   np.ascontiguousarray(p.path_unions, dtype="<i2").tobytes()]
     if p.topk is not None:
         frames.append(np.ascontiguousarray(p.topk, dtype="<i2").tobytes())
     return frames
@@ -139,7 +143,7 @@ def decode(frames: list[bytes]) -> Hello | PassStats:
         raise WireError(f"unknown tap message kind {header['kind']!r}")
     rids, w, layers, m = tuple(header["rids"]), int(header["width"]), int(header["layers"]), int(header["topk"])
     b, n, tree = len(rids), len(rids) * int(header["width"]), bool(header.get("tree"))
-    expected = 7 + (2 if tree else 0) + (1 if m else 0)
+    expected = 7 + (3 if tree else 0) + (1 if m else 0)
     if len(frames) != expected:
         raise WireError(f"pass message with {len(frames)} frames, expected {expected}")
 
@@ -157,5 +161,6 @@ def decode(frames: list[bytes]) -> Hello | PassStats:
         pair_mean=array(frames[5], "<f4", (b, layers)), pair_min=array(frames[6], "<i2", (b, layers)),
         next_token=array(frames[7], "<i2", (n,)) if tree else None,
         next_sibling=array(frames[8], "<i2", (n,)) if tree else None,
+        path_unions=array(frames[9], "<i2", (b, w, layers)) if tree else None,
         topk=array(frames[-1], "<i2", (layers, n, m)) if m else None,
     )

@@ -101,11 +101,27 @@ def test_assign_draft_cache_locs_contiguous_takes_topk_times_steps_slots_after_t
 def test_build_draft_decode_metadata_for_a_chain_is_each_requests_own_row(kernels):
     req_to_token = pool(6, 8, seed=3)
     rows = torch.tensor([5, 2, 0])
-    draft = kernels.build_draft_decode_metadata_cpu(req_to_token, rows, torch.tensor([3, 4, 1]), 1, 3, 8)
+    seq_lens = [3, 4, 1]
+    draft = kernels.build_draft_decode_metadata_cpu(req_to_token, rows, torch.tensor(seq_lens), 1, 3, 8)
     # Row r of the draft table is what arange(bs * topk)[r] addresses: request r's prefix and draft slots.
-    assert all(torch.equal(draft[r], req_to_token[rows[r]]) for r in range(3))
-    with pytest.raises(NotImplementedError, match="topk"):
-        kernels.build_draft_decode_metadata_cpu(req_to_token, rows, torch.tensor([3, 4, 1]), 2, 3, 8)
+    assert all(torch.equal(draft[r, :n + 3], req_to_token[rows[r], :n + 3]) for r, n in enumerate(seq_lens))
+
+
+@pytest.mark.parametrize(("topk", "steps"), [(2, 3), (3, 2), (4, 4)])
+def test_build_draft_decode_metadata_for_a_tree_gives_each_candidate_its_own_draft_slots(kernels, topk, steps):
+    """The definition (SGLang's generate_draft_decode_kv_indices, page size 1): at draft step s, candidate
+    t of request i attends its prefix req_to_token[row_i, :seq_len_i], then the s + 1 slots from
+    seq_len_i + t * steps on; the backend reads the first seq_len_i + s + 1 entries of row i * topk + t."""
+    req_to_token = pool(6, 40, seed=5)
+    rows, seq_lens = torch.tensor([5, 2, 0]), torch.tensor([3, 7, 1])
+    draft = kernels.build_draft_decode_metadata_cpu(req_to_token, rows, seq_lens, topk, steps, 40)
+    assert draft.shape == (3 * topk, 40)
+    for i, (row, seq_len) in enumerate(zip(rows.tolist(), seq_lens.tolist(), strict=True)):
+        for t in range(topk):
+            for s in range(steps):
+                own = seq_len + t * steps + torch.arange(s + 1)
+                want = torch.cat([req_to_token[row, :seq_len], req_to_token[row, own]])
+                assert torch.equal(draft[i * topk + t, :seq_len + s + 1], want), (i, t, s)
 
 
 def test_fill_bonus_tokens_takes_each_requests_last_accepted_token(kernels):
@@ -191,3 +207,60 @@ def test_verify_tree_greedy_on_a_chain_accepts_the_longest_matching_prefix(kerne
         assert accept_index[b].tolist() == [b * n + j for j in range(a + 1)] + [-1] * (n - a - 1)
         expected_predicts[b * n:b * n + a + 1] = target[b * n:b * n + a + 1]
     assert predicts.tolist() == expected_predicts.tolist()
+
+
+# A topk 2, 3-step EAGLE draft, written out by hand. Draft step 0 offers candidates 0, 1 (children of the
+# root); step 1 expands both: 2, 3 of candidate 0 and 4, 5 of candidate 1; step 2 expands candidates 3 and
+# 4: 6, 7 of 3 and 8, 9 of 4. SGLang's parent_list names each expanded candidate ([-1] for the root's
+# expansion), so candidate c's parent is parent_list[c // topk]. The 5 best by score, sorted, are verified:
+# candidates 0, 1, 3, 4, 6 as nodes 1..5 behind node 0 (the last verified token):
+#             0
+#           /   \
+#          1     2          node: 1 = c0, 2 = c1, 3 = c3 (of c0), 4 = c4 (of c1), 5 = c6 (of c3)
+#          |     |
+#          3     4
+#          |
+#          5
+TREE_PARENT_LIST = [-1, 0, 1, 3, 4]
+TREE_SELECTED = [0, 1, 3, 4, 6]
+TREE_PARENTS = [-1, 0, 0, 1, 2, 3]
+TREE_DEPTHS = [0, 1, 1, 2, 2, 3]
+
+
+def test_build_tree_for_a_topk_2_draft_is_the_tree_written_out_by_hand(kernels):
+    n, seq_len = 6, 9
+    mask = torch.ones(n * n, dtype=torch.bool)
+    positions = torch.empty(n, dtype=torch.int64)
+    index, next_token, next_sibling = torch.full((3, 1, n), -1, dtype=torch.int64)
+    kernels.build_tree_kernel_efficient_cpu(torch.tensor([TREE_PARENT_LIST]), torch.tensor([TREE_SELECTED]),
+                                            torch.tensor([seq_len]), mask, positions, index, next_token,
+                                            next_sibling, 2, 3, n, 1)  # 1: TreeMaskMode.QLEN_ONLY
+    assert positions.tolist() == [seq_len + d for d in TREE_DEPTHS]
+    assert index.tolist() == [list(range(n))]
+    assert next_token.tolist() == [[1, 3, 4, 5, -1, -1]]  # first children
+    assert next_sibling.tolist() == [[-1, 2, -1, -1, -1, -1]]  # node 2 follows node 1 under the root
+    visible = [[False] * n for _ in range(n)]  # each node sees the root, its ancestors and itself
+    for node in range(n):
+        i = node
+        while i >= 0:
+            visible[node][i] = True
+            i = TREE_PARENTS[i]
+    assert mask.view(n, n).tolist() == visible
+
+
+def test_verify_tree_greedy_walks_down_the_matching_child_sibling_by_sibling(kernels):
+    """Over the hand-written tree: the target's argmax after the root is node 2's token (the root's second
+    child, reached through node 1's sibling link), after node 2 node 4's, after node 4 no node's: 2 drafts
+    accepted, nodes 0, 2, 4, and the predicts there are the target's tokens (the last the bonus)."""
+    n = 6
+    candidates = torch.tensor([[50, 61, 62, 71, 72, 81]])
+    target = torch.tensor([62, 1, 72, 2, 99, 3])  # argmax after each node
+    index, next_token = torch.arange(n).view(1, n), torch.tensor([[1, 3, 4, 5, -1, -1]])
+    next_sibling = torch.tensor([[-1, 2, -1, -1, -1, -1]])
+    predicts, accept_index = torch.zeros(n, dtype=torch.int64), torch.full((1, 4), -1, dtype=torch.int64)
+    accept_num = torch.zeros(1, dtype=torch.int64)
+    kernels.verify_tree_greedy_cpu(predicts=predicts, accept_index=accept_index, accept_token_num=accept_num,
+                                   candidates=candidates, retrive_index=index, retrive_next_token=next_token,
+                                   retrive_next_sibling=next_sibling, target_predict=target)
+    assert accept_num.tolist() == [2] and accept_index.tolist() == [[0, 2, 4, -1]]
+    assert predicts.tolist() == [62, 0, 72, 0, 99, 0]

@@ -4,6 +4,8 @@ written out by hand."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -14,8 +16,10 @@ from service.sglang_backend.draft_tree import accepted_path, chain_parents, dept
 from service.sglang_backend.model_config import moe_geometry
 from service.sglang_backend.records import ForwardMode, ForwardPass
 from service.sglang_backend.stats_channel import RequestPass
+from service.sglang_backend.steps import steps_from_windows
 from service.sglang_backend.tap_windows import windows_from_tap
 from service.sglang_plugin import wire
+from service.types import Drafter, DraftPolicy, SpecStats
 
 # A window of 7 nodes at start s = 4 (BFS order):      0 (t)
 #                                                    /      \
@@ -88,15 +92,21 @@ def test_a_window_past_where_the_previous_one_could_reach_is_not_the_requests():
     assert [w.start for w in windows] == [4]
 
 
+# Per node and layer, the distinct experts over its path (what the plugin measures): node n's are 10 * n + layer.
+PATH_UNIONS = np.array([[[10 * n + layer for layer in range(4)] for n in range(len(IDS))]], np.int16)
+
+
 def tap_pass(next_token, next_sibling) -> RequestPass:
     w, layers = len(IDS), moe_geometry(MODELS_DIR / "target").num_hidden_layers
+    tree = next_token is not None
     return RequestPass(wire.PassStats(
         pass_id=3, mode=int(ForwardMode.TARGET_VERIFY), rids=("r",), width=w, start_ns=0, end_ns=1,
         input_ids=np.array(IDS, np.int32), positions=np.array(POSITIONS, np.int32),
         unions=np.full((1, layers), 9, np.int16), batch_union=np.full(layers, 9, np.int16),
         pair_mean=np.zeros((1, layers), np.float32), pair_min=np.zeros((1, layers), np.int16),
         next_token=None if next_token is None else np.array(next_token, np.int16),
-        next_sibling=None if next_sibling is None else np.array(next_sibling, np.int16)), index=0, pass_number=0)
+        next_sibling=None if next_sibling is None else np.array(next_sibling, np.int16),
+        path_unions=PATH_UNIONS[:, :, :layers] if tree else None), index=0, pass_number=0)
 
 
 def test_the_plugins_tree_links_decide_the_acceptance_of_a_window():
@@ -107,3 +117,39 @@ def test_the_plugins_tree_links_decide_the_acceptance_of_a_window():
     as_chain, = windows_from_tap([tap_pass(None, None)], request, geometry)
     assert (on_tree.accepted, on_tree.committed) == (2, 3)
     assert (as_chain.accepted, as_chain.committed) == (1, 2)
+
+
+def test_a_tree_policys_window_becomes_a_tree_step_with_each_branchs_union():
+    """The StepRecord of a tree window, as the embedded engine records trees: parents over the drafted
+    nodes (-1 = the window's first token), on-path flags, and per root-to-leaf branch its leaf's path
+    union; a chain policy's step over the same window (and a tree that came out a chain) records none."""
+    geometry = moe_geometry(MODELS_DIR / "target")
+    request = RequestTokens((0, 1, 2, 3), (T, A, D, B, E, X))
+    window, = windows_from_tap([tap_pass(NEXT_TOKEN, NEXT_SIBLING)], request, geometry, ngram=False)
+    tree_policy = DraftPolicy(Drafter.MODEL, 6, 0.0, tree_width=2)
+    step, = steps_from_windows([window], tree_policy, geometry, decode_seconds=1.0, decode_step_seconds=0.5)
+    assert step.tree_parents == (-1, -1, 0, 0, 1, 2) and step.drafted == 6 and step.accepted == 2
+    assert step.accepted_per_position == (True, False, False, True, False, False)  # nodes 1 (a) and 4 (d)
+    assert step.tree_depth == 3 and step.branches == 3
+    # Leaves 4, 5, 6 (window nodes): branches [a, d], [b, c], [a, c, e].
+    assert step.branch_unique == tuple(tuple(int(u) for u in PATH_UNIONS[0, leaf]) for leaf in (4, 5, 6))
+    assert step.unique_experts == (9, 9, 9, 9)  # the whole tree's
+    assert SpecStats.from_steps([step], tree_policy, 4).accepted_per_position[:2] == (1, 1)  # by depth
+    chain_step, = steps_from_windows([window], DraftPolicy(Drafter.MODEL, 6, 0.0), geometry, decode_seconds=1.0,
+                                     decode_step_seconds=0.5)
+    assert chain_step.tree_parents == () and chain_step.branch_unique == ()
+    chain = replace(window, parents=chain_parents(7))
+    assert steps_from_windows([chain], tree_policy, geometry, decode_seconds=1.0,
+                              decode_step_seconds=0.5)[0].tree_parents == ()
+
+
+def test_only_ngram_windows_are_searched_for_filler():
+    """Six children of the root at one position carrying token 0 (NGRAM's filler): filler in an NGRAM
+    window, real drafts in a model drafter's tree."""
+    geometry = moe_geometry(MODELS_DIR / "target")
+    request = RequestTokens((0, 1, 2, 3), (T, X))
+    record = tap_pass((1, -1, -1, -1, -1, -1, -1), (-1, 2, 3, 4, 5, 6, -1))
+    record.stats.input_ids[1:] = 0
+    record.stats.positions[1:] = 5
+    assert [w.padding for w in windows_from_tap([record], request, geometry)] == [6]
+    assert [w.padding for w in windows_from_tap([record], request, geometry, ngram=False)] == [0]

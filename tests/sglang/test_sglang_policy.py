@@ -69,11 +69,29 @@ def test_a_drafter_the_server_does_not_offer_is_invalid():
         speculative_kwargs(DraftPolicy(Drafter.NGRAM, 2), no_ngram)
 
 
+EAGLE3 = SpecConfig(model_algorithm="EAGLE3", draft_model_path="/models/eagle3", prepared_lengths=(0, 1, 2, 3, 4),
+                    adaptive_config_path="/tmp/adaptive.json")
+
+
 @pytest.mark.parametrize("k", [0, 4])
-def test_a_tree_is_refused_naming_the_field_this_backend_drafts_chains(k):
+def test_a_tree_is_refused_naming_the_field_where_the_algorithm_drafts_chains(k):
     with pytest.raises(InvalidRequest) as e:
         speculative_kwargs(DraftPolicy(Drafter.MODEL, k, 0.0, tree_width=2), STANDALONE)
-    assert e.value.field == "policy.tree_width" and "drafts chains only" in str(e.value)
+    assert e.value.field == "policy.tree_width" and "chains only" in str(e.value) and "EAGLE3" in str(e.value)
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_an_eagle_tree_is_topk_width_over_k_steps_verifying_k_nodes_on_an_engine_of_its_own(width):
+    got = speculative_kwargs(DraftPolicy(Drafter.MODEL, 4, 0.0, tree_width=width), EAGLE3)
+    assert got == {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 4, "speculative_eagle_topk": width,
+                   "speculative_num_draft_tokens": 5, "speculative_draft_model_path": "/models/eagle3"}
+    chain = speculative_kwargs(DraftPolicy(Drafter.MODEL, 4, 0.0), EAGLE3)
+    assert chain["speculative_adaptive"] and chain["speculative_eagle_topk"] == 1  # a prepared length
+    assert engine_key(DraftPolicy(Drafter.MODEL, 4, 0.0, tree_width=width), EAGLE3) != engine_key(
+        DraftPolicy(Drafter.MODEL, 4, 0.0), EAGLE3)
+    # One node is a chain whatever the width: the prepared length's engine.
+    assert speculative_kwargs(DraftPolicy(Drafter.MODEL, 1, 0.0, tree_width=width), EAGLE3) == speculative_kwargs(
+        DraftPolicy(Drafter.MODEL, 1, 0.0), EAGLE3)
 
 
 def test_only_start_up_arguments_force_an_engine_swap():
@@ -105,7 +123,9 @@ def test_model_info_of_the_shipped_target(tmp_path):
     assert info.policy_switch_seconds == 0.0 and info.policy_switches == 0
     assert info.controllers == (Controller.STATIC,) and "EAGLE" in info.controllers_note  # says why
     assert not info.policy_tables  # speculation is fixed at engine start-up: one policy for every step
-    assert info.max_tree_width == 1 and "tree_width" not in info.tunable  # chains only
+    assert info.max_tree_width == 1 and "tree_width" not in info.tunable  # STANDALONE: chains only
+    eagle = build_info(target, "eagle3", EAGLE3, max_context=512)
+    assert eagle.max_tree_width == 4 and eagle.tunable == ("drafter", "draft_length", "tree_width")
 
 
 def test_moe_layers_follow_each_family_config(tmp_path):
@@ -160,8 +180,9 @@ def test_initial_policy_comes_from_serve_flags():
     ngram_only = SpecConfig(model_algorithm=None, draft_model_path=None)
     with pytest.raises(UsageError, match="offers ngram"):
         initial_policy(parse("--draft-length", "2"), ngram_only)
-    with pytest.raises(UsageError, match="--tree-width: the sglang backend drafts chains only"):
+    with pytest.raises(UsageError, match="--tree-width 2: this sglang configuration drafts chains only"):
         initial_policy(parse("--draft-length", "2", "--tree-width", "2"), STANDALONE)
+    assert initial_policy(parse("--draft-length", "3", "--tree-width", "2"), EAGLE3).tree_width == 2
 
 
 def _model_dir(path, config):

@@ -84,3 +84,46 @@ def test_a_larger_pass_grows_the_buffers():
     ids = routed(rng, 1, small + 8, 16, 4)
     got = run(stats, ids, small + 8, 1)
     assert stats.capacity > small and got["unions"].tolist() == reference(ids, small + 8, 1)[0]
+
+
+def random_tree(rng: random.Random, width: int) -> list[int]:
+    """Parents of a window of `width` nodes in BFS order (node 0 the root, -1), as SGLang's trees come."""
+    parents = [-1]
+    for node in range(1, width):
+        parents.append(rng.randrange(node) if rng.random() < 0.7 else parents[-1] if node > 1 else 0)
+    return sorted(parents[:1]) + sorted(parents[1:])  # BFS: parents in ascending order
+
+
+def links(parents: list[int]) -> tuple[list[int], list[int]]:
+    """SGLang's first-child / next-sibling links of a tree (children in ascending order)."""
+    first, sibling = [-1] * len(parents), [-1] * len(parents)
+    for node in range(len(parents) - 1, 0, -1):
+        sibling[node], first[parents[node]] = first[parents[node]], node
+    return first, sibling
+
+
+@pytest.mark.parametrize(("batch", "width"), [(1, 2), (1, 7), (3, 5), (2, 9)])
+def test_path_unions_equal_a_recount_over_each_nodes_root_path(batch, width):
+    """Random trees, one per request: each node's path union is the union of its ancestors' and its own
+    expert sets (root included), by plain Python over the same ids."""
+    rng = random.Random(batch * 100 + width)
+    trees = [random_tree(rng, width) for _ in range(batch)]
+    first, sibling = zip(*(links(t) for t in trees), strict=True)
+    ids = routed(rng, layers=2, tokens=batch * width, slots=32, m=4)
+    stats = PassStatistics(2, 32, None, torch.device("cpu"), capture_topk=False)
+    stats.begin(batch * width)
+    for layer in range(2):
+        stats.on_routed(layer, ids[layer])
+    got = stats.finish(batch, width, torch.tensor(sum(first, []), dtype=torch.int16),
+                       torch.tensor(sum(sibling, []), dtype=torch.int16))
+    for b, parents in enumerate(trees):
+        for node in range(width):
+            path, i = [], node
+            while i >= 0:
+                path.append(b * width + i)
+                i = parents[i]
+            want = [len({int(e) for t in path for e in ids[layer, t]}) for layer in range(2)]
+            assert got["path_unions"][b, node].tolist() == want, (parents, node)
+    assert got["unions"].tolist() == reference(ids, batch, width)[0]  # the whole tree's, as for a chain
+    chain = stats.finish(batch, width)
+    assert "path_unions" not in chain

@@ -19,7 +19,8 @@ def a_pass(topk: bool, tree: bool = False) -> wire.PassStats:
         pair_mean=rng.random((b, layers)).astype(np.float32), pair_min=np.ones((b, layers), np.int16),
         topk=rng.integers(-1, 64, (layers, b * w, 8)).astype(np.int16) if topk else None,
         next_token=np.tile(np.array([1, 3, -1, -1], np.int16), b) if tree else None,
-        next_sibling=np.tile(np.array([-1, 2, -1, -1], np.int16), b) if tree else None)
+        next_sibling=np.tile(np.array([-1, 2, -1, -1], np.int16), b) if tree else None,
+        path_unions=rng.integers(8, 24, (b, w, layers)).astype(np.int16) if tree else None)
 
 
 @pytest.mark.parametrize(("topk", "tree"), [(False, False), (True, False), (False, True), (True, True)])
@@ -33,7 +34,8 @@ def test_a_pass_survives_the_wire(topk, tree):
     assert (got.topk is None) == (not topk) and (not topk or np.array_equal(got.topk, sent.topk))
     assert (got.next_token is None) == (not tree)
     assert not tree or (np.array_equal(got.next_token, sent.next_token)
-                        and np.array_equal(got.next_sibling, sent.next_sibling))
+                        and np.array_equal(got.next_sibling, sent.next_sibling)
+                        and np.array_equal(got.path_unions, sent.path_unions))
 
 
 def test_hello_and_the_config_survive():
@@ -45,7 +47,7 @@ def test_hello_and_the_config_survive():
 @pytest.mark.parametrize(("frames", "reason"), [
     ([b"not json"], "not a moespec tap message"),
     ([b'{"v": 1, "kind": "pass"}'], "version 1"),
-    ([b'{"v": 2, "kind": "gossip"}'], "unknown tap message kind"),
+    ([b'{"v": 3, "kind": "gossip"}'], "unknown tap message kind"),
 ], ids=["garbage", "other-version", "other-kind"])
 def test_foreign_messages_are_refused_by_name(frames, reason):
     with pytest.raises(wire.WireError, match=reason):

@@ -18,7 +18,7 @@ What it replaces (SGLang module -> op):
 - kernels/ops/speculative/spec_tree.py: build_tree_kernel_efficient_cpu, verify_tree_greedy_cpu
 - kernels/ops/speculative/multi_layer_eagle.py: rotate_input_ids_cpu
 - kernels/ops/speculative/reconstruct_tree.py (NGRAM): sgl_kernel.speculative.reconstruct_indices_from_tree_mask
-- srt/layers/attention/intel_amx_backend.py: build_draft_decode_metadata_cpu (draft chains, topk 1),
+- srt/layers/attention/intel_amx_backend.py: build_draft_decode_metadata_cpu (draft chains and trees),
   and torch.ops.sgl_kernel.decode_attention_cpu / extend_attention_cpu (registered by attention.py)
 Deliberately absent: `convert_weight_packed`. SGLang switches its AMX compute paths
 (weight_packed_linear, fused_experts_cpu, rmsnorm_cpu, ...) on only when that op exists, so without
@@ -85,12 +85,19 @@ def build_draft_decode_metadata_cpu(req_to_token: torch.Tensor, req_pool_indices
                                     seq_lens: torch.Tensor, topk: int, num_steps: int,
                                     pool_len: int) -> torch.Tensor:
     """The req_to_token table the draft's decode steps attend through: one row per (request,
-    candidate), addressed by arange(bs * topk). For a chain (topk 1) a candidate's draft tokens sit
-    right after its prefix, so the row is the request's own row."""
-    if topk != 1:
-        raise NotImplementedError("stand-in build_draft_decode_metadata_cpu: draft trees (topk > 1) are not "
-                                  "supported; moespec drafts chains (speculative_eagle_topk=1)")
-    return req_to_token[req_pool_indices.long()].clone()
+    candidate), addressed by arange(bs * topk). Candidate t of request i reads the request's prefix
+    (its first seq_lens[i] slots) and then its own run of draft slots, the num_steps entries from
+    seq_lens[i] + t * num_steps on (assign_draft_cache_locs_contiguous gives request i the topk *
+    num_steps slots after its prefix, candidate by candidate); the backend attends the first
+    seq_lens[i] + step + 1 entries of the row. For a chain (topk 1) that is the request's own row."""
+    rows = req_to_token[req_pool_indices.long()]
+    table = torch.zeros((rows.shape[0] * topk, pool_len), dtype=req_to_token.dtype)
+    for i, start in enumerate(seq_lens.tolist()):
+        for t in range(topk):
+            own = rows[i, start + t * num_steps:start + (t + 1) * num_steps]
+            table[i * topk + t, :start] = rows[i, :start]
+            table[i * topk + t, start:start + own.numel()] = own
+    return table
 
 
 # -- speculative decoding: accept / bonus tokens -------------------------------------------------
