@@ -16,6 +16,6 @@ if [ "${MOESPEC_SKIP_SGLANG:-0}" != "1" ]; then
   sglang_python="${MOESPEC_SGLANG_VENV:-$HOME/.cache/moespec/sglang-venv}/bin/python"
   start=$SECONDS
   # MOESPEC_REQUIRE_SGLANG: in CI a missing SGLang is a failure, not a skip.
-  MOESPEC_REQUIRE_SGLANG=1 "$sglang_python" -m pytest -q -m sglang_cpu tests/sglang/test_sglang_cpu.py tests/sglang/test_sglang_cpu_eagle3.py tests/sglang/test_sglang_cpu_step_pin.py
+  MOESPEC_REQUIRE_SGLANG=1 "$sglang_python" -m pytest -q -m sglang_cpu tests/sglang/test_sglang_cpu.py tests/sglang/test_sglang_cpu_eagle3.py tests/sglang/test_sglang_cpu_eagle3_trees.py tests/sglang/test_sglang_cpu_step_pin.py
   echo "sglang stage: $((SECONDS - start)) s"
 fi

@@ -22,6 +22,7 @@ from tests.engine.spec.test_speculative_lossless import (  # noqa: F401 (fixture
     spread_prompt,
 )
 from tests.support.engine_helpers import heldout_prompts
+from tests.support.router_oracle import distinct, load_router_oracle, tree_routed
 
 GREEDY = SamplingParams(temperature=0)
 SHAPES = [(2, 2), (3, 2), (4, 2), (6, 3), (8, 4), (8, 2)]  # (node budget, width)
@@ -116,22 +117,7 @@ def test_sampled_trees_give_the_target_joint_law_of_the_first_two_tokens(engine,
 # ------------------------------------------------------------------ unions against transformers' router
 @pytest.fixture(scope="module")
 def oracle():
-    transformers = pytest.importorskip("transformers")
-    from service.engine.model.weights import DEFAULT_TARGET_DIR
-
-    return transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_TARGET_DIR, dtype=torch.float32).eval()
-
-
-def oracle_routed(oracle, ids: list[int]) -> torch.Tensor:
-    """[L, len(ids), m] the experts transformers' own router picks at every position of ids."""
-    with torch.no_grad():
-        out = oracle(torch.tensor([ids]), output_router_logits=True)
-    m = oracle.config.num_experts_per_tok
-    return torch.stack([logits.topk(m, dim=-1).indices for logits in out.router_logits])  # [L, n, m]
-
-
-def distinct(routed: torch.Tensor, num_experts: int) -> tuple[int, ...]:
-    return tuple(len(set(layer.flatten().tolist())) for layer in routed)
+    return load_router_oracle()
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +133,6 @@ def test_tree_unions_equal_transformers_router_over_each_nodes_path(recording_en
     """Recorded tree steps: each node's experts are recounted by transformers over the committed
     prefix + its own path (all the node sees), then unioned over every node (the record's
     unique_experts) and over every root-to-leaf branch (branch_unique)."""
-    E = recording_engine.target.cfg.num_experts
     prompt_ids = recording_engine.tokenizer.encode(heldout_prompts(4)[3]).ids
     request = GenerationRequest(prompt_token_ids=tuple(prompt_ids), max_new_tokens=12, sampling=GREEDY)
     # (sampled branches: three root children every step, whatever the head is sure of)
@@ -162,20 +147,13 @@ def test_tree_unions_equal_transformers_router_over_each_nodes_path(recording_en
         assert window[0] == committed[-1]
         if step.drafted == 6:  # sampled branches: three draws at the root, the first continued three deep
             assert step.tree_parents == (-1, -1, -1, 0, 3, 4)
-        per_node = []
-        for node in range(step.window):
-            path, i = [], node - 1
-            while i >= 0:
-                path.append(window[1 + i])
-                i = step.tree_parents[i]
-            per_node.append(oracle_routed(oracle, committed + path[::-1])[:, -1])  # [L, m]
-        routed = torch.stack(per_node, dim=1)  # [L, w, m]
-        assert step.unique_experts == distinct(routed, E)
+        routed = tree_routed(oracle, committed, window, step.tree_parents)  # [L, w, m]
+        assert step.unique_experts == distinct(routed)
         branches = tree_branches(step.tree_parents)
         assert len(step.branch_unique) == len(branches)
         branched += len(branches) > 1
         for got, branch in zip(step.branch_unique, branches, strict=True):
-            assert got == distinct(routed[:, [0, *(1 + i for i in branch)]], E)
+            assert got == distinct(routed[:, [0, *(1 + i for i in branch)]])
         checked += 1
     assert checked >= 2 and branched >= 1
 
