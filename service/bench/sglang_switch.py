@@ -154,6 +154,7 @@ def run_tuner(client, address: str, collector, trials: int) -> dict:
     from tuner.drivers.progress import ProgressPrinter
     from tuner.loop.assemble import TuneSettings, assemble
     from tuner.loop.sampler import InitialDesign
+    from tuner.loop.space import LengthOnly
     from tuner.loop.study import open_storage
     from tuner.measurement.admin import PolicyAdmin
 
@@ -161,8 +162,9 @@ def run_tuner(client, address: str, collector, trials: int) -> dict:
     before = client.model_info()
     with tempfile.TemporaryDirectory() as tmp:
         storage = open_storage(f"sqlite:///{tmp}/tune.db")
+        # Draft lengths only (chains): what prepared lengths make cheap; trees are engines of their own.
         settings = TuneSettings(study_name="switch", trials=trials, tuner_id="bench:sglang-switch",
-                                initial_design=InitialDesign.CORNERS)
+                                initial_design=InitialDesign.CORNERS, restrict=LengthOnly(Drafter.MODEL))
         built = assemble(settings, storage, PolicyAdmin(client, address), collector, ProgressPrinter(sys.stderr))
         t0 = time.monotonic()
         best = built.tuner.run()

@@ -16,6 +16,8 @@
     moespec bench sglang      the SGLang backend by policy beside the embedded engine (SGLang venv)
     moespec bench sglang-batching  the SGLang backend's batching gain beside SGLang alone's (SGLang venv)
     moespec bench sglang-switch  a draft-length change under load: prepared lengths against engine swaps (SGLang venv)
+    moespec bench sglang-trees  EAGLE-3 draft trees against chains on the SGLang backend: acceptance, expert
+                              unions (window and branch), tokens/s (SGLang venv)
     moespec bench adaptive    draft-length controllers (moespec's rule, SGLang's, transformers', Cascade's) vs
                               plain and the best static policy on a 1 / 16 client workload, interleaved
     moespec bench llamacpp    llama.cpp beside the embedded engine on the shipped checkpoints, interleaved
@@ -44,6 +46,8 @@ SUITES: dict[str, tuple[str, str]] = {
     "sglang-batching": ("service.bench.sglang_batching", "the SGLang backend's batching gain beside SGLang alone's"),
     "sglang-switch": ("service.bench.sglang_switch", "a draft-length change under load on the SGLang backend: "
                                                      "prepared lengths against engine swaps"),
+    "sglang-trees": ("service.bench.sglang_trees", "EAGLE-3 draft trees against chains on the SGLang backend: "
+                                                   "acceptance and expert unions"),
     "adaptive": ("service.bench.adaptive", "draft-length controllers vs static policies on a mixed workload"),
     "verify-cost": ("service.bench.verify_cost.command",
                     "cost of verify windows by size and expert union on a model geometry; a cost profile"),

@@ -138,3 +138,6 @@ def test_the_tuner_charges_a_trial_between_prepared_lengths_a_pin_and_any_other_
                             policy_switch_seconds=9.5)
     assert switch_seconds(with_plain, DraftPolicy(drafter=Drafter.NGRAM, draft_length=0), model(2)) == 0.004
     assert switch_seconds(info, model(2), None) == 9.5  # no control: whatever runs now may be another engine
+    tree = DraftPolicy(drafter=Drafter.MODEL, draft_length=4, tree_width=2)
+    assert switch_seconds(info, tree, model(2)) == switch_seconds(info, model(2), tree) == 9.5  # its own engine
+    assert switch_seconds(info, DraftPolicy(drafter=Drafter.MODEL, draft_length=1, tree_width=2), model(2)) == 0.004

@@ -76,9 +76,11 @@ class AgainstControl:
 def switch_seconds(info: ModelInfo, policy: DraftPolicy | None, control: DraftPolicy | None) -> float:
     """What the backend last measured for switching between a trial's candidate and its control: a pin of
     the draft length where both are lengths it prepared (SGLang's adaptive EAGLE engine: model-drafter
-    lengths, and 0), else an engine swap (0 on a backend that switches policies for free)."""
+    chain lengths, and 0), else an engine swap (0 on a backend that switches policies for free)."""
     def prepared(p: DraftPolicy) -> bool:  # k = 0 is plain decoding whichever drafter the policy names
-        return p.draft_length in info.prepared_draft_lengths and (p.draft_length == 0 or p.drafter is Drafter.MODEL)
+        chain = p.tree_width == 1 or p.draft_length <= 1  # a tree runs on an engine of its own
+        return p.draft_length in info.prepared_draft_lengths and (p.draft_length == 0 or p.drafter is Drafter.MODEL
+                                                                  and chain)
 
     if policy is not None and control is not None and prepared(policy) and prepared(control):
         return info.length_switch_seconds
