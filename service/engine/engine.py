@@ -38,7 +38,7 @@ from service.engine.kernels.library import build as build_kernels
 from service.engine.kernels.packed import MATHS
 from service.engine.kernels.pool import ONE_THREAD, KernelPool, KernelThreads
 from service.engine.model.draft_head import DraftHead, is_head_dir, load_head
-from service.engine.model.eagle3 import check_aux_layer_ids, is_eagle3_dir, load_eagle3
+from service.engine.model.eagle3 import Eagle3Draft, check_aux_layer_ids, is_eagle3_dir, load_eagle3
 from service.engine.model.layers import KERNEL_WINDOW_MAX
 from service.engine.model.ragged import KVCache
 from service.engine.model.weights import DEFAULT_HEAD_DIR, DEFAULT_TARGET_DIR, load_for_inference
@@ -46,7 +46,11 @@ from service.engine.runtime import Runtime, StepClock
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence
 from service.engine.spec.adaptive.state import AdaptiveState
-from service.engine.spec.tree_calibration import calibration_texts, head_greedy_temperature
+from service.engine.spec.tree_calibration import (
+    calibration_texts,
+    eagle3_greedy_temperature,
+    head_greedy_temperature,
+)
 from service.engine.step_records import StepRecords
 from service.engine.threads import usable_cores
 from service.engine_defaults import MAX_BATCH, PREFILL_CHUNK
@@ -163,9 +167,10 @@ class Engine:
                        else KVCache(self.draft.cfg, self.max_context, slots=config.max_batch) if self.draft else None)
         self.decode_step_seconds = self._calibrate_decode_step(target_cache)
         # (before the scheduler starts: the target cache's slots are scratch here)
-        tree_tau = (head_greedy_temperature(self.target, self.draft, target_cache,
-                                            calibration_texts(self.tokenizer, self.max_context))
-                    if draft_is_head and self.target.fused_attention else 1.0)
+        tree_tau = 1.0
+        if (draft_is_head or draft_is_eagle3) and self.target.fused_attention:  # the drafts that grow trees
+            fit = head_greedy_temperature if draft_is_head else eagle3_greedy_temperature
+            tree_tau = fit(self.target, self.draft, target_cache, calibration_texts(self.tokenizer, self.max_context))
         self.info = self._model_info()
         # What the server checks before any work (service/limits.py): context and prompt bytes.
         self.prompt_limits = PromptLimits(self.max_context, tokenizer_prompt_bytes(self.tokenizer, self.max_context),
@@ -288,10 +293,10 @@ class Engine:
         )
 
     def _trees_note(self) -> str:
-        """Why this engine drafts chains only ("" where it drafts trees): trees grow with the draft head
-        and are verified by the fused attention kernel (kernels/attention.py)."""
-        if not isinstance(self.draft, DraftHead):
-            return "draft trees need a draft head as the model drafter"
+        """Why this engine drafts chains only ("" where it drafts trees): trees grow with the draft head or
+        an EAGLE-3 draft and are verified by the fused attention kernel (kernels/attention.py)."""
+        if not isinstance(self.draft, DraftHead | Eagle3Draft):
+            return "draft trees need a draft head or an EAGLE-3 draft as the model drafter"
         if not self.target.fused_attention:
             return "draft trees need the fused attention kernel (fast_step, fused_attention and a C compiler)"
         return ""

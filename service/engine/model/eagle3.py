@@ -226,6 +226,25 @@ class Eagle3Draft(nn.Module):
         residual = hidden + self.midlayer.self_attn.forward_ragged(x, cos, sin, cache, 0, batch)
         return self._finish(residual.index_select(0, logit_rows))
 
+    def forward_node(self, embedded: torch.Tensor, hidden: torch.Tensor, cache: KVCache, slot: int, row: int,
+                     position: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft-tree node's entry: embedded [H] (its token's target embedding), hidden [H] (its
+        parent's output) -> (draft logits [Vd], output hidden [H]). Its keys and values go to cache row
+        `row` of `slot` (layer 0), roped at `position`; it attends the slot's `rows` [S'] only (the true
+        entries, then its path's node rows down to its own), so a node reads what a chain along its
+        path would have read, and nothing of its siblings."""
+        attn = self.midlayer.self_attn
+        A, K, D = attn.n_heads, attn.n_kv, attn.head_dim
+        q, k, v = attn._project(self._attention_input(embedded[None], hidden[None]))
+        cos, sin = self.rope_cos[position:position + 1, None], self.rope_sin[position:position + 1, None]
+        cache.k[0][slot, :, row] = apply_rope(k.view(1, K, D), cos, sin)[0]
+        cache.v[0][slot, :, row] = v.view(K, D)
+        keys, values = cache.k[0][slot][:, rows], cache.v[0][slot][:, rows]  # [K, S', D]
+        q = apply_rope(q.view(1, A, D), cos, sin).transpose(0, 1)  # [A, 1, D]
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], enable_gqa=True)  # [1, A, 1, D]
+        logits, out_hidden = self._finish(hidden[None] + attn.o_proj(out.reshape(1, A * D)))
+        return logits[0], out_hidden[0]
+
     def forward_train(self, embedded: torch.Tensor, aux: torch.Tensor,
                       steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """embedded [B, T, H] (target embeddings of tokens 1..T), aux [B, T, 3Ht] (the target's aux

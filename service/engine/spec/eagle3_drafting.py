@@ -28,10 +28,32 @@ from service.engine.spec.sampling import point_mass
 
 def draft_with_eagle3(rt: Runtime, seqs: list[Sequence], ks: list[int], confident: list[bool]) -> list[Drafted]:
     draft, vocab_size = rt.draft, rt.target.cfg.vocab_size
-    rows = [b for b, s in enumerate(seqs) if len(s.ids) - 1 > s.draft_valid]  # a one-token prompt has no entry yet
     out: list[Drafted] = [(torch.zeros(0, dtype=torch.long), torch.zeros(0, vocab_size), None) for _ in seqs]
+    caught_up = catch_up(rt, seqs)
+    target_ids = draft.target_ids
+    for b, root in caught_up.items():
+        s, temperature = seqs[b], seqs[b].step_policy.draft_temperature
+        uniforms = torch.rand(ks[b], generator=s.gen) if temperature > 0 else None
+        with torch.no_grad():
+            picks, q = chain(draft, rt.target.embed_tokens, rt.draft_cache, s.slot, len(s.ids) - 1, ks[b],
+                             *root, temperature, uniforms, target_ids)
+        drafts = target_ids[picks]
+        if q is None:
+            out[b] = (drafts, point_mass(drafts, vocab_size), None)
+        else:
+            out[b] = (drafts, torch.zeros(q.shape[0], vocab_size).index_copy_(1, target_ids, q),
+                      draft_confidence(q, picks) if confident[b] else None)
+    return out
+
+
+def catch_up(rt: Runtime, seqs: list[Sequence]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """One ragged pass feeding every sequence's missing true entries -> {index in seqs: (the draft
+    logits [Vd] and output hidden [H] of its last entry, at the last committed token)}; a sequence of one
+    token (no entry yet) is left out."""
+    draft = rt.draft
+    rows = [b for b, s in enumerate(seqs) if len(s.ids) - 1 > s.draft_valid]  # a one-token prompt has no entry yet
     if not rows:
-        return out
+        return {}
     tokens, aux, lengths = [], [], []
     for b in rows:
         s = seqs[b]
@@ -43,19 +65,7 @@ def draft_with_eagle3(rt: Runtime, seqs: list[Sequence], ks: list[int], confiden
         logits, hidden = draft.forward_ragged(rt.target.embed_tokens(torch.cat(tokens)),
                                               draft.project_aux(torch.cat(aux)), batch, rt.draft_cache,
                                               torch.tensor(lengths).cumsum(0) - 1)  # [B', Vd], [B', H]
-        target_ids = draft.target_ids
-        for j, b in enumerate(rows):
-            s, temperature = seqs[b], seqs[b].step_policy.draft_temperature
-            uniforms = torch.rand(ks[b], generator=s.gen) if temperature > 0 else None
-            picks, q = chain(draft, rt.target.embed_tokens, rt.draft_cache, s.slot, len(s.ids) - 1, ks[b],
-                             logits[j], hidden[j], temperature, uniforms, target_ids)
-            drafts = target_ids[picks]
-            if q is None:
-                out[b] = (drafts, point_mass(drafts, vocab_size), None)
-            else:
-                out[b] = (drafts, torch.zeros(q.shape[0], vocab_size).index_copy_(1, target_ids, q),
-                          draft_confidence(q, picks) if confident[b] else None)
-    return out
+    return {b: (logits[j], hidden[j]) for j, b in enumerate(rows)}
 
 
 def chain(draft: Eagle3Draft, embed: torch.nn.Embedding, cache: KVCache, slot: int, position: int, k: int,

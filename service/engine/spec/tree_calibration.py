@@ -83,6 +83,27 @@ def head_greedy_temperature(target, head, target_cache, texts: list[list[int]]) 
     return fit_greedy_temperature(torch.cat(rows), torch.cat(labels))
 
 
+def eagle3_greedy_temperature(target, draft, target_cache, texts: list[list[int]]) -> float:
+    """An EAGLE-3 draft's greedy tau, as `head_greedy_temperature` fits the head's: its teacher-forced
+    entry p (the target's aux layers at p, token p + 1) predicts token p + 2, whose greedy choice is the
+    target's argmax at p + 1."""
+    from service.engine.model.ragged import RaggedBatch
+
+    index = {int(t): i for i, t in enumerate(draft.target_ids.tolist())}
+    rows, labels = [], []
+    with torch.inference_mode():
+        for prompt, ids in zip(texts, greedy_continuations(target, target_cache, texts, CONTINUATION), strict=False):
+            tokens = torch.tensor(ids)
+            out = target.forward_ragged(tokens, RaggedBatch.build([0], [0], [len(ids)]), target_cache,
+                                        capture=draft.cfg.aux_layer_ids)
+            argmax = out.logits.argmax(-1).tolist()
+            keep = [p for p in range(len(ids) - 1) if argmax[p + 1] in index and p + 1 >= len(prompt) - 1]
+            ((logits, _),) = draft.forward_train(target.embed_tokens(tokens[1:])[None], out.aux[None, :-1], 1)
+            rows.append(logits[0, keep])
+            labels.append(torch.tensor([index[argmax[p + 1]] for p in keep], dtype=torch.long))
+    return fit_greedy_temperature(torch.cat(rows), torch.cat(labels))
+
+
 def greedy_continuations(target, cache, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Each prompt (as many as the cache has slots, each cut to leave room) + the target's next n greedy
     tokens, decoded together: one prefill pass, then one pass of one token per prompt per step."""

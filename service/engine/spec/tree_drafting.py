@@ -1,4 +1,4 @@
-"""Draft trees with the draft head.
+"""Draft trees with the draft head (and, through eagle3_trees.py, with an EAGLE-3 draft).
 
 A tree policy has a width w and a node budget N (its draft_length). Per sequence, the head first
 catches up on the entries its cache lacks; its last entry, at the last committed token (the root),
@@ -53,8 +53,13 @@ class Drafted:
 
 def draft_trees(rt: Runtime, seqs: list[Sequence], budgets: list[int]) -> list[Drafted]:
     """Each sequence's draft tree of budgets[b] nodes (top candidates or sampled branches, by its
-    policy's temperature), its width from its step's policy: one C call each (`Kernels.head_tree`,
-    `Kernels.head_draft`). Trees run with the kernels only: the engine offers them nowhere else."""
+    policy's temperature), its width from its step's policy: with the draft head one C call each
+    (`Kernels.head_tree`, `Kernels.head_draft`), with an EAGLE-3 draft the same trees in torch
+    (eagle3_trees.py). Trees are verified with the fused kernels only: the engine offers them nowhere else."""
+    if rt.draft_is_eagle3:
+        from service.engine.spec import eagle3_trees
+
+        return eagle3_trees.draft_trees(rt, seqs, budgets)
     return [Drafted(_top_candidate_tree(rt, s, n), None) if s.step_policy.draft_temperature == 0
             else _sampled_branches(rt, s, n) for s, n in zip(seqs, budgets, strict=True)]
 
@@ -89,7 +94,17 @@ def _sampled_branches(rt: Runtime, seq: Sequence, budget: int) -> Drafted:
     picks, q = head.kernels.head_draft(rt.head_chain, tokens, features, seq.slot, seq.draft_valid, spine,
                                        seq.step_policy.draft_temperature, uniforms, head.kernel_threads.pool)
     seq.draft_valid = len(seq.ids)  # the catch-up's entries are true until the next verify
-    siblings = sample(q[:1].expand(width - 1, -1), seq.gen) if width > 1 else picks[:0]
+    return sampled_branches(picks, q, width, seq.gen, head.vocab, V)
+
+
+def sampled_branches(picks: torch.Tensor, q: torch.Tensor, width: int, gen: torch.Generator, vocab: torch.Tensor,
+                     vocab_size: int) -> Drafted:
+    """The tree of a sampled chain (draft indices picks [s], each drawn from q [s, Vd]) and width - 1
+    more independent draws from q[0] at the root (drawn here, from gen); vocab [Vd] the target id of
+    each draft index."""
+    spine = picks.shape[0]
+    budget = spine + width - 1
+    siblings = sample(q[:1].expand(width - 1, -1), gen) if width > 1 else picks[:0]
     # Nodes by depth: the root's children (the chain's first draft, then the siblings), then the chain's rest.
     order = [int(picks[0]), *siblings.tolist(), *picks[1:].tolist()]
     parents = [ROOT] * width + [0, *range(width, width + spine - 2)][:spine - 1]  # (the rest: each after the last)
@@ -98,5 +113,5 @@ def _sampled_branches(rt: Runtime, seq: Sequence, budget: int) -> Drafted:
     if spine > 1:
         dq[1] = q[1]  # the chain's first draft's (its child's)
         dq[width + 1:width + spine - 1] = q[2:spine]
-    return Drafted(DraftTree(tuple(head.vocab[torch.tensor(order)].tolist()), tuple(parents)),
-                   torch.zeros(budget + 1, V).index_copy_(1, head.vocab, dq))
+    return Drafted(DraftTree(tuple(vocab[torch.tensor(order)].tolist()), tuple(parents)),
+                   torch.zeros(budget + 1, vocab_size).index_copy_(1, vocab, dq))
