@@ -3,7 +3,8 @@
 A tree policy (tree_width w > 1) runs SGLang's EAGLE-2 tree: speculative_eagle_topk = w over k draft
 steps, the k best candidates verified in one window under a tree mask. What must hold:
 - lossless: every reply equals plain greedy decoding (the embedded engine's, which SGLang's own plain
-  decoding equals on these prompts in fp32, test_sglang_cpu.py), for trees of several lengths and widths;
+  decoding equals on these prompts in fp32, test_sglang_cpu.py), for trees of several lengths and widths,
+  and for chains of lengths 1-4 of the same draft on the same 8 prompts;
 - the plugin's unions are the routing's: each reply's whole-tree and per-branch union aggregates (measured
   on the scheduler's device from the tree links) equal a recount from the step recording's routed ids;
 - the routing is each node's own: transformers' router over the committed prefix + a node's path picks
@@ -37,6 +38,7 @@ PROMPTS = heldout_prompts(8)
 MAX_NEW = 24
 # (draft length k, tree width w): the server starts at the first; the others are engine swaps.
 TREES = ((4, 2), (2, 2), (3, 4))
+CHAINS = (1, 2, 3, 4)  # then chains on the same prompts: one swap to the prepared engine, then pins
 ORACLE_REQUESTS = 2  # per tree policy, every step recounted by transformers
 
 
@@ -87,15 +89,30 @@ def test_trees_are_offered_and_every_tree_reply_equals_plain_greedy(client, repl
     assert client.model_info().policy_switches == len(TREES) - 1  # a tree is an engine of its own
 
 
+def test_chains_of_lengths_1_to_4_on_the_same_prompts_equal_plain_greedy(client, replies):
+    """The same checkpoint as chains (after the trees: the module's recording holds the trees first)."""
+    assert len(replies) == len(TREES) * len(PROMPTS)  # the trees ran first
+    plain = plain_greedy_outputs(PROMPTS, MAX_NEW)
+    swaps = client.model_info().policy_switches
+    for k in CHAINS:
+        client.set_policy(DraftPolicy(drafter=Drafter.MODEL, draft_length=k, policy_id=f"chain-k{k}"))
+        for prompt in PROMPTS:
+            reply = client.generate(greedy(prompt, MAX_NEW), timeout=600)
+            assert reply.token_ids == plain[prompt], (k, prompt[:40])
+            assert (reply.spec.tree_width, reply.spec.draft_length) == (1, k)
+            assert reply.spec.drafted_tokens == k * reply.spec.verify_steps
+    assert client.model_info().policy_switches == swaps + 1  # one swap to the prepared engine, then pins
+
+
 def test_the_plugins_tree_and_branch_unions_equal_a_recount_of_the_recorded_routing(client, steps_file, replies):
     """Per reply: the response's whole-tree and per-branch union aggregates, from the plugin's device
     counts, against the same aggregates recounted from the step recording's routed ids and tree parents."""
     assert len(replies) == len(TREES) * len(PROMPTS)
     recording = read_recording(steps_file)
-    assert len(recording.requests) == len(replies)
+    assert len(recording.requests) >= len(replies)  # the trees' requests first (then the chains')
     layers = client.model_info().num_layers
     branched = {policy.policy_id: 0 for policy, _, _ in replies}
-    for (policy, _, reply), steps in zip(replies, recording.requests, strict=True):
+    for (policy, _, reply), steps in zip(replies, recording.requests[:len(replies)], strict=True):
         assert len(steps) == reply.spec.verify_steps and all(s.tree_width == policy.tree_width for s in steps)
         branched[policy.policy_id] += sum(s.branches > 1 for s in steps)
         recount = SpecStats.from_steps(list(steps), policy, layers)
@@ -114,7 +131,8 @@ def test_each_nodes_recorded_routing_is_transformers_router_over_its_own_path(st
     oracle = load_router_oracle()
     recording = read_recording(steps_file)
     checked = 0
-    for index, ((policy, prompt_ids, reply), steps) in enumerate(zip(replies, recording.requests, strict=True)):
+    for index, ((policy, prompt_ids, reply), steps) in enumerate(zip(replies, recording.requests[:len(replies)],
+                                                                     strict=True)):
         if index % len(PROMPTS) >= ORACLE_REQUESTS:
             continue
         done = 1  # the prefill committed the first output token
