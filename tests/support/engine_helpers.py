@@ -53,6 +53,38 @@ def draft_next_token_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     return full
 
 
+def prefilled_sequence(engine: Engine, ids: list[int], policy, sampling_params):
+    """A sequence of `ids` in slot 0 of an idle engine (its scheduler runs nothing: the slot is the
+    caller's), its prompt prefilled as the scheduler's thread would."""
+    from service.engine.model_runner import PrefillChunk
+    from service.engine.sequence import Sequence
+    from service.types import GenerationRequest
+
+    seq = Sequence(GenerationRequest(prompt_token_ids=tuple(ids), sampling=sampling_params), policy, ids, 16, None,
+                   None)
+    seq.slot = 0
+    with torch.inference_mode():
+        engine._scheduler.runner.prefill([PrefillChunk(seq, 0, len(ids) - 1, completes=True)])
+    return seq
+
+
+def first_tree_steps(engine: Engine, ids: list[int], policy, sampling_params, requests: int) -> tuple[list, list]:
+    """`requests` seeded requests of 4 new tokens (room for a tree of 3 nodes in their first step) under
+    a tree policy -> (each one's first two tokens, each one's first step)."""
+    import dataclasses
+
+    from service.types import GenerationRequest
+
+    outputs, first_steps = [], []
+    for seed in range(requests):
+        request = GenerationRequest(prompt_token_ids=tuple(ids), max_new_tokens=4,
+                                    sampling=dataclasses.replace(sampling_params, seed=seed))
+        result = engine.generate(request, policy)
+        outputs.append(result.token_ids[:2])
+        first_steps.append(result.steps[0])
+    return outputs, first_steps
+
+
 def patch_engine_sampling(monkeypatch, **functions: Callable) -> None:
     """Replace sampling functions (by name) where the engine's decode loop looks them up."""
     module = importlib.import_module(SAMPLING_LOOKUP)

@@ -6,8 +6,6 @@ chain path (`Eagle3Draft.forward_ragged`, not the tree's own node entries)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ from tests.engine.spec.test_eagle3_lossless import (  # noqa: F401 (fixtures)
     spread_prompt,
 )
 from tests.engine.spec.test_speculative_lossless import ALPHA, E2E_REQUESTS, SAMPLING
-from tests.support.engine_helpers import heldout_prompts
+from tests.support.engine_helpers import first_tree_steps, heldout_prompts, prefilled_sequence
 
 GREEDY = SamplingParams(temperature=0)
 SHAPES = [(1, 2), (2, 2), (3, 2), (4, 2), (4, 3), (8, 4)]  # (node budget, width); one node is a chain
@@ -65,14 +63,7 @@ def test_sampled_eagle3_trees_give_the_target_joint_law_of_the_first_two_tokens(
     """Each request's first step verifies a tree of 3 nodes (4 new tokens leave room): the first two
     committed tokens follow p(t1) p(t2 | t1) whichever branch gave them."""
     tree = DraftPolicy(draft_length=3, tree_width=2, draft_temperature=temperature)
-    ids = spread_prompt[0]
-    outputs, first_steps = [], []
-    for seed in range(E2E_REQUESTS):
-        request = GenerationRequest(prompt_token_ids=tuple(ids), max_new_tokens=4,
-                                    sampling=dataclasses.replace(SAMPLING, seed=seed))
-        result = engine.generate(request, tree)
-        outputs.append(result.token_ids[:2])
-        first_steps.append(result.steps[0])
+    outputs, first_steps = first_tree_steps(engine, spread_prompt[0], tree, SAMPLING, E2E_REQUESTS)
     assert all(s.tree_parents.count(-1) >= 2 for s in first_steps[:20]), "the root should have two children"
     assert sum(1 for s in first_steps if s.accepted and not s.accepted_per_position[0]) >= 5  # a sibling taken
     assert spread_law.pvalue(outputs) > ALPHA
@@ -109,17 +100,13 @@ def brute_force_best_paths(rt, seq, logits: torch.Tensor, hidden: torch.Tensor, 
 def test_the_top_candidate_tree_is_the_best_paths_by_score(engine, monkeypatch, budget, width):  # noqa: F811
     """The tree's nodes are the brute force's best paths, and every node the tree expanded read what a
     chain along its path reads (its draft logits against the brute force's for that path)."""
-    from service.engine.model_runner import PrefillChunk
-    from service.engine.sequence import Sequence
     from service.engine.spec import eagle3_trees
     from service.engine.spec.eagle3_drafting import catch_up
 
     policy = DraftPolicy(draft_length=budget, tree_width=width, draft_temperature=0)
     shapes = set()
-    for prompt in heldout_prompts(6):  # (the scheduler is idle: slot 0 is this test's)
-        ids = engine.tokenizer.encode(prompt).ids[-60:]
-        seq = Sequence(GenerationRequest(prompt_token_ids=tuple(ids), sampling=GREEDY), policy, ids, 16, None, None)
-        seq.slot = 0
+    for prompt in heldout_prompts(6):
+        seq = prefilled_sequence(engine, engine.tokenizer.encode(prompt).ids[-60:], policy, GREEDY)
         node_logits: list[torch.Tensor] = []  # what each forward_node call gave: node i's (expanded in order)
 
         def recording(*args, forward_node=engine.runtime.draft.forward_node, out=node_logits):
@@ -128,7 +115,6 @@ def test_the_top_candidate_tree_is_the_best_paths_by_score(engine, monkeypatch, 
             return logits, hidden
 
         with torch.inference_mode():
-            engine._scheduler.runner.prefill([PrefillChunk(seq, 0, len(ids) - 1, completes=True)])
             root = catch_up(engine.runtime, [seq])[0]
             with monkeypatch.context() as patch:
                 patch.setattr(engine.runtime.draft, "forward_node", recording)
@@ -152,19 +138,14 @@ def test_the_top_candidate_tree_is_the_best_paths_by_score(engine, monkeypatch, 
 def test_a_node_reads_what_a_chain_along_its_path_reads_and_nothing_of_its_siblings(engine):  # noqa: F811
     """Root children a (row r) and b (row r + 1), and c, b's child (row r + 2): b's and c's draft logits
     through `forward_node` equal those of the chains [b] and [b, c] run through `forward_ragged`."""
-    from service.engine.model_runner import PrefillChunk
-    from service.engine.sequence import Sequence
     from service.engine.spec.eagle3_drafting import catch_up
 
     rt = engine.runtime
     draft, embed, cache = rt.draft, rt.target.embed_tokens, rt.draft_cache
     ids = engine.tokenizer.encode(heldout_prompts(1)[0]).ids[-40:]
-    policy = DraftPolicy(draft_length=3, tree_width=2, draft_temperature=0)
-    seq = Sequence(GenerationRequest(prompt_token_ids=tuple(ids), sampling=GREEDY), policy, ids, 16, None, None)
-    seq.slot = 0
+    seq = prefilled_sequence(engine, ids, DraftPolicy(draft_length=3, tree_width=2, draft_temperature=0), GREEDY)
     r = len(ids) - 1  # the first row past the true entries 0..n-2
     with torch.inference_mode():
-        engine._scheduler.runner.prefill([PrefillChunk(seq, 0, len(ids) - 1, completes=True)])
         logits, hidden = catch_up(rt, [seq])[0]
         a, b = logits.topk(2).indices.tolist()
         prefix = list(range(r))

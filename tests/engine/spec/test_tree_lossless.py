@@ -5,7 +5,6 @@ equal a recount by transformers' own router over each node's path (the independe
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import pytest
@@ -21,7 +20,7 @@ from tests.engine.spec.test_speculative_lossless import (  # noqa: F401 (fixture
     spread_law,
     spread_prompt,
 )
-from tests.support.engine_helpers import heldout_prompts
+from tests.support.engine_helpers import first_tree_steps, heldout_prompts, prefilled_sequence
 from tests.support.router_oracle import distinct, load_router_oracle, tree_routed
 
 GREEDY = SamplingParams(temperature=0)
@@ -96,14 +95,7 @@ def test_sampled_trees_give_the_target_joint_law_of_the_first_two_tokens(engine,
     first two committed tokens follow p(t1) p(t2 | t1), whichever branch, child or residual gave them;
     for the head's top candidates (point masses) and for branches drawn from q (q's rule)."""
     TREE = DraftPolicy(draft_length=3, tree_width=2, draft_temperature=temperature)
-    ids = spread_prompt[1]
-    outputs, first_steps = [], []
-    for seed in range(E2E_REQUESTS):
-        request = GenerationRequest(prompt_token_ids=tuple(ids), max_new_tokens=4,
-                                    sampling=dataclasses.replace(SAMPLING, seed=seed))
-        result = engine.generate(request, TREE)
-        outputs.append(result.token_ids[:2])
-        first_steps.append(result.steps[0])
+    outputs, first_steps = first_tree_steps(engine, spread_prompt[1], TREE, SAMPLING, E2E_REQUESTS)
     # Every half of the rule ran: a first child accepted, a later sibling accepted after a rejection
     # (the residual updated), and every child rejected (the bonus from the residual).
     first_child = [s for s in first_steps if s.accepted_per_position[0]]
@@ -165,19 +157,14 @@ def test_the_kernels_top_candidate_tree_is_the_reference_growths(engine, budget,
     """`Kernels.head_tree` (one C call) against the rule grown step by step in torch
     (tests/support/reference_tree.py) on held-out prompts: the same nodes, tokens and parents (the ranking
     temperatures of a greedy and a sampled request differ, so both shapes are held to it)."""
-    from service.engine.model_runner import PrefillChunk
-    from service.engine.sequence import Sequence
     from service.engine.spec import tree_drafting
     from tests.support.reference_tree import top_candidate_tree
 
     policy = DraftPolicy(draft_length=budget, tree_width=width, draft_temperature=0)
     shapes = set()
-    for prompt in heldout_prompts(6):  # (the scheduler is idle: slot 0 is this test's)
-        ids = engine.tokenizer.encode(prompt).ids[-60:]
-        seq = Sequence(GenerationRequest(prompt_token_ids=tuple(ids), sampling=sampling), policy, ids, 16, None, None)
-        seq.slot = 0
+    for prompt in heldout_prompts(6):
+        seq = prefilled_sequence(engine, engine.tokenizer.encode(prompt).ids[-60:], policy, sampling)
         with torch.inference_mode():  # (as on the scheduler's thread)
-            engine._scheduler.runner.prefill([PrefillChunk(seq, 0, len(ids) - 1, completes=True)])
             want = top_candidate_tree(engine.runtime, seq, budget)
             seq.draft_valid = 0
             got = tree_drafting.draft_trees(engine.runtime, [seq], [budget])[0].tree
