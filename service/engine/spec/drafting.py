@@ -19,7 +19,7 @@ import torch
 
 from service.engine.runtime import Runtime
 from service.engine.sequence import Sequence
-from service.engine.spec import eagle3_drafting, model_drafting, ngram, tree_drafting
+from service.engine.spec import eagle3_drafting, eagle3_trees, model_drafting, ngram, tree_drafting
 from service.engine.spec.adaptive.controller import DraftConfidence, adapts
 from service.engine.spec.sampling import point_mass
 from service.engine.spec.tree_acceptance import DraftTree
@@ -85,7 +85,8 @@ def draft(rt: Runtime, seqs: list[Sequence]) -> list[Proposal]:
                 fed += lag + k - 1
     if tree_rows:  # (static policies only: no controller plans or cuts a tree)
         t0 = time.perf_counter()
-        trees = tree_drafting.draft_trees(rt, [seqs[i] for i, _ in tree_rows], [k for _, k in tree_rows])
+        grow = eagle3_trees.draft_trees if rt.draft_is_eagle3 else tree_drafting.draft_trees
+        trees = grow(rt, [seqs[i] for i, _ in tree_rows], [k for _, k in tree_rows])
         seconds = time.perf_counter() - t0
         for (i, k), drafted in zip(tree_rows, trees, strict=True):  # (a tree's q: [n + 1, V], tree_drafting.py)
             out[i] = Proposal(list(drafted.tree.tokens), drafted.q, seconds, planned=k, tree=drafted.tree)

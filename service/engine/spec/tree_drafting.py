@@ -53,13 +53,8 @@ class Drafted:
 
 def draft_trees(rt: Runtime, seqs: list[Sequence], budgets: list[int]) -> list[Drafted]:
     """Each sequence's draft tree of budgets[b] nodes (top candidates or sampled branches, by its
-    policy's temperature), its width from its step's policy: with the draft head one C call each
-    (`Kernels.head_tree`, `Kernels.head_draft`), with an EAGLE-3 draft the same trees in torch
-    (eagle3_trees.py). Trees are verified with the fused kernels only: the engine offers them nowhere else."""
-    if rt.draft_is_eagle3:
-        from service.engine.spec import eagle3_trees
-
-        return eagle3_trees.draft_trees(rt, seqs, budgets)
+    policy's temperature), its width from its step's policy: one C call each (`Kernels.head_tree`,
+    `Kernels.head_draft`). Trees run with the kernels only: the engine offers them nowhere else."""
     return [Drafted(_top_candidate_tree(rt, s, n), None) if s.step_policy.draft_temperature == 0
             else _sampled_branches(rt, s, n) for s, n in zip(seqs, budgets, strict=True)]
 
