@@ -1,7 +1,8 @@
 """`moespec bench sglang-trees`: EAGLE-3 draft trees against chains on the SGLang backend.
 
     ~/.cache/moespec/sglang-venv/bin/moespec bench sglang-trees [--lengths 2 4 6] [--widths 2 3]
-                         [--prompts 8] [--rounds 2] [--max-new-tokens 32] [--out reports/bench-sglang-trees]
+                         [--prompts 8] [--rounds 2] [--max-new-tokens 32] [--tree-temperature 1.0]
+                         [--out reports/bench-sglang-trees]
 
 One `moespec serve --backend sglang --speculative-algorithm EAGLE3` child (the shipped pair and EAGLE-3
 draft, fp32 on CPU) is served through gRPC. For every draft length k, the chain (tree width 1) and a
@@ -40,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=8, help="shipped held-out prompts per policy and round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--tree-temperature", type=float, default=1.0, metavar="TAU",
+                        help="the server's --sglang-tree-temperature (default 1: SGLang's own ranking)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--stand-in", type=Path, default=STAND_IN,
                         help="directory put on the child's PYTHONPATH on --device cpu (sgl-kernel CPU ops)")
@@ -65,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
                          "venv (bash scripts/setup_sglang_cpu.sh builds ~/.cache/moespec/sglang-venv)")
     runs = measure(args)
     rows = [summary(policy, runs[policy.policy_id]) for policy in policies(args)]
-    result = {"device": args.device, "cpu": cpu_name(), "prompts": args.prompts, "rounds": args.rounds,
+    result = {"device": args.device, "cpu": cpu_name(), "tree_temperature": args.tree_temperature,
+              "prompts": args.prompts, "rounds": args.rounds,
               "max_new_tokens": args.max_new_tokens, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sglang_trees.json").write_text(json.dumps(result, indent=2))
@@ -86,7 +90,7 @@ def measure(args: argparse.Namespace) -> dict[str, list[dict]]:
     first = policies(args)[0]
     flags = ("--backend", "sglang", *serve_flags(args), "--speculative-algorithm", "EAGLE3", "--sglang-no-ngram",
              "--sglang-no-calibrate", "--otel-disabled", "--drafter", "model",
-             "--draft-length", str(first.draft_length))
+             "--draft-length", str(first.draft_length), "--sglang-tree-temperature", str(args.tree_temperature))
     server = start_server(child_env(args), TOKEN, flags, ready_timeout=900)
     runs: dict[str, list[dict]] = {p.policy_id: [] for p in policies(args)}
     try:
@@ -132,8 +136,11 @@ def summary(policy: DraftPolicy, rounds: list[dict]) -> dict:
 
 def markdown(result: dict) -> str:
     label = "CPU with stand-in kernels" if result["device"] == "cpu" else "CUDA"
-    lines = [f"SGLang EAGLE-3 chains and trees ({label}, {result['cpu']}), greedy, {result['prompts']} prompts x "
-             f"{result['rounds']} rounds, {result['max_new_tokens']} new tokens; median [min-max] over rounds",
+    ranking = ("SGLang's own tree ranking" if result["tree_temperature"] == 1.0
+               else f"trees ranked at temperature {result['tree_temperature']:g}")
+    lines = [f"SGLang EAGLE-3 chains and trees ({label}, {result['cpu']}), {ranking}, greedy, {result['prompts']} "
+             f"prompts x {result['rounds']} rounds, {result['max_new_tokens']} new tokens; "
+             "median [min-max] over rounds",
              "",
              "| k | tree width | accepted drafts / pass | distinct experts / layer (window) | "
              "(mean branch) | tokens/s |",

@@ -53,13 +53,14 @@ from service.sglang_backend.policy import (
     speculative_kwargs,
     start_arguments,
     step_switch,
+    tree_ranking_temperature,
 )
 from service.sglang_backend.sampling import sampling_params
 from service.sglang_backend.stats_channel import StatsChannel
 from service.sglang_backend.steps import expected_steps, spec_stats, steps_from_meta, steps_from_windows
 from service.sglang_backend.swap_gate import SwapGate
 from service.sglang_backend.tap_windows import windows_from_tap
-from service.sglang_plugin.wire import EAGLE_TARGET_ENV, STEP_PIN_ENV, TAP_ENV
+from service.sglang_plugin.wire import EAGLE_TARGET_ENV, STEP_PIN_ENV, TAP_ENV, TREE_TAU_ENV
 from service.types import (
     Drafter,
     DraftPolicy,
@@ -239,6 +240,11 @@ class SGLangBackend:
             os.environ[STEP_PIN_ENV] = "1"
         else:
             os.environ.pop(STEP_PIN_ENV, None)
+        tau = tree_ranking_temperature(spec_kwargs, self.config.spec)
+        if tau is not None:  # the plugin's tree ranking: a tree's candidates ranked at that temperature
+            os.environ[TREE_TAU_ENV] = repr(tau)
+        else:
+            os.environ.pop(TREE_TAU_ENV, None)
         if self.config.recorder_dir is not None:
             os.environ[RECORDER_DIR_ENV] = str(self.config.recorder_dir)
             kwargs["expert_distribution_recorder_mode"] = "per_token"

@@ -37,6 +37,7 @@ from service.sglang_backend.preflight import (
     check_plugin_hooks,
     check_step_pin_hooks,
     check_target,
+    check_tree_ranking_hook,
     import_sglang,
     require_cpu_kernels,
     require_cuda,
@@ -66,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             f"engine restart (comma-separated, e.g. 0,2,4; 0 = plain decoding on that engine; "
                             f"default auto = 0-{MAX_DRAFT_LENGTH}; none: every length change restarts the "
                             "engine). Other algorithms: none")
+    group.add_argument("--sglang-tree-temperature", type=float, default=1.0, metavar="TAU",
+                       help="EAGLE/EAGLE3 draft trees: rank the candidates by the draft's probabilities at this "
+                            "temperature (below 1 where the draft's softmax is flatter than its argmax is right; "
+                            "default 1: SGLang's own ranking). Lossless either way")
     group.add_argument("--sglang-no-ngram", action="store_true",
                        help="do not offer SGLang's NGRAM as a second drafter")
     group.add_argument("--sglang-tp", type=int, default=1, help="tensor-parallel GPUs")
@@ -101,12 +106,19 @@ def create_backend(args: argparse.Namespace):
     draft_path = args.draft_model_path or (DEFAULT_EAGLE3_DRAFT if algorithm == "EAGLE3" else None)
     draft_name = check_draft(draft_path, model_algorithm, NEEDS_DRAFT_PATH)
     prepared = prepared_lengths(args.sglang_prepared_lengths, model_algorithm)
+    tree_tau = args.sglang_tree_temperature
+    if not (0.01 <= tree_tau <= 100):
+        raise UsageError(f"--sglang-tree-temperature must be in [0.01, 100], got {tree_tau}")
+    if tree_tau != 1.0 and model_algorithm not in TREE_ALGORITHMS:
+        raise UsageError(f"--sglang-tree-temperature ranks draft trees, which only --speculative-algorithm "
+                         f"{' or '.join(TREE_ALGORITHMS)} drafts")
     spec = SpecConfig(
         model_algorithm=model_algorithm,
         draft_model_path=str(draft_path) if draft_path else None,
         ngram=algorithm == "NGRAM" or not args.sglang_no_ngram,
         ngram_max_trie_depth=args.sglang_ngram_max_trie_depth,
         prepared_lengths=prepared,
+        tree_ranking_temperature=tree_tau,
     )
     base = base_kwargs(args)
     policy = initial_policy(args, spec)
@@ -123,6 +135,8 @@ def create_backend(args: argparse.Namespace):
         check_eagle_target_hook()
     if prepared:
         check_step_pin_hooks()
+    if tree_tau != 1.0:
+        check_tree_ranking_hook()
     cleanup = []
     try:
         served, is_view = sglang_model_dir(args.model_path)

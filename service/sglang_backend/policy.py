@@ -61,6 +61,9 @@ class SpecConfig:
     # it), and SGLang's adaptive config file listing them (adaptive_config); () = an engine per length.
     prepared_lengths: tuple[int, ...] = ()
     adaptive_config_path: str | None = None
+    # EAGLE/EAGLE3 trees: the temperature their candidates are ranked at (the plugin's tree_ranking.py);
+    # 1.0: SGLang's own ranking, the draft's plain softmax.
+    tree_ranking_temperature: float = 1.0
 
     def drafters(self) -> tuple[Drafter, ...]:
         return tuple(d for d, ok in ((Drafter.MODEL, self.model_algorithm is not None), (Drafter.NGRAM, self.ngram))
@@ -133,6 +136,13 @@ def step_switch(running: dict, wanted: dict) -> int | None:
         return {k: v for k, v in kwargs.items() if k not in STEP_ARGUMENTS}
 
     return wanted["speculative_num_steps"] if rest(running) == rest(wanted) else None
+
+
+def tree_ranking_temperature(spec_kwargs: dict, spec: SpecConfig) -> float | None:
+    """The temperature the plugin ranks this engine's tree candidates at; None: SGLang's own ranking (a
+    chain, or no temperature configured)."""
+    tree = spec_kwargs.get("speculative_eagle_topk", 1) > 1
+    return spec.tree_ranking_temperature if tree and spec.tree_ranking_temperature != 1.0 else None
 
 
 def needs_eagle_target(spec_kwargs: dict) -> bool:

@@ -121,3 +121,14 @@ def check_step_pin_hooks() -> None:
     except HookPointError as e:
         raise SGLangUnavailable(f"--sglang-prepared-lengths: {e}; pass --sglang-prepared-lengths none to change "
                                 "draft lengths by engine restarts") from None
+
+
+def check_tree_ranking_hook() -> None:
+    """--sglang-tree-temperature: the hook point through which the plugin ranks EAGLE tree candidates at a
+    temperature exists in this install (service/sglang_plugin/tree_ranking.py)."""
+    from service.sglang_plugin.hook_points import HookPointError, check_tree_ranking_hook_point
+
+    try:
+        check_tree_ranking_hook_point()
+    except HookPointError as e:
+        raise SGLangUnavailable(f"--sglang-tree-temperature: {e}; leave it out to rank trees as SGLang does") from None

@@ -26,6 +26,9 @@ ADAPTIVE_PARAMS = "sglang.srt.speculative.adaptive_spec_params.AdaptiveSpeculati
 ADAPTIVE_STEPS_FOR_BATCH = f"{ADAPTIVE_PARAMS}.get_steps_for_batch"
 ADAPTIVE_VERIFY_COMPLETE = f"{ADAPTIVE_PARAMS}.on_verify_complete"
 SCHEDULER_RPC = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
+# Where an EAGLE draft's probabilities are made, which rank a tree's candidates (tree_ranking.py).
+DRAFT_PROBS = "sglang.srt.speculative.spec_utils.renorm_draft_probs"
+DRAFT_PROBS_PARAMETERS = ["next_token_logits", "sampling_info", "use_rejection_sampling"]
 STEP_PIN_SIGNATURES = {
     ADAPTIVE_STEPS_FOR_BATCH: ["self", "batch_size"],
     ADAPTIVE_VERIFY_COMPLETE: ["self", "num_correct_drafts_per_req", "batch_size"],
@@ -81,3 +84,14 @@ def check_step_pin_hook_points() -> None:
         if list(inspect.signature(function).parameters) != parameters:
             raise HookPointError(f"SGLang has no {name}({', '.join(parameters[1:])}) as the moespec plugin "
                                  f"expects (it hooks SGLang {SGLANG_VERSION})")
+
+
+def check_tree_ranking_hook_point() -> None:
+    """Raises HookPointError unless the draft-probability hook point is there, called as tree_ranking.py expects."""
+    try:
+        function = pkgutil.resolve_name(DRAFT_PROBS)
+    except (ImportError, AttributeError) as e:
+        raise HookPointError(f"{e} (the moespec plugin hooks SGLang {SGLANG_VERSION})") from None
+    if list(inspect.signature(function).parameters) != DRAFT_PROBS_PARAMETERS:
+        raise HookPointError(f"SGLang has no {DRAFT_PROBS}({', '.join(DRAFT_PROBS_PARAMETERS)}) as the moespec "
+                             f"plugin expects (it hooks SGLang {SGLANG_VERSION})")

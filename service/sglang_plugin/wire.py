@@ -7,8 +7,8 @@ ZeroMQ because SGLang already ships it and speaks it between its own processes; 
 records flow one way, are queued by ZeroMQ's I/O thread without blocking the scheduler, and stay in
 order per connection. The endpoint and options reach the scheduler in one environment variable
 (`TAP_ENV`), set by the backend just before it starts the engine; without it the tap is inert.
-(`EAGLE_TARGET_ENV` and `STEP_PIN_ENV` switch the plugin's other parts, embed_head.py and
-step_pin.py, which send nothing.)
+(`EAGLE_TARGET_ENV`, `STEP_PIN_ENV` and `TREE_TAU_ENV` switch the plugin's other parts, embed_head.py,
+step_pin.py and tree_ranking.py, which send nothing.)
 
 Messages are multipart: frame 0 a small JSON header, the rest raw little-endian arrays (no pickle:
 nothing the server reads can run code). Version 3:
@@ -46,6 +46,8 @@ TAP_ENV = "MOESPEC_SGLANG_TAP"  # JSON {"endpoint": "ipc://...", "capture_topk":
 EAGLE_TARGET_ENV = "MOESPEC_SGLANG_EAGLE_TARGET"
 # "1": moespec sets the draft step count of an adaptive EAGLE engine (step_pin.py); absent: SGLang's rule does.
 STEP_PIN_ENV = "MOESPEC_SGLANG_STEP_PIN"
+# A float: the temperature the plugin ranks an EAGLE tree's draft candidates at (tree_ranking.py); absent: SGLang's.
+TREE_TAU_ENV = "MOESPEC_SGLANG_TREE_TAU"
 # The scheduler method `Engine.collective_rpc` names to pin the draft step count, parameter `steps`: int.
 PIN_METHOD = "moespec_pin_draft_steps"
 

@@ -103,6 +103,16 @@ def test_standalone_without_a_draft_and_a_bad_draft_path_are_refused(tmp_path):
         create_backend(parse("--model-path", target, "--draft-model-path", tmp_path / "nope"))
 
 
+@pytest.mark.usefixtures("sglang_must_not_be_imported")
+def test_a_tree_ranking_temperature_needs_eagle_and_a_sane_value(tmp_path):
+    target = model_dir(tmp_path / "t")
+    with pytest.raises(UsageError, match="--sglang-tree-temperature ranks draft trees, which only"):
+        create_backend(parse("--model-path", target, "--sglang-tree-temperature", "0.2"))  # NGRAM
+    with pytest.raises(UsageError, match=r"--sglang-tree-temperature must be in \[0.01, 100\], got 0.0"):
+        create_backend(parse("--model-path", target, "--speculative-algorithm", "EAGLE3",
+                             "--sglang-tree-temperature", "0"))
+
+
 def test_importing_the_backend_package_and_adapter_imports_no_sglang():
     import subprocess
     import sys
