@@ -65,33 +65,28 @@ def check_hook_points() -> None:
 
 def check_eagle_target_hook_point() -> None:
     """Raises HookPointError unless the EAGLE target hook point is there, called as embed_head.py expects."""
-    try:
-        resolve = pkgutil.resolve_name(TARGET_EMBED_AND_HEAD)
-    except (ImportError, AttributeError) as e:
-        raise HookPointError(f"{e} (the moespec plugin hooks SGLang {SGLANG_VERSION})") from None
-    if list(inspect.signature(resolve).parameters)[:1] != ["target_model"]:
-        raise HookPointError(f"SGLang has no {TARGET_EMBED_AND_HEAD}(target_model, ...) as the moespec plugin "
-                             f"expects (it hooks SGLang {SGLANG_VERSION})")
+    _check_signature(TARGET_EMBED_AND_HEAD, ["target_model"], "target_model, ...", leading=True)
 
 
 def check_step_pin_hook_points() -> None:
     """Raises HookPointError unless the step pin's three hook points are there, called as step_pin.py expects."""
     for name, parameters in STEP_PIN_SIGNATURES.items():
-        try:
-            function = pkgutil.resolve_name(name)
-        except (ImportError, AttributeError) as e:
-            raise HookPointError(f"{e} (the moespec plugin hooks SGLang {SGLANG_VERSION})") from None
-        if list(inspect.signature(function).parameters) != parameters:
-            raise HookPointError(f"SGLang has no {name}({', '.join(parameters[1:])}) as the moespec plugin "
-                                 f"expects (it hooks SGLang {SGLANG_VERSION})")
+        _check_signature(name, parameters, ", ".join(parameters[1:]))
 
 
 def check_tree_ranking_hook_point() -> None:
     """Raises HookPointError unless the draft-probability hook point is there, called as tree_ranking.py expects."""
+    _check_signature(DRAFT_PROBS, DRAFT_PROBS_PARAMETERS, ", ".join(DRAFT_PROBS_PARAMETERS))
+
+
+def _check_signature(name: str, parameters: list[str], shown: str, leading: bool = False) -> None:
+    """The function at dotted path `name` takes `parameters` (with `leading`: as its first ones); HookPointError
+    naming it as `name(shown)` otherwise."""
     try:
-        function = pkgutil.resolve_name(DRAFT_PROBS)
+        function = pkgutil.resolve_name(name)
     except (ImportError, AttributeError) as e:
         raise HookPointError(f"{e} (the moespec plugin hooks SGLang {SGLANG_VERSION})") from None
-    if list(inspect.signature(function).parameters) != DRAFT_PROBS_PARAMETERS:
-        raise HookPointError(f"SGLang has no {DRAFT_PROBS}({', '.join(DRAFT_PROBS_PARAMETERS)}) as the moespec "
-                             f"plugin expects (it hooks SGLang {SGLANG_VERSION})")
+    got = list(inspect.signature(function).parameters)
+    if (got[:len(parameters)] if leading else got) != parameters:
+        raise HookPointError(f"SGLang has no {name}({shown}) as the moespec plugin expects "
+                             f"(it hooks SGLang {SGLANG_VERSION})")
