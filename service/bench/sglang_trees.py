@@ -1,7 +1,7 @@
 """`moespec bench sglang-trees`: EAGLE-3 draft trees against chains on the SGLang backend.
 
     ~/.cache/moespec/sglang-venv/bin/moespec bench sglang-trees [--lengths 2 4 6] [--widths 2 3]
-                         [--prompts 8] [--rounds 2] [--max-new-tokens 32] [--tree-temperature 1.0]
+                         [--prompts 8] [--rounds 2] [--max-new-tokens 32] [--tree-temperature auto]
                          [--out reports/bench-sglang-trees]
 
 One `moespec serve --backend sglang --speculative-algorithm EAGLE3` child (the shipped pair and EAGLE-3
@@ -41,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=8, help="shipped held-out prompts per policy and round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--tree-temperature", type=float, default=1.0, metavar="TAU",
-                        help="the server's --sglang-tree-temperature (default 1: SGLang's own ranking)")
+    parser.add_argument("--tree-temperature", default="auto", metavar="TAU",
+                        help="the server's --sglang-tree-temperature (default auto, the server's: the shipped "
+                             "draft's recorded 0.15; 1: SGLang's own ranking)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--stand-in", type=Path, default=STAND_IN,
                         help="directory put on the child's PYTHONPATH on --device cpu (sgl-kernel CPU ops)")
@@ -136,8 +137,8 @@ def summary(policy: DraftPolicy, rounds: list[dict]) -> dict:
 
 def markdown(result: dict) -> str:
     label = "CPU with stand-in kernels" if result["device"] == "cpu" else "CUDA"
-    ranking = ("SGLang's own tree ranking" if result["tree_temperature"] == 1.0
-               else f"trees ranked at temperature {result['tree_temperature']:g}")
+    ranking = {"1": "SGLang's own tree ranking", "auto": "trees ranked at the draft's recorded temperature"}.get(
+        str(result["tree_temperature"]), f"trees ranked at temperature {result['tree_temperature']}")
     lines = [f"SGLang EAGLE-3 chains and trees ({label}, {result['cpu']}), {ranking}, greedy, {result['prompts']} "
              f"prompts x {result['rounds']} rounds, {result['max_new_tokens']} new tokens; "
              "median [min-max] over rounds",

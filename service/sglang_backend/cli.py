@@ -45,6 +45,8 @@ from service.sglang_backend.preflight import (
 from service.types import MAX_DRAFT_LENGTH, Drafter, DraftPolicy, InvalidRequest
 
 ALGORITHMS = (*MODEL_ALGORITHMS, "NGRAM")
+# Beside an EAGLE draft's checkpoint: {"greedy_temperature": TAU} to rank its trees at (--sglang-tree-temperature auto).
+TREE_RANKING_FILE = "tree_ranking.json"
 # The shipped EAGLE-3 draft (SGLang's LlamaForCausalLMEagle3 format), trained against the shipped target:
 # what --speculative-algorithm EAGLE3 drafts with unless --draft-model-path names another.
 DEFAULT_EAGLE3_DRAFT = Path(__file__).resolve().parents[1] / "models" / "eagle3"
@@ -67,10 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             f"engine restart (comma-separated, e.g. 0,2,4; 0 = plain decoding on that engine; "
                             f"default auto = 0-{MAX_DRAFT_LENGTH}; none: every length change restarts the "
                             "engine). Other algorithms: none")
-    group.add_argument("--sglang-tree-temperature", type=float, default=1.0, metavar="TAU",
+    group.add_argument("--sglang-tree-temperature", default="auto", metavar="TAU",
                        help="EAGLE/EAGLE3 draft trees: rank the candidates by the draft's probabilities at this "
                             "temperature (below 1 where the draft's softmax is flatter than its argmax is right; "
-                            "default 1: SGLang's own ranking). Lossless either way")
+                            "1: SGLang's own ranking). Default auto: what the draft directory's "
+                            f"{TREE_RANKING_FILE} records (the shipped EAGLE-3 draft records its fit), else 1. "
+                            "Lossless either way")
     group.add_argument("--sglang-no-ngram", action="store_true",
                        help="do not offer SGLang's NGRAM as a second drafter")
     group.add_argument("--sglang-tp", type=int, default=1, help="tensor-parallel GPUs")
@@ -106,12 +110,7 @@ def create_backend(args: argparse.Namespace):
     draft_path = args.draft_model_path or (DEFAULT_EAGLE3_DRAFT if algorithm == "EAGLE3" else None)
     draft_name = check_draft(draft_path, model_algorithm, NEEDS_DRAFT_PATH)
     prepared = prepared_lengths(args.sglang_prepared_lengths, model_algorithm)
-    tree_tau = args.sglang_tree_temperature
-    if not (0.01 <= tree_tau <= 100):
-        raise UsageError(f"--sglang-tree-temperature must be in [0.01, 100], got {tree_tau}")
-    if tree_tau != 1.0 and model_algorithm not in TREE_ALGORITHMS:
-        raise UsageError(f"--sglang-tree-temperature ranks draft trees, which only --speculative-algorithm "
-                         f"{' or '.join(TREE_ALGORITHMS)} drafts")
+    tree_tau = tree_ranking_temperature(args.sglang_tree_temperature, model_algorithm, draft_path)
     spec = SpecConfig(
         model_algorithm=model_algorithm,
         draft_model_path=str(draft_path) if draft_path else None,
@@ -259,6 +258,39 @@ def base_kwargs(args: argparse.Namespace) -> dict:
         except ValueError:
             out[key] = value
     return out
+
+
+def tree_ranking_temperature(flag: str, algorithm: str | None, draft_path: Path | None) -> float:
+    """--sglang-tree-temperature: a number, or auto (the draft directory's record, else 1: SGLang's ranking)."""
+    if flag == "auto":
+        if algorithm not in TREE_ALGORITHMS or draft_path is None:
+            return 1.0
+        return recorded_tree_temperature(Path(draft_path))
+    try:
+        tau = float(flag)
+    except ValueError:
+        raise UsageError(f"--sglang-tree-temperature wants auto or a number, got {flag!r}") from None
+    if not 0.01 <= tau <= 100:
+        raise UsageError(f"--sglang-tree-temperature must be in [0.01, 100], got {tau:g}")
+    if tau != 1.0 and algorithm not in TREE_ALGORITHMS:
+        raise UsageError(f"--sglang-tree-temperature ranks draft trees, which only --speculative-algorithm "
+                         f"{' or '.join(TREE_ALGORITHMS)} drafts")
+    return tau
+
+
+def recorded_tree_temperature(draft_dir: Path) -> float:
+    """The greedy ranking temperature a draft directory records in TREE_RANKING_FILE (1.0 where it records
+    none); a record that is not one is a UsageError naming the file."""
+    path = draft_dir / TREE_RANKING_FILE
+    if not path.is_file():
+        return 1.0
+    try:
+        tau = float(json.loads(path.read_text())["greedy_temperature"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"{path}: not a tree ranking record ({e})") from None
+    if not 0.01 <= tau <= 100:
+        raise UsageError(f"{path}: greedy_temperature must be in [0.01, 100], got {tau:g}")
+    return tau
 
 
 def initial_policy(args: argparse.Namespace, spec: SpecConfig) -> DraftPolicy:

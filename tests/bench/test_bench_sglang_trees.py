@@ -25,7 +25,7 @@ def test_the_summary_is_the_median_and_range_of_the_rounds():
     row = summary(DraftPolicy(Drafter.MODEL, 4, 0.0, policy_id="k4-w2", tree_width=2), rounds)
     assert row["tokens_per_s"] == {"median": 96.0, "min": 90.0, "max": 100.0}
     assert row["accepted_per_pass"]["median"] == 3.0 and (row["draft_length"], row["tree_width"]) == (4, 2)
-    table = markdown({"device": "cpu", "cpu": "a CPU", "tree_temperature": 0.15, "prompts": 8, "rounds": 3,
+    table = markdown({"device": "cpu", "cpu": "a CPU", "tree_temperature": "0.15", "prompts": 8, "rounds": 3,
                       "max_new_tokens": 32, "rows": [row]})
     assert "trees ranked at temperature 0.15" in table
     assert "| 4 | 2 | 3.00 [3.00-3.00] | 22.0 [22.0-22.0] | 21.0 [21.0-21.0] | 96.0 [90.0-100.0] |" in table
