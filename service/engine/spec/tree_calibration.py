@@ -60,47 +60,49 @@ def fit_greedy_temperature(logits: torch.Tensor, target: torch.Tensor, steps: in
 
 def head_greedy_temperature(target, head, target_cache, texts: list[list[int]]) -> float:
     """The head's greedy tau on token texts (slots 0.. of the target cache are scratch: run before the
-    scheduler starts). The target's greedy continuation of each text gives the positions and their
-    argmaxes, its pass the features the head reads; the head's teacher-forced pass (entry p reads the
-    target's feature at p - 1, as its catch-up does) its logits for the next token. One tau for every
-    depth: fitted on the head's own estimates at depths 2..8 (`DraftHead.forward_train`'s unrolled
-    steps) it came out nearly the same on the shipped pair, at several times the load time."""
+    scheduler starts). Its teacher-forced entry p reads the target's feature at p - 1, as its catch-up
+    does, and predicts the target's argmax at p. One tau for every depth: fitted on the head's own
+    estimates at depths 2..8 (`DraftHead.forward_train`'s unrolled steps) it came out nearly the same on
+    the shipped pair, at several times the load time."""
+    def logits(tokens: torch.Tensor, out) -> torch.Tensor:
+        ((rows, _),) = head.forward_train(target.embed_tokens(tokens)[None], out.features[None], 1)
+        return rows[0]
+
+    return _greedy_temperature(target, target_cache, texts, head.vocab, (), logits, shift=0)
+
+
+def eagle3_greedy_temperature(target, draft, target_cache, texts: list[list[int]]) -> float:
+    """An EAGLE-3 draft's greedy tau, as the head's: its teacher-forced entry p (the target's aux layers at
+    p, token p + 1) predicts token p + 2, whose greedy choice is the target's argmax at p + 1."""
+    def logits(tokens: torch.Tensor, out) -> torch.Tensor:
+        ((rows, _),) = draft.forward_train(target.embed_tokens(tokens[1:])[None], out.aux[None, :-1], 1)
+        return rows[0]
+
+    return _greedy_temperature(target, target_cache, texts, draft.target_ids, draft.cfg.aux_layer_ids, logits,
+                               shift=1)
+
+
+def _greedy_temperature(target, target_cache, texts: list[list[int]], vocab: torch.Tensor, capture: tuple[int, ...],
+                        draft_logits, shift: int) -> float:
+    """The fit on the target's greedy continuations of texts: one target pass per text (capturing the
+    layers a draft reads), then the draft's teacher-forced logits over it (`draft_logits(tokens, out)`
+    -> [n - shift, Vd], row p predicting the target's argmax at p + shift), labelled where that argmax
+    lies in the draft vocabulary `vocab` (target ids [Vd]) and past the prompt."""
     from service.engine.model.ragged import RaggedBatch
 
-    index = {int(t): i for i, t in enumerate(head.vocab.tolist())}
+    index = {int(t): i for i, t in enumerate(vocab.tolist())}
     rows, labels = [], []
     with torch.inference_mode():
         # What a greedy request drafts along: the target's own greedy continuation of the prompt (on the
         # prompt's human-written text the target's argmax is much harder to guess than on its own output).
         for prompt, ids in zip(texts, greedy_continuations(target, target_cache, texts, CONTINUATION), strict=False):
             tokens = torch.tensor(ids)
-            out = target.forward_ragged(tokens, RaggedBatch.build([0], [0], [len(ids)]), target_cache)
+            out = target.forward_ragged(tokens, RaggedBatch.build([0], [0], [len(ids)]), target_cache, capture=capture)
             argmax = out.logits.argmax(-1).tolist()
-            keep = [p for p, t in enumerate(argmax) if t in index and p >= len(prompt) - 1]
-            ((logits, _),) = head.forward_train(target.embed_tokens(tokens)[None], out.features[None], 1)
-            rows.append(logits[0, keep])
-            labels.append(torch.tensor([index[argmax[p]] for p in keep], dtype=torch.long))
-    return fit_greedy_temperature(torch.cat(rows), torch.cat(labels))
-
-
-def eagle3_greedy_temperature(target, draft, target_cache, texts: list[list[int]]) -> float:
-    """An EAGLE-3 draft's greedy tau, as `head_greedy_temperature` fits the head's: its teacher-forced
-    entry p (the target's aux layers at p, token p + 1) predicts token p + 2, whose greedy choice is the
-    target's argmax at p + 1."""
-    from service.engine.model.ragged import RaggedBatch
-
-    index = {int(t): i for i, t in enumerate(draft.target_ids.tolist())}
-    rows, labels = [], []
-    with torch.inference_mode():
-        for prompt, ids in zip(texts, greedy_continuations(target, target_cache, texts, CONTINUATION), strict=False):
-            tokens = torch.tensor(ids)
-            out = target.forward_ragged(tokens, RaggedBatch.build([0], [0], [len(ids)]), target_cache,
-                                        capture=draft.cfg.aux_layer_ids)
-            argmax = out.logits.argmax(-1).tolist()
-            keep = [p for p in range(len(ids) - 1) if argmax[p + 1] in index and p + 1 >= len(prompt) - 1]
-            ((logits, _),) = draft.forward_train(target.embed_tokens(tokens[1:])[None], out.aux[None, :-1], 1)
-            rows.append(logits[0, keep])
-            labels.append(torch.tensor([index[argmax[p + 1]] for p in keep], dtype=torch.long))
+            keep = [p for p in range(len(ids) - shift)
+                    if argmax[p + shift] in index and p + shift >= len(prompt) - 1]
+            rows.append(draft_logits(tokens, out)[keep])
+            labels.append(torch.tensor([index[argmax[p + shift]] for p in keep], dtype=torch.long))
     return fit_greedy_temperature(torch.cat(rows), torch.cat(labels))
 
 
