@@ -76,7 +76,7 @@ class Window:
     # each node's path (node 0 down to it).
     parents: tuple[int, ...] | None = None
     accepted_nodes: tuple[int, ...] = ()
-    path_unique: tuple[tuple[int, ...], ...] | None = None
+    path_unique: tuple[tuple[int, ...], ...] = ()
 
     @property
     def width(self) -> int:

@@ -49,11 +49,11 @@ from service.sglang_backend.policy import (
     SpecConfig,
     effective_policy,
     engine_key,
+    engine_tree_temperature,
     needs_eagle_target,
     speculative_kwargs,
     start_arguments,
     step_switch,
-    tree_ranking_temperature,
 )
 from service.sglang_backend.sampling import sampling_params
 from service.sglang_backend.stats_channel import StatsChannel
@@ -240,7 +240,7 @@ class SGLangBackend:
             os.environ[STEP_PIN_ENV] = "1"
         else:
             os.environ.pop(STEP_PIN_ENV, None)
-        tau = tree_ranking_temperature(spec_kwargs, self.config.spec)
+        tau = engine_tree_temperature(spec_kwargs, self.config.spec)
         if tau is not None:  # the plugin's tree ranking: a tree's candidates ranked at that temperature
             os.environ[TREE_TAU_ENV] = repr(tau)
         else:

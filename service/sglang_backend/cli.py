@@ -110,7 +110,7 @@ def create_backend(args: argparse.Namespace):
     draft_path = args.draft_model_path or (DEFAULT_EAGLE3_DRAFT if algorithm == "EAGLE3" else None)
     draft_name = check_draft(draft_path, model_algorithm, NEEDS_DRAFT_PATH)
     prepared = prepared_lengths(args.sglang_prepared_lengths, model_algorithm)
-    tree_tau = tree_ranking_temperature(args.sglang_tree_temperature, model_algorithm, draft_path)
+    tree_tau = tree_temperature_from_flag(args.sglang_tree_temperature, model_algorithm, draft_path)
     spec = SpecConfig(
         model_algorithm=model_algorithm,
         draft_model_path=str(draft_path) if draft_path else None,
@@ -260,7 +260,7 @@ def base_kwargs(args: argparse.Namespace) -> dict:
     return out
 
 
-def tree_ranking_temperature(flag: str, algorithm: str | None, draft_path: Path | None) -> float:
+def tree_temperature_from_flag(flag: str, algorithm: str | None, draft_path: Path | None) -> float:
     """--sglang-tree-temperature: a number, or auto (the draft directory's record, else 1: SGLang's ranking)."""
     if flag == "auto":
         if algorithm not in TREE_ALGORITHMS or draft_path is None:

@@ -138,7 +138,7 @@ def step_switch(running: dict, wanted: dict) -> int | None:
     return wanted["speculative_num_steps"] if rest(running) == rest(wanted) else None
 
 
-def tree_ranking_temperature(spec_kwargs: dict, spec: SpecConfig) -> float | None:
+def engine_tree_temperature(spec_kwargs: dict, spec: SpecConfig) -> float | None:
     """The temperature the plugin ranks this engine's tree candidates at; None: SGLang's own ranking (a
     chain, or no temperature configured)."""
     tree = spec_kwargs.get("speculative_eagle_topk", 1) > 1

@@ -19,6 +19,7 @@ import logging
 
 from service.routing import expert_parallel
 from service.sglang_backend.attribution import Window, unique_experts
+from service.sglang_backend.draft_tree import chain_parents
 from service.sglang_backend.ep import EPConfig, window_view
 from service.sglang_backend.meta_info import SpecMeta
 from service.sglang_backend.model_config import MoeGeometry
@@ -61,11 +62,9 @@ def tree_fields(w: Window) -> dict:
     """A tree window's StepRecord fields (as the embedded engine records its trees): the nodes' parents
     (-1 = the window's first token), on-path flags, and each root-to-leaf branch's union (its leaf's
     path union). {} for a window the plugin did not link as a tree, or whose tree is a chain."""
-    if w.parents is None or w.path_unique is None:
+    if w.parents is None or w.parents == chain_parents(w.width):
         return {}
     parents = tuple(p - 1 for p in w.parents[1:])  # window node j is record node j - 1
-    if parents == tuple(range(-1, len(parents) - 1)):
-        return {}
     on_path = set(w.accepted_nodes)
     return {"tree_parents": parents,
             "accepted_per_position": tuple(j in on_path for j in range(1, w.width)),

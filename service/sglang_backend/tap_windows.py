@@ -49,16 +49,15 @@ def windows_from_tap(records: list[RequestPass], request: RequestTokens, target:
             overlap={"pairwise_overlap_mean": tuple(float(p.pair_mean[record.index, layer]) for layer in moe),
                      "pairwise_overlap_min": tuple(int(p.pair_min[record.index, layer]) for layer in moe)},
             batch=batch_record(record, target),
-            **({} if p.next_token is None else tree_fields(p, record.index, parents, path[:accepted], moe)),
+            **({} if p.next_token is None else _linked_tree(p, record.index, parents, path[:accepted], moe)),
         ))
     return out
 
 
-def tree_fields(p, index: int, parents: tuple[int, ...], accepted_nodes: tuple[int, ...], moe: list[int]) -> dict:
-    """The Window fields of a window the pass linked as a tree."""
-    path_unique = (None if p.path_unions is None
-                   else tuple(tuple(int(u) for u in node[moe]) for node in p.path_unions[index]))
-    return {"parents": parents, "accepted_nodes": accepted_nodes, "path_unique": path_unique}
+def _linked_tree(p, index: int, parents: tuple[int, ...], accepted_nodes: tuple[int, ...], moe: list[int]) -> dict:
+    """The Window fields of a window the pass linked as a tree (its path unions come with the links)."""
+    return {"parents": parents, "accepted_nodes": accepted_nodes,
+            "path_unique": tuple(tuple(int(u) for u in node[moe]) for node in p.path_unions[index])}
 
 
 def window_parents(p, span: slice) -> tuple[int, ...]:

@@ -120,13 +120,13 @@ def test_auto_ranks_trees_at_what_the_draft_directory_records(tmp_path):
     from service.engine.model.weights import MODELS_DIR
 
     shipped = MODELS_DIR / "eagle3"
-    assert sglang_cli.tree_ranking_temperature("auto", "EAGLE3", shipped) == 0.15  # its recorded fit
-    assert sglang_cli.tree_ranking_temperature("auto", "STANDALONE", shipped) == 1.0  # chains: nothing to rank
-    assert sglang_cli.tree_ranking_temperature("auto", "EAGLE3", tmp_path) == 1.0  # no record: SGLang's ranking
-    assert sglang_cli.tree_ranking_temperature("0.3", "EAGLE3", shipped) == 0.3  # a number overrides it
+    assert sglang_cli.tree_temperature_from_flag("auto", "EAGLE3", shipped) == 0.15  # its recorded fit
+    assert sglang_cli.tree_temperature_from_flag("auto", "STANDALONE", shipped) == 1.0  # chains: nothing to rank
+    assert sglang_cli.tree_temperature_from_flag("auto", "EAGLE3", tmp_path) == 1.0  # no record: SGLang's ranking
+    assert sglang_cli.tree_temperature_from_flag("0.3", "EAGLE3", shipped) == 0.3  # a number overrides it
     (tmp_path / sglang_cli.TREE_RANKING_FILE).write_text('{"temperature": 0.2}')
     with pytest.raises(UsageError, match="tree_ranking.json: not a tree ranking record"):
-        sglang_cli.tree_ranking_temperature("auto", "EAGLE", tmp_path)
+        sglang_cli.tree_temperature_from_flag("auto", "EAGLE", tmp_path)
 
 
 def test_importing_the_backend_package_and_adapter_imports_no_sglang():

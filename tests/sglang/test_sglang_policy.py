@@ -76,14 +76,14 @@ EAGLE3 = SpecConfig(model_algorithm="EAGLE3", draft_model_path="/models/eagle3",
 def test_only_a_tree_engine_ranks_at_the_configured_temperature():
     from dataclasses import replace
 
-    from service.sglang_backend.policy import tree_ranking_temperature
+    from service.sglang_backend.policy import engine_tree_temperature
 
     tree = speculative_kwargs(DraftPolicy(Drafter.MODEL, 4, 0.0, tree_width=2), EAGLE3)
     chain = speculative_kwargs(DraftPolicy(Drafter.MODEL, 4, 0.0), EAGLE3)
     ranked = replace(EAGLE3, tree_ranking_temperature=0.15)
-    assert tree_ranking_temperature(tree, ranked) == 0.15
-    assert tree_ranking_temperature(chain, ranked) is None  # a chain is the argmax: nothing to rank
-    assert tree_ranking_temperature(tree, EAGLE3) is None  # 1.0: SGLang's own ranking
+    assert engine_tree_temperature(tree, ranked) == 0.15
+    assert engine_tree_temperature(chain, ranked) is None  # a chain is the argmax: nothing to rank
+    assert engine_tree_temperature(tree, EAGLE3) is None  # 1.0: SGLang's own ranking
 
 
 @pytest.mark.parametrize("k", [0, 4])
