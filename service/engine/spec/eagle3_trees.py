@@ -6,7 +6,7 @@ temperature:
 
 Temperature 0, the draft's top candidates, best first (EAGLE-2's tree, as the head grows it): every node
 taken into the tree offers its w likeliest tokens as children, scored by their path's log-probability at
-the ranking temperature (tree_drafting.ranking_temperatures: the draft's calibrated tau for a greedy
+the ranking temperature (tree_drafting.ranking_temperature: the draft's calibrated tau for a greedy
 request); the best-scored child not yet taken is taken next, until the budget N is reached. A child
 never outscores its parent (log-probabilities are <= 0), so taking in score order gives the exact top N
 by path score, parents before children. A taken node is expanded (one draft entry,
@@ -36,7 +36,7 @@ from service.engine.runtime import Runtime
 from service.engine.sequence import Sequence
 from service.engine.spec.eagle3_drafting import catch_up, chain
 from service.engine.spec.tree_acceptance import ROOT, DraftTree
-from service.engine.spec.tree_drafting import Drafted, ranking_temperatures, sampled_branches
+from service.engine.spec.tree_drafting import Drafted, ranking_temperature, sampled_branches
 
 
 def draft_trees(rt: Runtime, seqs: list[Sequence], budgets: list[int]) -> list[Drafted]:
@@ -61,7 +61,7 @@ def top_candidate_tree(rt: Runtime, seq: Sequence, logits: torch.Tensor, hidden:
     draft, embed, cache = rt.draft, rt.target.embed_tokens, rt.draft_cache
     target_ids = draft.target_ids
     width = min(seq.step_policy.tree_width, budget)
-    tau = ranking_temperatures(rt, seq, budget)[0]
+    tau = ranking_temperature(rt, seq)
     true_rows = len(seq.ids) - 1
     prefix = list(range(true_rows))
     order = itertools.count()  # ties go to the earlier candidate

@@ -8,7 +8,7 @@ Temperature 0, the head's top candidates (EAGLE-2's tree, grown best first), one
 (`Kernels.head_tree`, csrc/head_tree.c):
 - every expanded node (the root first) offers its w likeliest tokens as children, scored by their
   path's log-probability (the sum along the path of each token's log-probability under the head, at the
-  temperature that estimates its acceptance: `ranking_temperatures`, tree_calibration.py);
+  temperature that estimates its acceptance: `ranking_temperature`, tree_calibration.py);
 - the best child not yet expanded is expanded next (one head row per pass, at a head-cache row of its
   own past the root, attending the prefix and its path: kernels/attention.py), while it scores at least
   the N-th best child so far (a descendant never scores above its ancestor, so below that none could
@@ -59,18 +59,18 @@ def draft_trees(rt: Runtime, seqs: list[Sequence], budgets: list[int]) -> list[D
             else _sampled_branches(rt, s, n) for s, n in zip(seqs, budgets, strict=True)]
 
 
-def ranking_temperatures(rt: Runtime, seq: Sequence, budget: int) -> list[float]:
-    """[budget] the temperature a top-candidate tree ranks depth d's candidates at (index d - 1): what
-    estimates a candidate's acceptance for this request (tree_calibration.py): the head's calibrated tau
-    for a greedy request, the request's own temperature for a sampled one."""
+def ranking_temperature(rt: Runtime, seq: Sequence) -> float:
+    """The temperature a top-candidate tree ranks its candidates at: what estimates a candidate's
+    acceptance for this request (tree_calibration.py): the draft's calibrated tau for a greedy request,
+    the request's own temperature for a sampled one."""
     sampling = seq.request.sampling
-    return [rt.tree_greedy_tau if sampling.greedy else sampling.temperature] * budget
+    return rt.tree_greedy_tau if sampling.greedy else sampling.temperature
 
 
 def _top_candidate_tree(rt: Runtime, seq: Sequence, budget: int) -> DraftTree:
     head = rt.draft
     tokens, features = head_pending(rt, seq)
-    taus = torch.tensor(ranking_temperatures(rt, seq, budget), dtype=torch.float32)
+    taus = torch.full((budget,), ranking_temperature(rt, seq), dtype=torch.float32)  # (the kernel takes one a depth)
     picks, parents = head.kernels.head_tree(rt.head_chain, tokens, features, seq.slot, seq.draft_valid, budget,
                                             min(seq.step_policy.tree_width, budget), taus, head.kernel_threads.pool)
     seq.draft_valid = len(seq.ids)  # the catch-up's entries are true until the next verify
