@@ -5,7 +5,8 @@
                          [--out reports/bench-sglang-trees]
 
 One `moespec serve --backend sglang --speculative-algorithm EAGLE3` child (the shipped pair and EAGLE-3
-draft, fp32 on CPU) is served through gRPC. For every draft length k, the chain (tree width 1) and a
+draft, fp32 on CPU; beyond the defaults only --sglang-no-ngram, --sglang-no-calibrate and --otel-disabled,
+the same for every policy) is served through gRPC. For every draft length k, the chain (tree width 1) and a
 tree of each width w run the same greedy requests (k nodes verified per pass either way); each policy is
 set through PolicyAdmin and its first request absorbs the engine swap. The policies' order reverses
 from round to round, so machine drift hits chains and trees alike. Reported per policy, median and
