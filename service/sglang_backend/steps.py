@@ -61,8 +61,8 @@ def steps_from_windows(
 def tree_fields(w: Window) -> dict:
     """A tree window's StepRecord fields (as the embedded engine records its trees): the nodes' parents
     (-1 = the window's first token), on-path flags, and each root-to-leaf branch's union (its leaf's
-    path union). {} for a window the plugin did not link as a tree, or whose tree is a chain."""
-    if w.parents is None or w.parents == chain_parents(w.width):
+    path union). {} for a window the plugin did not send as a tree, or whose tree is a chain."""
+    if w.parents is None or not w.path_unique or w.parents == chain_parents(w.width):
         return {}
     parents = tuple(p - 1 for p in w.parents[1:])  # window node j is record node j - 1
     on_path = set(w.accepted_nodes)

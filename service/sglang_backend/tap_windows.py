@@ -55,9 +55,10 @@ def windows_from_tap(records: list[RequestPass], request: RequestTokens, target:
 
 
 def _linked_tree(p, index: int, parents: tuple[int, ...], accepted_nodes: tuple[int, ...], moe: list[int]) -> dict:
-    """The Window fields of a window the pass linked as a tree (its path unions come with the links)."""
-    return {"parents": parents, "accepted_nodes": accepted_nodes,
-            "path_unique": tuple(tuple(int(u) for u in node[moe]) for node in p.path_unions[index])}
+    """The Window fields of a window the pass linked as a tree (path unions: EAGLE trees only)."""
+    path_unique = () if p.path_unions is None else tuple(tuple(int(u) for u in node[moe])
+                                                         for node in p.path_unions[index])
+    return {"parents": parents, "accepted_nodes": accepted_nodes, "path_unique": path_unique}
 
 
 def window_parents(p, span: slice) -> tuple[int, ...]:

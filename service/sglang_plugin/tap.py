@@ -79,7 +79,10 @@ class TapState:
     def _send(self, statistics: PassStatistics, forward_batch, pass_id: int, batch: int, width: int,
               start_ns: int) -> None:
         links = _tree_links(forward_batch.spec_info, batch, width)
-        device_tensors = statistics.finish(batch, width, links.get("next_token"), links.get("next_sibling"))
+        # Path unions only for real trees (EAGLE topk > 1): chains and NGRAM windows carry links too, and
+        # the server reads branches of tree policies alone.
+        tree = links if getattr(forward_batch.spec_info, "topk", 1) > 1 else {}
+        device_tensors = statistics.finish(batch, width, tree.get("next_token"), tree.get("next_sibling"))
         n = batch * width
         device_tensors["input_ids"] = forward_batch.input_ids[:n].to(torch.int32)
         device_tensors["positions"] = forward_batch.positions[:n].to(torch.int32)

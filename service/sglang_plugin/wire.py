@@ -17,6 +17,7 @@ hello  {"v": 3, "kind": "hello", "pid", "layers": L, "experts": E}  once per tap
        its expert recorder (model loaded, before any pass): proof the plugin runs in that scheduler.
 pass   {"v": 3, "kind": "pass", "pass": id, "mode": SGLang ForwardMode value, "rids": [B request ids
        in batch order], "width": w tokens per request, "layers": L, "topk": m or 0, "tree": 0 or 1,
+       "paths": 0 or 1,
        "start_ns", "end_ns": wall clock around the target's forward}
        frames: input_ids int32 [B*w], positions int32 [B*w],
                unions int16 [B, L]: distinct routed experts of each request's window per layer,
@@ -26,8 +27,9 @@ pass   {"v": 3, "kind": "pass", "pass": id, "mode": SGLang ForwardMode value, "r
                (only when tree) next_token int16 [B*w], next_sibling int16 [B*w]: each window's draft
                  tree as SGLang's verify input links it (first child, next sibling; window-local node
                  indices, -1 = none); without them a window is a chain,
-                 path_unions int16 [B, w, L]: distinct routed experts over each node's path (the
-                 window's first token down to the node; a leaf's is its branch's union),
+               (only when paths, EAGLE trees of topk > 1) path_unions int16 [B, w, L]: distinct routed
+                 experts over each node's path (the window's first token down to the node; a leaf's is
+                 its branch's union),
                (only when topk > 0) topk int16 [L, B*w, m]: the routed *physical* slot ids, -1 = none.
        One per DECODE or TARGET_VERIFY pass of the target model; the drafter's passes and prefills
        send none. Tokens are request-major: request b owns tokens [b*w, (b+1)*w).
@@ -98,7 +100,7 @@ class PassStats:
     topk: np.ndarray | None = None  # [L, B*w, m] int16 physical slot ids
     next_token: np.ndarray | None = None  # [B*w] int16 first child of each node (None: chains)
     next_sibling: np.ndarray | None = None  # [B*w] int16 next sibling of each node
-    path_unions: np.ndarray | None = None  # [B, w, L] int16 distinct experts over each node's path (with the links)
+    path_unions: np.ndarray | None = None  # [B, w, L] int16 distinct experts over each node's path (EAGLE trees)
 
     @property
     def batch_size(self) -> int:
@@ -117,6 +119,7 @@ def encode_pass(p: PassStats) -> list[bytes]:
     header = {"v": VERSION, "kind": "pass", "pass": p.pass_id, "mode": p.mode, "rids": list(p.rids),
               "width": p.width, "layers": int(p.batch_union.shape[0]),
               "topk": 0 if p.topk is None else int(p.topk.shape[-1]), "tree": int(p.next_token is not None),
+              "paths": int(p.path_unions is not None),
               "start_ns": p.start_ns, "end_ns": p.end_ns}
     frames = [json.dumps(header).encode()]
     for array, dtype in ((p.input_ids, "<i4"), (p.positions, "<i4"), (p.unions, "<i2"), (p.batch_union, "<i2"),
@@ -124,8 +127,9 @@ def encode_pass(p: PassStats) -> list[bytes]:
         frames.append(np.ascontiguousarray(array, dtype=dtype).tobytes())
     if p.next_token is not None:
         frames += [np.ascontiguousarray(p.next_token, dtype="<i2").tobytes(),
-                   np.ascontiguousarray(p.next_sibling, dtype="<i2").tobytes(),
-                   np.ascontiguousarray(p.path_unions, dtype="<i2").tobytes()]
+                   np.ascontiguousarray(p.next_sibling, dtype="<i2").tobytes()]
+    if p.path_unions is not None:
+        frames.append(np.ascontiguousarray(p.path_unions, dtype="<i2").tobytes())
     if p.topk is not None:
         frames.append(np.ascontiguousarray(p.topk, dtype="<i2").tobytes())
     return frames
@@ -145,7 +149,8 @@ def decode(frames: list[bytes]) -> Hello | PassStats:
         raise WireError(f"unknown tap message kind {header['kind']!r}")
     rids, w, layers, m = tuple(header["rids"]), int(header["width"]), int(header["layers"]), int(header["topk"])
     b, n, tree = len(rids), len(rids) * int(header["width"]), bool(header.get("tree"))
-    expected = 7 + (3 if tree else 0) + (1 if m else 0)
+    paths = tree and bool(header.get("paths"))
+    expected = 7 + (2 if tree else 0) + (1 if paths else 0) + (1 if m else 0)
     if len(frames) != expected:
         raise WireError(f"pass message with {len(frames)} frames, expected {expected}")
 
@@ -163,6 +168,6 @@ def decode(frames: list[bytes]) -> Hello | PassStats:
         pair_mean=array(frames[5], "<f4", (b, layers)), pair_min=array(frames[6], "<i2", (b, layers)),
         next_token=array(frames[7], "<i2", (n,)) if tree else None,
         next_sibling=array(frames[8], "<i2", (n,)) if tree else None,
-        path_unions=array(frames[9], "<i2", (b, w, layers)) if tree else None,
+        path_unions=array(frames[9], "<i2", (b, w, layers)) if paths else None,
         topk=array(frames[-1], "<i2", (layers, n, m)) if m else None,
     )

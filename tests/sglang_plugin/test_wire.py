@@ -3,6 +3,8 @@ refused with a WireError, never half-read."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -23,9 +25,12 @@ def a_pass(topk: bool, tree: bool = False) -> wire.PassStats:
         path_unions=rng.integers(8, 24, (b, w, layers)).astype(np.int16) if tree else None)
 
 
-@pytest.mark.parametrize(("topk", "tree"), [(False, False), (True, False), (False, True), (True, True)])
-def test_a_pass_survives_the_wire(topk, tree):
+@pytest.mark.parametrize(("topk", "tree", "paths"), [(False, False, False), (True, False, False),
+                                                    (False, True, False), (False, True, True), (True, True, True)])
+def test_a_pass_survives_the_wire(topk, tree, paths):
     sent = a_pass(topk, tree)
+    if not paths:
+        sent = dataclasses.replace(sent, path_unions=None)  # links of a chain or NGRAM window: no path unions
     got = wire.decode(wire.encode_pass(sent))
     for field in ("pass_id", "mode", "rids", "width", "start_ns", "end_ns"):
         assert getattr(got, field) == getattr(sent, field)
@@ -35,7 +40,8 @@ def test_a_pass_survives_the_wire(topk, tree):
     assert (got.next_token is None) == (not tree)
     assert not tree or (np.array_equal(got.next_token, sent.next_token)
                         and np.array_equal(got.next_sibling, sent.next_sibling)
-                        and np.array_equal(got.path_unions, sent.path_unions))
+                        and (got.path_unions is None) == (not paths)
+                        and (not paths or np.array_equal(got.path_unions, sent.path_unions)))
 
 
 def test_hello_and_the_config_survive():
