@@ -40,8 +40,7 @@ def format_table(result: WhatIf) -> str:
             f"{result.tree_steps_skipped} tree steps skipped: {TREES_SKIPPED_WHY} (the chain steps around them "
             "are replayed as separate runs)"]),
         *([] if result.cost_profile is None else [
-            f"verify passes priced by the cost profile: {result.cost_profile} (MoE blocks only; draft time as "
-            "recorded)"]),
+            f"verify passes priced by the cost profile: {result.cost_profile} (draft time as recorded)"]),
         f"predicted best draft length: {result.best.draft_length}",
     ]
     return "\n".join(lines)

@@ -4,9 +4,10 @@ and geometry.
 
 A replayed window of w positions whose recorded per-layer unions average U costs the profile's fitted
 pass, `CostProfile.pass_seconds(w, U')`, over the profile geometry's MoE layers. Approximations:
-- The profile prices the MoE blocks alone (router, routed and shared experts): attention, embedding,
-  the output layer and the step's bookkeeping are not in it, so the predicted verify time is the MoE
-  part of a pass on that machine.
+- A profile of the MoE blocks alone (router, routed and shared experts; `--context 0`) leaves out
+  attention, the embedding, the output layer and the step's bookkeeping: the predicted verify time is
+  the MoE part of a pass on that machine. A whole-pass profile (`--context C`) prices the embedded
+  engine's whole verify pass with C positions cached, whatever context the recorded pass had.
 - Per-layer unions enter through their mean: exact under the fitted model, which is linear in U.
 - Another geometry (other E or k than the recording's): each window's union is carried over as its
   share of its top-k, U' = U * k' / k, clipped to [k', min(E', w k')]; routing of the other model is
@@ -48,4 +49,4 @@ class ProfilePricing:
         mapped = "" if self.same_geometry else (f"; unions carried over from k={self.recorded_top_k} of "
                                                 f"{self.recorded_experts} as a share of top-k")
         return (f"{g.name} (E={g.experts}, k={g.top_k}, {g.layers} MoE layers) on {self.profile.device}, "
-                f"benched over {self.profile.layers_benched} layers{mapped}")
+                f"benched over {self.profile.layers_benched} layers, {self.profile.describe_scope()}{mapped}")

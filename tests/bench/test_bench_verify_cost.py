@@ -108,9 +108,9 @@ CONFIGS = {
     "qwen2_moe": ({"model_type": "qwen2_moe", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
                    "num_key_value_heads": 2, "num_experts": 60, "num_experts_per_tok": 4,
                    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 128, "decoder_sparse_step": 1,
-                   "mlp_only_layers": [3]},
+                   "mlp_only_layers": [3], "vocab_size": 320},
                   dict(hidden=64, experts=60, top_k=4, expert_intermediate=32, shared_intermediate=128, layers=3,
-                       heads=4, kv_heads=2, head_dim=16)),
+                       heads=4, kv_heads=2, head_dim=16, vocab=320)),
     "qwen3_moe": ({"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 8,
                    "num_key_value_heads": 2, "head_dim": 32, "num_experts": 128, "num_experts_per_tok": 8,
                    "moe_intermediate_size": 24, "decoder_sparse_step": 2, "mlp_only_layers": []},
@@ -119,8 +119,9 @@ CONFIGS = {
     "deepseek_v3": ({"model_type": "deepseek_v3", "hidden_size": 112, "num_hidden_layers": 61,
                      "num_attention_heads": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
                      "moe_intermediate_size": 20, "n_shared_experts": 1, "first_k_dense_replace": 3,
-                     "intermediate_size": 999},
-                    dict(hidden=112, experts=256, top_k=8, expert_intermediate=20, shared_intermediate=20, layers=58)),
+                     "intermediate_size": 999, "vocab_size": 1000},
+                    dict(hidden=112, experts=256, top_k=8, expert_intermediate=20, shared_intermediate=20, layers=58,
+                         vocab=1000)),
     "deepseek_v2": ({"model_type": "deepseek_v2", "hidden_size": 48, "num_hidden_layers": 27,
                      "num_attention_heads": 16, "n_routed_experts": 64, "num_experts_per_tok": 6,
                      "moe_intermediate_size": 14, "n_shared_experts": 2, "first_k_dense_replace": 1},
@@ -259,21 +260,22 @@ def test_bad_arguments_are_refused_with_the_reason(tmp_path: Path) -> None:
     command.add_arguments(parser)
     for argv, reason in [(["--geometry", "deepseek-v3", "--layers", "64"], "GiB of weights"),
                          (["--windows", "0-20"], "--windows"), (["--geometry", "nope"], "not a preset"),
-                         (["--rounds", "0"], "--rounds must be >= 1"), (["--context", "512"], "--context")]:
+                         (["--rounds", "0"], "--rounds must be >= 1"), (["--context", "-1"], "--context must be >= 0")]:
         with pytest.raises(UsageError, match=reason):
             command.run(parser.parse_args([*argv, "--out", str(tmp_path)]))
     assert not list(tmp_path.iterdir())  # refused before measuring or writing anything
 
 
 def test_against_engine_compares_each_window_at_its_own_unions_in_seconds_and_plain_steps() -> None:
-    from service.bench.verify_cost.against_engine import compare
+    from service.bench.verify_cost.against_engine import compare, median_context
 
     model = fit.CostModel(fixed=1e-4, per_expert=1e-5, per_position=2e-5)
     # The engine's passes cost 1.25x the profile's prediction at their own unions (4 layers, benched 2).
-    passes = [(1, 8.0, 1.25 * 2 * model.seconds(1, 8)), (1, 8.0, 1.25 * 2 * model.seconds(1, 8)),
-              (3, 20.0, 1.25 * 2 * model.seconds(3, 20)), (3, 12.0, 1.25 * 2 * model.seconds(3, 12)),
-              (12, 30.0, 1.0)]  # past window 9: not compared
+    passes = [(1, 8.0, 1.25 * 2 * model.seconds(1, 8), 40), (1, 8.0, 1.25 * 2 * model.seconds(1, 8), 41),
+              (3, 20.0, 1.25 * 2 * model.seconds(3, 20), 42), (3, 12.0, 1.25 * 2 * model.seconds(3, 12), 45),
+              (12, 30.0, 1.0, 48)]  # past window 9: not compared
     rows = compare(passes, model, scale=2.0, top_k=8)
+    assert median_context(passes) == 42
     assert [r["window"] for r in rows] == [1, 3]
     assert all(r["error"] == pytest.approx(-0.2) for r in rows)
     assert all(r["error_in_plain_steps"] == pytest.approx(0.0, abs=1e-12) for r in rows)

@@ -6,10 +6,12 @@ prompts, and so on), so both see the same machine state.
 The engine runs greedy held-out prompts with the n-gram drafter at k = 8 (it proposes 0..8 tokens, so
 its passes have every window size 1..9) and plain decoding, recording each pass's window, routed ids
 and verify seconds. Each pass's prediction is the profile's fitted model at its window and mean union
-over layers, scaled to the model's layers. The profile times the MoE blocks alone; the engine's pass
-also runs attention, the embedding, the output layer and the acceptance, so the prediction is expected
-to run low by that share. Printed both ways: in seconds, and in plain decode steps (each side divided
-by its own plain step), where a fixed share outside the MoE blocks partly cancels."""
+over layers, scaled to the model's layers. A profile of the MoE blocks alone (`--context 0`) leaves out
+attention, the embedding, the output layer and the verdict, which the engine's pass also runs, so its
+prediction runs low by that share; a whole-pass profile (`--context C`, whole_pass.py) times all of
+them, at one context where the engine's passes run at their own. Printed both ways: in seconds, and in
+plain decode steps (each side divided by its own plain step), where a fixed share outside what the
+profile times partly cancels; the engine passes' median context is printed beside them."""
 
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ def heldout_prompts(count: int) -> list[str]:
     return [json.loads(line)["prompt"] for line in path.read_text().splitlines()[:count]]
 
 
-def engine_round(engine, prompts: list[str], max_new_tokens: int) -> list[tuple[int, float, float]]:
-    """Every verify pass of the round -> (window, mean union over layers, verify seconds)."""
+def engine_round(engine, prompts: list[str], max_new_tokens: int) -> list[tuple[int, float, float, int]]:
+    """Every verify pass of the round -> (window, mean union over layers, verify seconds, context: the
+    positions in the cache before the window)."""
     from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
     passes = []
@@ -40,25 +43,34 @@ def engine_round(engine, prompts: list[str], max_new_tokens: int) -> list[tuple[
         for prompt in prompts:
             result = engine.generate(GenerationRequest(prompt=prompt, max_new_tokens=max_new_tokens,
                                                        sampling=SamplingParams(temperature=0.0)), policy)
-            passes += [(s.window, statistics.fmean(s.unique_experts), s.verify_seconds) for s in result.steps]
+            context = result.prompt_tokens - 1  # the last prompt token opens the first window
+            for s in result.steps:
+                passes.append((s.window, statistics.fmean(s.unique_experts), s.verify_seconds, context))
+                context += s.committed
     return passes
 
 
-def compare(passes: list[tuple[int, float, float]], model: CostModel, scale: float, top_k: int) -> list[dict]:
+def median_context(passes: list[tuple[int, float, float, int]]) -> float:
+    return statistics.median(p[3] for p in passes)
+
+
+def compare(passes: list[tuple[int, float, float, int]], model: CostModel, scale: float, top_k: int) -> list[dict]:
     """Per window size: the engine's median verify seconds, the profile's median prediction, the error."""
-    by_window: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    for w, union, seconds in passes:
+    by_window: dict[int, list[tuple[float, float, int]]] = defaultdict(list)
+    for w, union, seconds, context in passes:
         if w <= WINDOW_MAX:
-            by_window[w].append((seconds, model.seconds(w, union) * scale))
+            by_window[w].append((seconds, model.seconds(w, union) * scale, context))
     if 1 not in by_window:
         raise RuntimeError("the engine recorded no plain decode step")
-    plain_engine = statistics.median(s for s, _ in by_window[1])
+    plain_engine = statistics.median(s for s, _, _ in by_window[1])
     plain_profile = model.seconds(1, top_k) * scale
     rows = []
     for w in sorted(by_window):
-        measured = statistics.median(s for s, _ in by_window[w])
-        predicted = statistics.median(p for _, p in by_window[w])
-        rows.append({"window": w, "passes": len(by_window[w]), "engine_seconds": measured,
+        measured = statistics.median(s for s, _, _ in by_window[w])
+        predicted = statistics.median(p for _, p, _ in by_window[w])
+        context = statistics.median(c for *_, c in by_window[w])
+        rows.append({"window": w, "passes": len(by_window[w]), "context": context,
+                     "engine_seconds": measured,
                      "profile_seconds": predicted, "error": (predicted - measured) / measured,
                      "engine_plain_steps": measured / plain_engine, "profile_plain_steps": predicted / plain_profile,
                      "error_in_plain_steps": (predicted / plain_profile) / (measured / plain_engine) - 1})
@@ -66,10 +78,10 @@ def compare(passes: list[tuple[int, float, float]], model: CostModel, scale: flo
 
 
 def format_rows(rows: list[dict]) -> str:
-    lines = [f"{'w':>2} {'passes':>6} {'engine ms':>10} {'profile ms':>10} {'error':>7} {'engine steps':>12} "
-             f"{'profile steps':>13} {'error':>7}"]
+    lines = [f"{'w':>2} {'passes':>6} {'context':>7} {'engine ms':>10} {'profile ms':>10} {'error':>7} "
+             f"{'engine steps':>12} {'profile steps':>13} {'error':>7}"]
     for r in rows:
-        lines.append(f"{r['window']:2d} {r['passes']:6d} {r['engine_seconds'] * 1e3:10.3f} "
+        lines.append(f"{r['window']:2d} {r['passes']:6d} {r['context']:7.0f} {r['engine_seconds'] * 1e3:10.3f} "
                      f"{r['profile_seconds'] * 1e3:10.3f} {r['error']:+7.1%} {r['engine_plain_steps']:12.2f} "
                      f"{r['profile_plain_steps']:13.2f} {r['error_in_plain_steps']:+7.1%}")
     return "\n".join(lines)

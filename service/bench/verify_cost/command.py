@@ -2,7 +2,10 @@
 layer costs on this machine, for a real model's geometry (random weights), in ms and plain decode steps,
 with a fitted cost model; writes the profile `moespec whatif --cost-profile` reads.
 
-CPU (default): the embedded engine's fused MoE kernel (`Kernels.moe_block`) in its own panel format.
+CPU (default): the embedded engine's fused MoE kernel (`Kernels.moe_block`) in its own panel format;
+with `--context C`, the engine's whole verify pass instead (attention over C cached positions, the
+embedding and the output layer, the batch and the greedy verdict: whole_pass.py), every layer of the
+geometry, where the engine's model can run it.
 CUDA (`--device cuda`): plain torch grouped expert products in bf16, CUDA-event timing (`--impl torch`
 runs that code on the CPU too). Several layers deep (`--layers`), so that a geometry whose layers do not
 fit in cache is measured from memory, as it is served."""
@@ -24,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--geometry", default="target",
                         help="a preset (target, qwen3-30b-a3b, qwen2-57b-a14b, deepseek-v3, mixtral-8x7b, "
                              "olmoe-1b-7b, ling-mini-2.0) or a HuggingFace config.json path")
-    parser.add_argument("--layers", type=int, default=4, help="MoE layers per pass (default 4)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="MoE layers per pass (default 4; the geometry's own with --context)")
     parser.add_argument("--windows", default=DEFAULT_WINDOWS, help="window sizes, e.g. 1-16 or 1,2,4,8 (max 16)")
     parser.add_argument("--unions", type=int, default=4, help="union values per window, spread from k to min(w k, E)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median and spread over them)")
@@ -34,9 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fused: the engine's CPU kernel (cpu default); torch: grouped torch products (cuda)")
     parser.add_argument("--math", choices=("amx", "bf16", "fp32"), default=None,
                         help="the fused kernel's arithmetic (default: the engine's choice on this CPU)")
-    parser.add_argument("--threads", type=int, default=1, help="kernel threads (fused)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="kernel threads (fused; default 1, and with --context every usable core, as the engine)")
     parser.add_argument("--context", type=int, default=0,
-                        help="attention context length; only 0 (MoE blocks alone) is supported so far")
+                        help="0: the MoE blocks alone; C > 0: the engine's whole verify pass with C positions "
+                             "in the cache (CPU, geometries the engine's attention runs, every layer)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("reports/bench/verify-cost"),
                         help="folder for verify-cost-GEOMETRY.json / .png")
@@ -81,8 +87,10 @@ def run(args: argparse.Namespace) -> int:
         g = presets.resolve_geometry(args.geometry)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if args.context:
-        raise UsageError("--context: the attention part is not implemented yet; run with --context 0")
+    if args.threads is None:
+        from service.engine.threads import usable_cores
+
+        args.threads = usable_cores() if args.context else 1
     for name in ("rounds", "repeats", "threads", "unions"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -92,16 +100,23 @@ def run(args: argparse.Namespace) -> int:
     windows = parse_windows(args.windows)
     if args.against_engine and (args.geometry != "target" or impl != "fused"):
         raise UsageError("--against-engine compares with the embedded engine: use --geometry target on the CPU")
+    args.layers = _layers_to_bench(g, args, impl)
     try:
         available = _available_bytes(args.device)
-        memory.check_fits(g, args.layers, 2, False, available)  # bf16 weights
+        if args.context:
+            from service.bench.verify_cost.whole_pass import whole_pass_bytes
+
+            memory.check_bytes(g, whole_pass_bytes(g), available)
+        else:
+            memory.check_fits(g, args.layers, 2, False, available)  # bf16 weights
     except memory.MemoryGuardError as e:
         raise UsageError(str(e)) from None
     layers, math, timer, device_name = _build_layers(g, args, impl)
+    scope = f"whole pass at context {args.context}" if args.context else "MoE blocks"
     points = plan_points(g, windows, args.unions)
     print(f"{g.name}: E={g.experts} k={g.top_k} H={g.hidden} I={g.expert_intermediate} shared={g.shared_intermediate}; "
-          f"{args.layers} layers, {impl} on {device_name} ({math}), {len(points)} (w, U) points x {args.rounds} rounds",
-          flush=True)
+          f"{scope}, {args.layers} layers, {impl} on {device_name} ({math}), {len(points)} (w, U) points x "
+          f"{args.rounds} rounds", flush=True)
     engine = _start_engine(args, math) if args.against_engine else None
     passes: list = []
     per_round = []
@@ -129,12 +144,13 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     json_path, png_path = (args.out / f"verify-cost-{g.name}{ext}" for ext in (".json", ".png"))  # names hold dots
     data = report.profile_json(g, args.device, impl, math, args.layers, args.threads, args.rounds, args.repeats,
-                               timings, plain, model, held, rows, device_name)
+                               timings, plain, model, held, rows, device_name, args.context)
     if engine is not None:
         from service.bench.verify_cost import against_engine
 
         compared = against_engine.compare(passes, model, g.layers / args.layers, g.top_k)
-        print("profile (MoE blocks) against the engine's verify passes, same rounds:")
+        print(f"profile ({scope}) against the engine's verify passes (median context "
+              f"{against_engine.median_context(passes):.0f}), same rounds:")
         print(against_engine.format_rows(compared))
         data["against_engine"] = compared
     json_path.write_text(json.dumps(data, indent=1))
@@ -149,10 +165,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layers_to_bench(g, args: argparse.Namespace, impl: str) -> int:
+    """--layers, or its default: 4 MoE blocks, or with --context every layer (the whole pass)."""
+    if args.context < 0:
+        raise UsageError(f"--context must be >= 0, got {args.context}")
+    if not args.context:
+        return 4 if args.layers is None else args.layers
+    if impl != "fused":
+        raise UsageError("--context: the whole pass runs the embedded engine's model on the CPU (--impl fused)")
+    from service.bench.verify_cost.whole_pass import whole_pass_refusal
+
+    reason = whole_pass_refusal(g)
+    if reason is not None:
+        raise UsageError(f"--context: {reason}; run with --context 0 (the MoE blocks alone)")
+    if args.layers not in (None, g.layers):
+        raise UsageError(f"--context: the whole pass runs every layer of {g.name!r} ({g.layers}); drop --layers")
+    return g.layers
+
+
 def _start_engine(args: argparse.Namespace, math: str):
     from service.engine import Engine, EngineConfig
 
-    return Engine(EngineConfig(threads=args.threads, capture_topk=True, math=math))
+    return Engine(EngineConfig(kernel_threads=args.threads, capture_topk=True, math=math))
 
 
 def _available_bytes(device: str) -> int:
@@ -178,6 +212,7 @@ def _build_layers(g, args: argparse.Namespace, impl: str):
         return TorchLayers(g, args.layers, args.device, seed=args.seed), "bf16", \
             cuda_timer if args.device == "cuda" else cpu_timer, name
     from service.bench.verify_cost.fused_cpu import WINDOW_MAX, FusedCpuLayers
+    from service.bench.verify_cost.whole_pass import WholePassModel
     from service.engine.kernels import library
 
     if g.hidden < WINDOW_MAX:
@@ -186,6 +221,9 @@ def _build_layers(g, args: argparse.Namespace, impl: str):
     if kernels is None:
         raise UsageError("the fused kernels did not build (no C compiler?): use --impl torch")
     math = args.math or kernels.default_math()
+    if args.context:
+        return (WholePassModel(kernels, g, math, args.threads, args.context, args.seed), math, cpu_timer,
+                _device_name("cpu"))
     return FusedCpuLayers(kernels, g, args.layers, math, args.threads, args.seed), math, cpu_timer, _device_name("cpu")
 
 

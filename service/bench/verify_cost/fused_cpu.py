@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from service.bench.verify_cost.geometry import Geometry
+from service.engine.kernels.hugepages import PanelArena
 from service.engine.kernels.library import Kernels
 from service.engine.kernels.packed import (
     AMX_INPUT_MULTIPLE,
@@ -45,28 +46,34 @@ def panel_format_for(math: str, g: Geometry) -> int:
 
 
 def random_packed(lead: tuple[int, ...], out_features: int, in_features: int, fmt: int,
-                  generator: torch.Generator) -> PackedWeight:
+                  generator: torch.Generator, arena: PanelArena, quiet_rows: int = 0) -> PackedWeight:
+    """Random values in the packed layout, in the arena's huge pages as the engine keeps its weights;
+    output rows < quiet_rows zero (see whole_pass.py)."""
     panels = -(-out_features // PANEL)
     tail = (panels, -(-in_features // 2), PANEL, 2) if fmt in PAIRED else (panels, in_features, PANEL)
-    t = torch.empty(*lead, *tail, dtype=torch.bfloat16)
+    t = arena.empty((*lead, *tail), torch.bfloat16)
     t.normal_(0.0, 0.02, generator=generator)
+    if quiet_rows:  # output row r is column r of the first panel (quiet_rows <= PANEL)
+        first_panel = t[..., 0, :, :quiet_rows, :] if fmt in PAIRED else t[..., 0, :, :quiet_rows]
+        first_panel.zero_()
     return PackedWeight(t, out_features, in_features, fmt)
 
 
 class SteeredBlock:
     """One layer for `Kernels.moe_block`: what `MoeBlock` holds (E, H, top_k, args), built from packed
-    random weights and a router this class rewrites per window."""
+    random weights and a router this class rewrites per window. quiet_rows: the output rows of the down
+    projections left zero (the steering columns of a whole pass, whole_pass.py)."""
 
-    def __init__(self, g: Geometry, fmt: int, generator: torch.Generator):
+    def __init__(self, g: Geometry, fmt: int, generator: torch.Generator, arena: PanelArena, quiet_rows: int = 0):
         self.E, self.H, self.top_k, self.norm_topk = g.experts, g.hidden, g.top_k, False
         # The kernel always runs a shared expert: where the geometry has none, one of width 1 (32 for the
         # AMX tiles, which take inputs in blocks of 32), next to nothing beside the routed experts.
         self.I, self.Is = g.expert_intermediate, g.shared_intermediate or (AMX_INPUT_MULTIPLE if fmt == BF16_AMX else 1)
-        self.router = torch.zeros(g.experts + 1, g.hidden)  # [E+1, H] (row E: the shared expert's gate)
-        self.gate_up = random_packed((g.experts,), 2 * self.I, g.hidden, fmt, generator)
-        self.down = random_packed((g.experts,), g.hidden, self.I, fmt, generator)
-        self.shared_gate_up = random_packed((), 2 * self.Is, g.hidden, fmt, generator)
-        self.shared_down = random_packed((), g.hidden, self.Is, fmt, generator)
+        self.router = arena.empty((g.experts + 1, g.hidden), torch.float32).zero_()  # [E+1, H] (row E: shared gate)
+        self.gate_up = random_packed((g.experts,), 2 * self.I, g.hidden, fmt, generator, arena)
+        self.down = random_packed((g.experts,), g.hidden, self.I, fmt, generator, arena, quiet_rows)
+        self.shared_gate_up = random_packed((), 2 * self.Is, g.hidden, fmt, generator, arena)
+        self.shared_down = random_packed((), g.hidden, self.Is, fmt, generator, arena, quiet_rows)
         self.format = fmt
         # The argument order of MoeBlock.args (the C moe_block's), so the same wrapper call runs it.
         self.args = (self.router.data_ptr(), self.E, self.top_k, 0, self.gate_up.data_ptr(), self.gate_up.stride,
@@ -92,7 +99,8 @@ class FusedCpuLayers:
         generator = torch.Generator().manual_seed(seed)
         self.kernels, self.geometry, self.math = kernels, g, math
         self.n_layers = layers
-        self.blocks = [SteeredBlock(g, panel_format_for(math, g), generator) for _ in range(layers)]
+        arena = PanelArena()
+        self.blocks = [SteeredBlock(g, panel_format_for(math, g), generator, arena) for _ in range(layers)]
         self.pool = kernels.pool(threads) if threads > 1 else None
         self.inputs = torch.eye(WINDOW_MAX, g.hidden)  # [16, H] unit vectors e_p
         self.window_ids: torch.Tensor | None = None

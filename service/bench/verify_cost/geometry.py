@@ -1,6 +1,6 @@
 """`Geometry`: the shape of a MoE model's decoder layers, the numbers a verify-cost measurement needs
 (no weights): hidden size, routed experts and how many each token picks, their intermediate size, the
-shared expert's (if any), how many MoE layers, and the attention heads for the optional attention part."""
+shared expert's (if any), how many MoE layers, and the attention heads and vocabulary for the whole pass."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class Geometry:
     heads: int = 0  # attention query heads (0: no attention part known)
     kv_heads: int = 0
     head_dim: int = 0
+    vocab: int = 0  # the output layer's rows (0: not known)
 
     def __post_init__(self):
         for name in ("hidden", "experts", "top_k", "expert_intermediate", "layers"):
@@ -26,7 +27,7 @@ class Geometry:
                 raise ValueError(f"geometry {self.name!r}: {name} must be >= 1, got {getattr(self, name)}")
         if self.top_k > self.experts:
             raise ValueError(f"geometry {self.name!r}: top_k {self.top_k} exceeds the {self.experts} experts")
-        if self.shared_intermediate < 0 or min(self.heads, self.kv_heads, self.head_dim) < 0:
+        if self.shared_intermediate < 0 or min(self.heads, self.kv_heads, self.head_dim, self.vocab) < 0:
             raise ValueError(f"geometry {self.name!r}: sizes must not be negative")
         if self.heads and (not self.kv_heads or not self.head_dim or self.heads % self.kv_heads):
             raise ValueError(f"geometry {self.name!r}: {self.heads} heads need kv heads dividing them and a head dim")

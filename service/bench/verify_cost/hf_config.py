@@ -27,7 +27,11 @@ def _attention(config: dict, family: str) -> dict:
     heads = int(_get(config, "num_attention_heads", family))
     kv = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or _get(config, "hidden_size", family) // heads)
-    return dict(heads=heads, kv_heads=kv, head_dim=head_dim)
+    return dict(heads=heads, kv_heads=kv, head_dim=head_dim, vocab=_vocab(config))
+
+
+def _vocab(config: dict) -> int:
+    return int(config.get("vocab_size") or 0)
 
 
 def _qwen_moe(config: dict, family: str, name: str) -> Geometry:
@@ -48,7 +52,7 @@ def _deepseek(config: dict, family: str, name: str) -> Geometry:
     # MLA attention is not the GQA block this benchmark models: no attention part.
     return Geometry(name, int(_get(config, "hidden_size", family)), int(_get(config, "n_routed_experts", family)),
                     int(_get(config, "num_experts_per_tok", family)), inter,
-                    int(config.get("n_shared_experts") or 0) * inter, layers)
+                    int(config.get("n_shared_experts") or 0) * inter, layers, vocab=_vocab(config))
 
 
 def _mixtral_like(config: dict, family: str, name: str) -> Geometry:

@@ -1,6 +1,8 @@
 """Interleaved timing of verify windows: every (w, U) point once per round, in a fresh random order each
 round so drift of the machine hits all points alike; per point and round the median of `repeats`
-passes; over rounds the median and the spread (min, max)."""
+passes, each over a freshly drawn window (as consecutive passes of a served model route differently,
+so no pass finds its experts left in cache by an identical one before it); over rounds the median and
+the spread (min, max)."""
 
 from __future__ import annotations
 
@@ -30,21 +32,22 @@ class PointTiming:
                 "seconds_min": min(self.seconds), "seconds_max": max(self.seconds), "seconds": list(self.seconds)}
 
 
-def cpu_timer(run: Callable[[], object], synchronize: Callable[[], None]) -> float:
+def cpu_timer(run: Callable[[], object], synchronize: Callable[[], None]) -> tuple[float, object]:
+    """(seconds of the pass, what it returned)."""
     t0 = time.perf_counter()
-    run()
+    out = run()
     synchronize()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, out
 
 
-def cuda_timer(run: Callable[[], object], synchronize: Callable[[], None]) -> float:
+def cuda_timer(run: Callable[[], object], synchronize: Callable[[], None]) -> tuple[float, object]:
     """CUDA events around the pass (the device's own clock, no host timing of launches)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    run()
+    out = run()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 1e3
+    return start.elapsed_time(end) / 1e3, out
 
 
 def check_unions(routed: Sequence[torch.Tensor], expected: torch.Tensor) -> None:
@@ -62,18 +65,20 @@ def measure(layers, points: Sequence[tuple[int, int]], rounds: int, repeats: int
     order_rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
     times: dict[tuple[int, int], list[float]] = {p: [] for p in points}
-    for r in range(rounds):
-        order = list(points)
-        order_rng.shuffle(order)
-        for w, u in order:
-            ids = controlled_layers(layers.n_layers, w, g.top_k, g.experts, u, generator)  # a fresh window per round
-            layers.prepare(ids)
-            routed = layers.run()  # warm-up pass (its ids checked where the kernel routes)
-            layers.synchronize()
-            if layers.routes_itself:
-                check_unions(routed, ids)
-            runs = [timer(layers.run, layers.synchronize) for _ in range(repeats)]
-            times[(w, u)].append(statistics.median(runs))
-        if progress:
-            progress(f"round {r + 1}/{rounds} done")
+    with torch.inference_mode():  # as the engine's scheduler loop runs every pass
+        for r in range(rounds):
+            order = list(points)
+            order_rng.shuffle(order)
+            for w, u in order:
+                runs = []
+                for _ in range(repeats):
+                    ids = controlled_layers(layers.n_layers, w, g.top_k, g.experts, u, generator)
+                    layers.prepare(ids)
+                    seconds, routed = timer(layers.run, layers.synchronize)
+                    if layers.routes_itself:  # every timed pass routed the window asked for
+                        check_unions(routed, ids)
+                    runs.append(seconds)
+                times[(w, u)].append(statistics.median(runs))
+            if progress:
+                progress(f"round {r + 1}/{rounds} done")
     return [PointTiming(w, u, tuple(times[(w, u)])) for w, u in points]

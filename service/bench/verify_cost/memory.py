@@ -26,6 +26,15 @@ def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
     raise RuntimeError(f"{meminfo} has no MemAvailable line")
 
 
+def check_bytes(geometry: Geometry, need: int, available: int) -> int:
+    """`need` (a whole model's bytes), or MemoryGuardError when it exceeds HEADROOM of `available`."""
+    if need > HEADROOM * available:
+        raise MemoryGuardError(
+            f"geometry {geometry.name!r}'s whole model needs {need / 2**30:.1f} GiB, more than {HEADROOM:.0%} of the "
+            f"{available / 2**30:.1f} GiB available: run with --context 0 (the MoE blocks alone, fewer layers)")
+    return need
+
+
 def check_fits(geometry: Geometry, layers: int, bytes_per_weight: int, attention: bool, available: int) -> int:
     """The weights' bytes, or MemoryGuardError when they exceed HEADROOM of `available`."""
     if layers < 1:

@@ -10,7 +10,7 @@ from pathlib import Path
 from service.bench.verify_cost.fit import CostModel, HeldOut
 from service.bench.verify_cost.geometry import Geometry
 from service.bench.verify_cost.measure import PointTiming
-from service.bench.verify_cost.profile import FORMAT
+from service.bench.verify_cost.profile import FORMAT, MOE_BLOCKS, WHOLE_PASS
 
 # A realistic window overlaps more than uniform routing: on the shipped model, learned routing's 5-position
 # unions were 20-25 experts per layer against 31 uniform (from 8 for one position), i.e. ~60% of the
@@ -51,8 +51,9 @@ def format_table(g: Geometry, timings: Sequence[PointTiming], plain: float, mode
 
 def profile_json(g: Geometry, device: str, impl: str, math: str, layers: int, threads: int, rounds: int,
                  repeats: int, timings: Sequence[PointTiming], plain: float, model: CostModel, held: HeldOut,
-                 rows: list[dict], machine: str) -> dict:
+                 rows: list[dict], machine: str, context: int = 0) -> dict:
     return {"format": FORMAT, "device": device, "machine": machine, "impl": impl, "math": math,
+            "scope": WHOLE_PASS if context else MOE_BLOCKS, "context": context,
             "geometry": g.to_json(), "layers_benched": layers, "threads": threads, "rounds": rounds,
             "repeats": repeats, "plain_step_seconds": plain,
             "points": [dict(t.to_json(), plain_steps=t.median / plain) for t in timings],
