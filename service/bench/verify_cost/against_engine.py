@@ -3,9 +3,9 @@ beside the embedded engine's measured verify passes, for windows of 1..9 positio
 unions the engine really routed, interleaved (a profile round, then an engine round over the held-out
 prompts, and so on), so both see the same machine state.
 
-The engine runs greedy held-out prompts with the n-gram drafter at k = 8 (it proposes 0..8 tokens, so
-its passes have every window size 1..9) and plain decoding, recording each pass's window, routed ids
-and verify seconds. Each pass's prediction is the profile's fitted model at its window and mean union
+The engine runs greedy held-out prompts with the n-gram drafter at k = 1, 2, 6 and 8 (it proposes up
+to k tokens where the text repeats, none elsewhere: at k = 8 alone, windows of 2, 3 and 7 positions
+hardly occur) and plain decoding, recording each pass's window, routed ids, verify seconds and context. Each pass's prediction is the profile's fitted model at its window and mean union
 over layers, scaled to the model's layers. A profile of the MoE blocks alone (`--context 0`) leaves out
 attention, the embedding, the output layer and the verdict, which the engine's pass also runs, so its
 prediction runs low by that share; a whole-pass profile (`--context C`, whole_pass.py) times all of
@@ -22,6 +22,7 @@ from pathlib import Path
 from service.bench.verify_cost.fit import CostModel
 
 WINDOW_MAX = 9
+NGRAM_LENGTHS = (1, 2, 6, WINDOW_MAX - 1)
 
 
 def heldout_prompts(count: int) -> list[str]:
@@ -37,7 +38,7 @@ def engine_round(engine, prompts: list[str], max_new_tokens: int) -> list[tuple[
     from service.types import Drafter, DraftPolicy, GenerationRequest, SamplingParams
 
     passes = []
-    policies = (DraftPolicy(Drafter.NGRAM, WINDOW_MAX - 1, 0.0, "ngram-k8"),
+    policies = (*(DraftPolicy(Drafter.NGRAM, k, 0.0, f"ngram-k{k}") for k in NGRAM_LENGTHS),
                 DraftPolicy(Drafter.MODEL, 0, 0.0, "plain"))
     for policy in policies:
         for prompt in prompts:
