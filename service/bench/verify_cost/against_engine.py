@@ -5,13 +5,14 @@ prompts, and so on), so both see the same machine state.
 
 The engine runs greedy held-out prompts with the n-gram drafter at k = 1, 2, 6 and 8 (it proposes up
 to k tokens where the text repeats, none elsewhere: at k = 8 alone, windows of 2, 3 and 7 positions
-hardly occur) and plain decoding, recording each pass's window, routed ids, verify seconds and context. Each pass's prediction is the profile's fitted model at its window and mean union
-over layers, scaled to the model's layers. A profile of the MoE blocks alone (`--context 0`) leaves out
-attention, the embedding, the output layer and the verdict, which the engine's pass also runs, so its
-prediction runs low by that share; a whole-pass profile (`--context C`, whole_pass.py) times all of
-them, at one context where the engine's passes run at their own. Printed both ways: in seconds, and in
-plain decode steps (each side divided by its own plain step), where a fixed share outside what the
-profile times partly cancels; the engine passes' median context is printed beside them."""
+hardly occur) and plain decoding, recording each pass's window, routed ids, verify seconds and
+context. Each pass's prediction is the profile's fitted model at its window and mean union over layers,
+scaled to the model's layers. A profile of the MoE blocks alone (`--context 0`) leaves out attention,
+the embedding, the output layer and the verdict, which the engine's pass also runs, so its prediction
+runs low by that share; a whole-pass profile (`--context C`, whole_pass.py) times all of them, at one
+context where the engine's passes run at their own. Printed both ways: in seconds, and in plain decode
+steps (each side divided by its own plain step), where a fixed share outside what the profile times
+partly cancels; each window's median context is printed beside them."""
 
 from __future__ import annotations
 
