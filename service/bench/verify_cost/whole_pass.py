@@ -29,6 +29,7 @@ from service.engine.kernels.hugepages import PanelArena
 from service.engine.kernels.library import Kernels
 from service.engine.kernels.pool import ONE_THREAD, KernelThreads
 from service.engine.model.config import ModelConfig
+from service.engine.model.layers import RMSNorm
 from service.engine.model.ragged import KVCache, RaggedBatch
 from service.engine.model.transformer import Transformer
 from service.engine.spec.sampling import accept_greedy_ids
@@ -100,12 +101,12 @@ class WholePassModel:
     def _randomize(model: Transformer, generator: torch.Generator) -> None:
         """Random bf16-valued weights (the engine's are bf16 values), norms at 1, and the steering columns:
         token p's embedding is e_p there, and nothing writes to them."""
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=generator)
-                p.copy_(p.bfloat16().float())
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=generator)
+            p.copy_(p.bfloat16().float())
+        for norm in model.modules():
+            if isinstance(norm, RMSNorm):  # a positive scale keeps the steering columns' top-k
+                norm.weight.fill_(1.0)
         embed = model.embed_tokens.weight
         embed[:, :WINDOW_MAX] = 0.0
         embed[:WINDOW_MAX, :WINDOW_MAX] = torch.eye(WINDOW_MAX)
