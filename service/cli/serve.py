@@ -25,7 +25,7 @@ from pathlib import Path
 from otel import cli as otel_cli
 from service.backend import Backend
 from service.cli.generate import add_controller_arguments, cells_from_args
-from service.engine_defaults import MAX_BATCH, PREFILL_CHUNK
+from service.engine_defaults import MAX_BATCH, PLAIN_STEPS_PER_CALL, PREFILL_CHUNK
 from service.errors import UsageError
 from service.security import admin_token
 from service.server.server import MoespecServer, ServerConfig, serve
@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "to bf16 and float32 sums (faster prefills and batched steps where the CPU has "
                              "AVX512-BF16; docs/engine.md says what it costs in accuracy), or the same on the AMX "
                              "tile unit (Intel Xeons with AMX: faster still); default: amx where the CPU and "
-                             "kernel offer it, else bf16 where the CPU has it, else fp32, printed")
+                             "kernel offer it, else bf16 where the CPU's bf16 products run markedly faster than "
+                             "float32's (measured at start-up), else fp32, printed")
     parser.add_argument("--max-batch", type=int, default=MAX_BATCH,
                         help="torch backend: requests verified together in one pass (KV-cache slots); "
                              "default %(default)s")
@@ -74,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch backend: newcomers' prompt tokens per pass while others decode (chunked "
                              "prefill: bounds how long a long prompt stalls the running requests); default "
                              "%(default)s")
+    parser.add_argument("--plain-steps-per-call", type=int, default=PLAIN_STEPS_PER_CALL,
+                        help="torch backend: greedy plain decode steps one kernel call may run back to back while "
+                             "nobody waits to join (the Python around a step then runs once per call; a "
+                             "newcomer, a cancellation or a deadline waits up to that many steps); 1: one step "
+                             "per call; default %(default)s")
     parser.add_argument("--draft-model", type=Path, default=None,
                         help="torch backend: the model drafter's weights, a draft head directory (default: the "
                              "shipped service/models/draft-head), an EAGLE-3 draft in SGLang's format "
@@ -145,6 +151,8 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
         raise UsageError("--max-batch must be >= 1")
     if args.prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    if args.plain_steps_per_call < 1:
+        raise UsageError(f"--plain-steps-per-call must be >= 1, got {args.plain_steps_per_call}")
     if (args.workers is not None and args.workers < 1) or args.max_queue < 0:
         raise UsageError("--workers must be >= 1 and --max-queue >= 0")
     if args.threads is not None and args.threads < 1:
@@ -207,7 +215,8 @@ def create_backend(args: argparse.Namespace) -> Backend:
     try:
         engine = Engine(EngineConfig(threads=args.threads or default_threads(), kernel_threads=args.kernel_threads,
                                      ep=ep, record_steps=args.record_steps, max_batch=args.max_batch,
-                                     prefill_chunk=args.prefill_chunk, math=args.math, **draft))
+                                     prefill_chunk=args.prefill_chunk, plain_steps_per_call=args.plain_steps_per_call,
+                                     math=args.math, **draft))
     except expert_parallel.PlacementError as e:  # a placement that does not fit the model
         raise UsageError(f"--ep-placement: {e}") from None
     except MathUnavailable as e:
@@ -227,8 +236,10 @@ MATH_REASONS = {
     ("amx", False): "this CPU has the AMX tile unit and the kernel grants it; --math bf16 or fp32 for the vector "
                     "units",
     ("amx", True): "--math amx",
-    ("bf16", False): "this CPU multiplies bf16 pairs natively; --math fp32 for float32",
-    ("fp32", False): "this CPU has no native bf16 products: --math bf16 would be emulated, not faster",
+    ("bf16", False): "this CPU multiplies bf16 pairs natively, measured at start-up at 1.25x float32's product rate "
+                     "or more; --math fp32 for float32",
+    ("fp32", False): "this CPU multiplies bf16 pairs no faster than float32 (none natively, or measured at start-up "
+                     "below 1.25x float32's product rate): --math bf16 would round the inputs and gain nothing",
     ("bf16", True): "--math bf16",
     ("fp32", True): "--math fp32",
 }

@@ -33,8 +33,19 @@ def long_request(tag: int, max_new_tokens: int = LONG) -> GenerationRequest:
 
 
 @pytest.fixture(scope="module")
-def holding(engine) -> HoldingBackend:
-    return HoldingBackend(engine)
+def step_engine():
+    """The engine polls its requests' stops before every step only when each call runs one step: several
+    greedy plain steps in one call are polled once (tests/engine/test_plain_steps.py tests that)."""
+    from service.engine import Engine, EngineConfig
+
+    e = Engine(EngineConfig(threads=1, plain_steps_per_call=1))
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def holding(step_engine) -> HoldingBackend:
+    return HoldingBackend(step_engine)
 
 
 @pytest.fixture(scope="module")

@@ -86,6 +86,10 @@ class Kernels:
         self._forward.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr,
                                   ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
         self._forward.restype = ctypes.c_int
+        self._decode_steps = lib.decode_greedy_steps
+        self._decode_steps.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64,
+                                       i64, ptr, ptr, ptr, ptr, ptr, ptr]
+        self._decode_steps.restype = ctypes.c_int64
         self._head_draft = lib.head_draft
         self._head_draft.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ptr]
         self._head_draft.restype = ctypes.c_int
@@ -93,6 +97,8 @@ class Kernels:
         self._head_tree.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr]
         self._head_tree.restype = ctypes.c_int64
         self.bf16_dot_native = bool(lib.bf16_dot_native())  # see `default_math`
+        lib.bf16_dot_speedup.restype = ctypes.c_double
+        self._bf16_dot_speedup = lib.bf16_dot_speedup
         # AMX tiles in the build and granted by the kernel (csrc/amx.c); asked once, when loaded
         self.amx_native = bool(lib.amx_enable())
 
@@ -213,6 +219,38 @@ class Kernels:
             raise MemoryError("forward_logits: out of memory")
         return features, logits, ids if stack.moe else None, argmax
 
+    def decode_greedy_steps(self, stack: DecoderStack, head: OutputHead, where: AttentionPass, tokens: torch.Tensor,
+                            steps: int, eos: int | None, attention_pool: KernelPool | None = None,
+                            moe_pool: KernelPool | None = None, lm_pool: KernelPool | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor | None, list[float]]:
+        """Up to `steps` greedy decode steps of the B sequences of a one-position pass (`where`: step 0's
+        positions and slots; the caller has checked that positions + steps - 1 fit the cache) in one call,
+        each step's picks its next tokens (see forward.py), stopping after a step that picks `eos` ->
+        (picks [s, B], routed ids [s, L, B, m] or None for a dense model, each step's wall seconds [s]) of
+        the s steps run. Every step is bitwise the `forward_logits` pass over the same tokens."""
+        B = where.n
+        if tokens.dtype != torch.int64 or tokens.shape != (B,) or not tokens.is_contiguous() or not tokens.is_cpu:
+            raise ValueError(f"decode_greedy_steps: tokens must be a contiguous int64 CPU tensor [{B}]")
+        if steps < 1 or where.tensors[2] is not None:
+            raise ValueError("decode_greedy_steps: steps must be >= 1, over a pass without draft trees")
+        _check_cache("decode_greedy_steps", stack, where)
+        if head.H != stack.H:
+            raise ValueError(f"decode_greedy_steps: the output head is {head.H} wide, the layers {stack.H}")
+        per_step = stack.L * B * stack.m
+        ids = torch.empty(steps, stack.L, B, stack.m, dtype=torch.long)
+        picks, step_ns = torch.empty(steps, B, dtype=torch.long), torch.empty(steps, dtype=torch.long)
+        rope_cos, rope_sin, positions, slots, _, k_cache, v_cache, S = where.args(0)
+        done = self._decode_steps(tokens.data_ptr(), B, stack.H, stack.L, ctypes.addressof(stack.array),
+                                  ctypes.addressof(head), rope_cos, rope_sin, positions, slots, k_cache, v_cache,
+                                  where.layer_floats, S, steps, -1 if eos is None else eos, per_step, ids.data_ptr(),
+                                  picks.data_ptr(), step_ns.data_ptr(), _handle(attention_pool), _handle(moe_pool),
+                                  _handle(lm_pool))
+        if done == -2:
+            raise IndexError(f"decode_greedy_steps: a token id lies outside [0, {head.V})")
+        if done < 1:
+            raise MemoryError("decode_greedy_steps: out of memory")
+        return picks[:done], ids[:done] if stack.moe else None, [ns * 1e-9 for ns in step_ns[:done].tolist()]
+
     def head_draft(self, weights: head_kernel.HeadWeights, tokens: torch.Tensor, features: torch.Tensor,
                    slot: int, start: int, k: int, temperature: float, uniforms: torch.Tensor | None,
                    pool: KernelPool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -259,16 +297,17 @@ class Kernels:
             raise MemoryError("head_tree: out of memory")
         return picks[:n].tolist(), parents[:n].tolist()
 
+    def bf16_dot_speedup(self) -> float:
+        """Products per second of this CPU's bf16 pair instruction (VDPBF16PS) over float32 FMAs', measured
+        now on independent accumulators (csrc/bf16.c; a few milliseconds); 0 without the instruction."""
+        return self._bf16_dot_speedup()
+
     def default_math(self) -> str:
-        """The arithmetic of the matrix products where none is asked for: bf16 where this CPU multiplies
-        bf16 pairs in one instruction (prefill and batched steps run ~1.3-1.5x faster; logits move ~0.003
-        on average from float32's, at most ~2% of their scale), else float32 (bf16 would lose precision
-        and gain nothing). Where this CPU has the AMX tile unit and the kernel grants it: AMX (the same
-        bf16 inputs, the tile unit's float32 sums; a prefill, a batched step or a verify window runs
-        several times faster, a one-position step as fast)."""
-        if self.amx_native:
-            return "amx"
-        return "bf16" if self.bf16_dot_native else "fp32"
+        """The arithmetic of the matrix products where none is asked for: AMX where this CPU has the tile
+        unit and the kernel grants it (the same bf16 inputs as bf16, the tile unit's float32 sums; a
+        prefill, a batched step or a verify window runs several times faster, a one-position step as
+        fast); else `choose_math` on this CPU's measured bf16 speed."""
+        return choose_math(self.amx_native, self.bf16_dot_speedup() if self.bf16_dot_native else 0.0)
 
     def pool(self, threads: int) -> KernelPool:
         """Start `threads - 1` workers for this library's calls to split over (see pool.py)."""
@@ -312,6 +351,22 @@ def _check_catch_up(kernel: str, weights: head_kernel.HeadWeights, tokens: torch
     if int(tokens.min()) < 0 or int(tokens.max()) >= weights.V:
         raise ValueError(f"{kernel}: token ids must lie in [0, {weights.V})")
     return m
+
+
+# bf16 arithmetic must multiply at least this much faster than float32 to be the default: it rounds every
+# input (logits move ~0.003 on average from float32's, at most ~2% of their scale), which only pays for speed.
+BF16_MIN_SPEEDUP = 1.25
+
+
+def choose_math(amx: bool, bf16_speedup: float) -> str:
+    """The default arithmetic from what the CPU offers: "amx" with the tile unit; "bf16" where its bf16
+    pair instruction computes products at least BF16_MIN_SPEEDUP times as fast as float32 FMAs (AMD Zen 4:
+    ~2x; prefill and batched steps then run ~1.3-1.5x faster); else "fp32", the exact arithmetic (on a
+    2-core Intel Xeon without AMX the instruction ran at ~0.5x the FMAs' rate: bf16 was slower at one and
+    at 16 clients)."""
+    if amx:
+        return "amx"
+    return "bf16" if bf16_speedup >= BF16_MIN_SPEEDUP else "fp32"
 
 
 def _check_cache(kernel: str, stack: DecoderStack, where: AttentionPass) -> None:

@@ -165,6 +165,26 @@ class Transformer(nn.Module):
             threads.moe(n), threads.linear(rows))
         return ForwardOutput(logits=logits, routed_ids=routed, features=features, argmax=argmax)
 
+    def can_decode_in_steps(self, batch: RaggedBatch) -> bool:
+        """Whether `decode_greedy_steps` runs this pass: one position per sequence, the one-call path."""
+        return (self.output_head is not None and self.decoder_stack is not None and batch.width == 1
+                and batch.tree is None and batch.size <= min(self.decoder_stack_max, self.kernel_window_max)
+                and not torch.is_grad_enabled())
+
+    def decode_greedy_steps(self, batch: RaggedBatch, cache: KVCache, steps: int, eos: int | None
+                            ) -> tuple[torch.Tensor, torch.Tensor | None, list[float]]:
+        """Up to `steps` greedy plain decode steps of the sequences of `batch` (one position each, its
+        tokens the steps' first; `can_decode_in_steps`) back to back in one kernel call, each step's
+        argmax the next step's token, ending after a step whose picks hold `eos` -> (picks [s, B],
+        routed ids [s, L, B, m], each step's seconds [s]). Each step is bitwise the `forward_ragged` pass
+        over the same tokens, so the picks are what `steps` plain steps would commit."""
+        low, high = batch.position_range
+        where = AttentionPass.over(self._tables_for(cache), batch.positions, batch.token_slot,
+                                   (low, high + steps - 1), batch.slot_range)  # every step's positions checked
+        n, threads = batch.size, self.kernel_threads
+        return self.kernels.decode_greedy_steps(self.decoder_stack, self.output_head, where, batch.tokens, steps, eos,
+                                                threads.attention(n), threads.moe(n), threads.linear(n))
+
     def fill_cache(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache,
                    features: bool = False, capture: tuple[int, ...] = ()) -> torch.Tensor | None:
         """Prefill: write the keys and values of `tokens` to the cache and compute nothing else. No
@@ -229,11 +249,15 @@ class Transformer(nn.Module):
     def _pass_over(self, batch: RaggedBatch, cache: KVCache) -> AttentionPass:
         """The fused attention's view of one pass over `cache`; the cache and rope tables are checked
         once per cache (a model usually runs over one), the pass's positions and slots every time."""
+        return AttentionPass.over(self._tables_for(cache), batch.positions, batch.token_slot, batch.position_range,
+                                  batch.slot_range, batch.tree)
+
+    def _tables_for(self, cache: KVCache) -> CacheTables:
+        """The fused attention's checked view of `cache` (checked once per cache: a model usually runs over one)."""
         tables = self._cache_tables
         if tables is None or not tables.reads(cache.k, cache.v):
             tables = self._cache_tables = CacheTables(cache.k, cache.v, self.rope_cos, self.rope_sin)
-        return AttentionPass.over(tables, batch.positions, batch.token_slot, batch.position_range, batch.slot_range,
-                                  batch.tree)
+        return tables
 
     def _rope(self, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, 1, D] at each token's position (eager attention)."""

@@ -1,10 +1,12 @@
-/* A short pass from token ids to logits in one call, forward_logits: see forward.py. */
+/* A short pass from token ids to logits in one call, forward_logits, and greedy decode steps back to back,
+   decode_greedy_steps: see forward.py. */
 #include "kernels.h"
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* The model's ends around the decoder layers (field order: forward.OutputHead). */
 struct output_head {
@@ -58,4 +60,57 @@ int forward_logits(const int64_t *tokens, int64_t N, int64_t H, int64_t L, const
     linear(features, R, H, head->lm_wt, head->lm_fmt, head->V, logits, lm_pool);
     for (int64_t r = 0; r < R; r++) argmax[r] = first_max(logits + r * head->V, head->V);
     return 0;
+}
+
+/* Up to K greedy decode steps of B sequences in one call, each step's argmax the next step's tokens:
+   step s is forward_logits over tokens_s [B] (tokens, then the argmax of step s - 1) at positions + s
+   in slots, every row's logits, so every step is bitwise the pass a separate call would run. ids
+   [K, L, B, m] and argmax [K, B] take each step's routed experts and picks; step_ns [K] the wall
+   nanoseconds each step took (CLOCK_MONOTONIC). The steps stop after the first whose picks hold `eos`
+   (eos < 0: none is looked for). Returns the steps run (1..K); -1 when scratch could not be allocated,
+   -2 for a token id outside [0, V) (both before anything is written). positions + K - 1 must lie in
+   the cache (the caller checks). */
+int64_t decode_greedy_steps(const int64_t *tokens, int64_t B, int64_t H, int64_t L,
+                            const struct decoder_layer *layers, const struct output_head *head,
+                            const float *rope_cos, const float *rope_sin, const int64_t *positions,
+                            const int64_t *slots, float *k_cache, float *v_cache, int64_t layer_floats, int64_t S,
+                            int64_t K, int64_t eos, int64_t ids_per_step, int64_t *ids, int64_t *argmax,
+                            int64_t *step_ns, struct kernel_pool *attention_pool, struct kernel_pool *moe_pool,
+                            struct kernel_pool *lm_pool) {
+    for (int64_t b = 0; b < B; b++)
+        if (tokens[b] < 0 || tokens[b] >= head->V) return -2;
+    float *scratch = malloc((size_t)(B * (H + head->V)) * sizeof(float));
+    int64_t *at = malloc((size_t)B * sizeof(int64_t));
+    if (!scratch || !at) {
+        free(scratch);
+        free(at);
+        return -1;
+    }
+    memcpy(at, positions, (size_t)B * sizeof(int64_t));
+    struct timespec clock;
+    clock_gettime(CLOCK_MONOTONIC, &clock);
+    int64_t last = clock.tv_sec * 1000000000LL + clock.tv_nsec, steps = 0;
+    while (steps < K) {
+        const int64_t *step_tokens = steps == 0 ? tokens : argmax + (steps - 1) * B;
+        if (forward_logits(step_tokens, B, H, L, layers, head, rope_cos, rope_sin, at, slots, NULL, k_cache, v_cache,
+                           layer_floats, S, ids + steps * ids_per_step, attention_pool, moe_pool, lm_pool, NULL, B,
+                           scratch, scratch + B * H, argmax + steps * B) != 0) {
+            if (steps == 0) steps = -1;  /* (picks are ids of [0, V): a later step's tokens are always valid) */
+            break;
+        }
+        clock_gettime(CLOCK_MONOTONIC, &clock);
+        const int64_t now = clock.tv_sec * 1000000000LL + clock.tv_nsec;
+        step_ns[steps] = now - last;
+        last = now;
+        int stop = 0;
+        for (int64_t b = 0; b < B; b++) {
+            stop |= argmax[steps * B + b] == eos;
+            at[b]++;
+        }
+        steps++;
+        if (stop) break;
+    }
+    free(scratch);
+    free(at);
+    return steps;
 }

@@ -1,0 +1,142 @@
+"""Greedy plain steps run back to back in one kernel call (`plain_steps_per_call`): the engine commits
+exactly what one step per call commits, with one step record per step holding the same routing, alone
+and batched, through budgets shorter than a call, EOS inside a call and streaming; and it really runs
+several steps per call where nothing stops it (and one where a policy drafts or a request samples)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from service.types import DraftPolicy, FinishReason, GenerationRequest, SamplingParams
+from tests.support.engine_helpers import heldout_prompts, make_engine
+
+GREEDY = SamplingParams(temperature=0)
+PLAIN = DraftPolicy()
+
+
+class CallCounter:
+    """Counts the target's multi-step calls and the steps they ran (wrapping this engine's model only)."""
+
+    def __init__(self, engine):
+        self.calls, self.steps = 0, 0
+        inner = engine.target.decode_greedy_steps
+
+        def counted(*args, **kwargs):
+            picks, routed, seconds = inner(*args, **kwargs)
+            self.calls += 1
+            self.steps += len(seconds)
+            return picks, routed, seconds
+
+        engine.target.decode_greedy_steps = counted
+
+    def take(self) -> tuple[int, int]:
+        taken = self.calls, self.steps
+        self.calls = self.steps = 0
+        return taken
+
+
+@pytest.fixture(scope="module")
+def engines():
+    in_calls, one_by_one = make_engine(capture_topk=True), make_engine(capture_topk=True, plain_steps_per_call=1)
+    assert in_calls.config.plain_steps_per_call == 8  # the default
+    yield in_calls, one_by_one, CallCounter(in_calls)
+    in_calls.close()
+    one_by_one.close()
+
+
+def _request(prompt: str, tokens: int, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt=prompt, max_new_tokens=tokens, sampling=kw.pop("sampling", GREEDY), **kw)
+
+
+def _same_steps(a, b):
+    assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and a.text == b.text
+    assert len(a.steps) == len(b.steps) == a.spec.verify_steps == b.spec.verify_steps
+    for x, y in zip(a.steps, b.steps, strict=True):
+        assert (x.committed, x.drafted, x.accepted) == (y.committed, y.drafted, y.accepted)
+        assert x.unique_experts == y.unique_experts and x.topk_ids == y.topk_ids and x.window_ids == y.window_ids
+        assert x.batch.unique_experts == y.batch.unique_experts and x.batch.positions == y.batch.positions
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8, 9, 40])
+def test_steps_in_one_call_commit_what_one_step_per_call_commits(engines, tokens):
+    in_calls, one_by_one, counter = engines
+    counter.take()
+    for prompt in heldout_prompts(3):
+        _same_steps(in_calls.generate(_request(prompt, tokens), PLAIN),
+                    one_by_one.generate(_request(prompt, tokens), PLAIN))
+    calls, steps = counter.take()
+    # The first token comes from the step after prefill, with the prompt's prefill in the same
+    # iteration: one step alone; the rest run in calls of up to 8.
+    assert calls == 3 * -(-(tokens - 1) // 8) if tokens > 2 else calls == 0  # (a budget of 1 left: one step)
+    assert steps == (3 * (tokens - 1) if tokens > 2 else 0)
+
+
+def test_eos_inside_a_call_ends_the_request_at_the_same_token(engines):
+    in_calls, one_by_one, counter = engines
+    prompt = heldout_prompts(1)[0]
+    plain = one_by_one.generate(_request(prompt, 40), PLAIN).token_ids
+    at = next(i for i in range(11, 30) if plain[i] not in plain[:i])  # inside the second call
+    saved = in_calls.runtime.eos_id, one_by_one.runtime.eos_id
+    try:
+        in_calls.runtime.eos_id = one_by_one.runtime.eos_id = plain[at]
+        counter.take()
+        a, b = in_calls.generate(_request(prompt, 40), PLAIN), one_by_one.generate(_request(prompt, 40), PLAIN)
+    finally:
+        in_calls.runtime.eos_id, one_by_one.runtime.eos_id = saved
+    _same_steps(a, b)
+    assert a.finish_reason is FinishReason.STOP and len(a.token_ids) == at + 1
+    assert counter.take()[1] == at  # the call that picked EOS ran no step after it
+
+
+def test_batched_requests_commit_what_they_commit_alone(engines):
+    in_calls, one_by_one, counter = engines
+    prompts = heldout_prompts(6)
+    requests = [_request(p, 12 + 5 * i) for i, p in enumerate(prompts)]
+    alone = [one_by_one.generate(r, PLAIN).token_ids for r in requests]
+    counter.take()
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(lambda r: in_calls.generate(r, PLAIN), requests))
+    assert [r.token_ids for r in together] == alone
+    calls, steps = counter.take()
+    assert steps > 2 * calls > 0  # several steps per call, with several requests in the pass
+
+
+def test_streamed_deltas_add_up_to_the_output_one_per_step(engines):
+    in_calls, _, _ = engines
+    deltas = []
+    result = in_calls.generate(_request(heldout_prompts(1)[0], 30), PLAIN, on_delta=deltas.append)
+    assert "".join(d.text for d in deltas) == result.text
+    assert tuple(t for d in deltas for t in d.token_ids) == result.token_ids
+    assert [d.step for d in deltas] == list(result.steps)
+
+
+@pytest.mark.parametrize("case", ["drafting policy", "sampled request", "stop string"])
+def test_steps_that_need_python_between_them_run_one_per_call(engines, case):
+    in_calls, _, counter = engines
+    prompt = heldout_prompts(1)[0]
+    policy = DraftPolicy(draft_length=3) if case == "drafting policy" else PLAIN
+    request = (_request(prompt, 20, sampling=SamplingParams(temperature=0.8, seed=1)) if case == "sampled request"
+               else _request(prompt, 20, stop=("never printed",)) if case == "stop string" else _request(prompt, 20))
+    counter.take()
+    in_calls.generate(request, policy)
+    assert counter.take() == (0, 0)
+
+
+def test_a_stop_seen_between_calls_ends_the_request_after_the_call_it_interrupted(engines):
+    """Stops are polled once per scheduler iteration: the first step runs alone (its prompt was prefilled
+    in the same iteration), then each call runs 8; a stop seen at the third poll ends the request with
+    the 1 + 8 steps done by then, CANCELLED, and nothing decoded past them."""
+    in_calls, one_by_one, _ = engines
+    prompt = heldout_prompts(1)[0]
+    polls = 0
+
+    def third_poll() -> bool:
+        nonlocal polls
+        polls += 1
+        return polls >= 3
+
+    result = in_calls.generate(_request(prompt, 100), PLAIN, should_stop=third_poll)
+    assert result.finish_reason is FinishReason.CANCELLED and len(result.steps) == len(result.token_ids) == 9
+    assert result.token_ids == one_by_one.generate(_request(prompt, 9), PLAIN).token_ids
