@@ -31,7 +31,8 @@ __all__ = ["Runtime", "StepClock"]
 class StepClock:
     """The unit of `decode_step_equivalents`: the median of the recent plain (one-position, one
     request) verify passes, so it follows the machine's current speed; the start-up calibration
-    until there are 8 (a busy CPU at start-up would distort a fixed unit)."""
+    until there are 8 (a busy CPU at start-up would distort a fixed unit). Plain steps run several to a
+    kernel call count with each step's own seconds: the unit is a plain step as this engine runs them."""
 
     def __init__(self, calibrated_seconds: float, recent: int = 64):
         self.calibrated_seconds = calibrated_seconds
