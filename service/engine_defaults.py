@@ -9,7 +9,8 @@ MAX_BATCH = 32  # requests verified together in one pass (KV-cache slots); more 
 # Newcomers' prompt tokens per prefill pass (chunked prefill, one such pass between two steps of
 # the running requests): bounds how long a long prompt can stall them (why 2048: docs/engine.md).
 PREFILL_CHUNK = 2048
-# Greedy plain decode steps one kernel call may run back to back (scheduler.py, `_plain_steps`): the
-# Python around a step then runs once per call. A newcomer, a cancellation or a deadline waits for the
-# call: up to this many steps (~2 ms at the shipped model's ~0.23 ms step on 2 cores).
-PLAIN_STEPS_PER_CALL = 8
+# Greedy steps one kernel call may run back to back (scheduler.py, `_steps_in_one_call`: plain steps, and a
+# lone request's draft-head chain at draft temperature 0): the Python around a step then runs once per
+# call. A newcomer, a cancellation or a deadline waits for the call: up to this many steps (~2 ms of plain
+# steps at the shipped model's ~0.23 ms on 2 cores, ~10 ms of draft-head steps of 7 positions).
+STEPS_PER_CALL = 8

@@ -13,7 +13,7 @@ commit. Both figures come from the engine's own clocks, so transport is left out
   in-process forward of the same round.
 Work outside the verify pass is then 1 - verify / step, work outside the forward 1 - forward / step.
 The two paths run interleaved, the order swapped every round, on the same greedy requests; with several
-`--plain-steps-per-call` values, both paths at each value (a server and an engine for each), all
+`--steps-per-call` values, both paths at each value (a server and an engine for each), all
 interleaved. Inside a call of several plain steps the kernel times each step, and that is both its verify
 pass and its forward (no verdict runs between them).
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from service.bench.engine import load_prompts
 from service.bench.server import ServeProcess
-from service.engine_defaults import PLAIN_STEPS_PER_CALL
+from service.engine_defaults import STEPS_PER_CALL
 from service.errors import UsageError
 from service.types import DraftPolicy, GenerationRequest, SamplingParams
 
@@ -42,7 +42,7 @@ class StepSplit:
     step_us: float  # median over the requests of decode seconds per decode step
     verify_us: float  # median over the requests of verify seconds per verify step
     forward_us: float = 0.0  # the round's in-process forward pass, mean over its decode steps
-    steps_per_call: int = PLAIN_STEPS_PER_CALL  # the engine's --plain-steps-per-call on both paths
+    steps_per_call: int = STEPS_PER_CALL  # the engine's --steps-per-call on both paths
 
     @property
     def outside_share(self) -> float:
@@ -96,16 +96,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=8, help="how many shipped held-out prompts per round")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--plain-steps-per-call", type=int, nargs="+", default=[PLAIN_STEPS_PER_CALL],
+    parser.add_argument("--steps-per-call", type=int, nargs="+", default=[STEPS_PER_CALL],
                         help="the engine's setting on both paths; several values run interleaved in every round "
                              "(default: the server's, %(default)s)")
     parser.add_argument("--out", type=Path, default=None, help="write step.json here")
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = list(dict.fromkeys(args.plain_steps_per_call))
+    settings = list(dict.fromkeys(args.steps_per_call))
     if min(args.prompts, args.rounds, *settings) < 1 or args.max_new_tokens < 2:
-        raise UsageError("--prompts, --rounds and --plain-steps-per-call must be >= 1, --max-new-tokens >= 2 (a "
+        raise UsageError("--prompts, --rounds and --steps-per-call must be >= 1, --max-new-tokens >= 2 (a "
                          "decode step follows the first token)")
     from service.engine import Engine, EngineConfig
     from service.server.client import MoespecClient
@@ -114,13 +114,13 @@ def run(args: argparse.Namespace) -> int:
                                   sampling=SamplingParams(temperature=0)) for p in load_prompts(args.prompts)]
     plain, rows = DraftPolicy(), []
     # The server's defaults, in this process and in a `moespec serve` child, for each setting.
-    engines = {n: Engine(EngineConfig(plain_steps_per_call=n)) for n in settings}
+    engines = {n: Engine(EngineConfig(steps_per_call=n)) for n in settings}
     clocks = {n: ForwardClock(engine.target) for n, engine in engines.items()}
     try:
         with contextlib.ExitStack() as stack:
             runs = {}
             for n, engine in engines.items():
-                address = stack.enter_context(ServeProcess(["--port", "0", "--plain-steps-per-call", str(n)]))
+                address = stack.enter_context(ServeProcess(["--port", "0", "--steps-per-call", str(n)]))
                 client = stack.enter_context(MoespecClient(address))
                 client.wait_ready(timeout=120)
                 runs[n, "served"] = lambda c=client: [c.generate(r, timeout=600) for r in requests]
@@ -150,9 +150,9 @@ def markdown(rows: list[StepSplit], args: argparse.Namespace) -> str:
     def fmt(values: list[float], digits: int) -> str:
         return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
 
-    settings = " ".join(str(n) for n in dict.fromkeys(args.plain_steps_per_call))
+    settings = " ".join(str(n) for n in dict.fromkeys(args.steps_per_call))
     lines = [f"Plain greedy decoding, one request at a time (`moespec bench step --prompts {args.prompts} "
-             f"--max-new-tokens {args.max_new_tokens} --rounds {args.rounds} --plain-steps-per-call {settings}`; "
+             f"--max-new-tokens {args.max_new_tokens} --rounds {args.rounds} --steps-per-call {settings}`; "
              "median [min, max] over rounds)", "",
              "| path | plain steps per call | decode step us | verify pass us (forward + verdict) | forward us "
              "(in-process) | work outside the verify pass | work outside the forward |",

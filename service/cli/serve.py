@@ -25,7 +25,7 @@ from pathlib import Path
 from otel import cli as otel_cli
 from service.backend import Backend
 from service.cli.generate import add_controller_arguments, cells_from_args
-from service.engine_defaults import MAX_BATCH, PLAIN_STEPS_PER_CALL, PREFILL_CHUNK
+from service.engine_defaults import MAX_BATCH, PREFILL_CHUNK, STEPS_PER_CALL
 from service.errors import UsageError
 from service.security import admin_token
 from service.server.server import MoespecServer, ServerConfig, serve
@@ -75,11 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch backend: newcomers' prompt tokens per pass while others decode (chunked "
                              "prefill: bounds how long a long prompt stalls the running requests); default "
                              "%(default)s")
-    parser.add_argument("--plain-steps-per-call", type=int, default=PLAIN_STEPS_PER_CALL,
-                        help="torch backend: greedy plain decode steps one kernel call may run back to back while "
-                             "nobody waits to join (the Python around a step then runs once per call; a "
-                             "newcomer, a cancellation or a deadline waits up to that many steps); 1: one step "
-                             "per call; default %(default)s")
+    parser.add_argument("--steps-per-call", type=int, default=STEPS_PER_CALL,
+                        help="torch backend: greedy steps one kernel call may run back to back while nobody "
+                             "waits to join: plain steps, and a lone request's draft-head chain at draft "
+                             "temperature 0 (the Python around a step then runs once per call; a newcomer, a "
+                             "cancellation or a deadline waits up to that many steps); 1: one step per call; "
+                             "default %(default)s")
     parser.add_argument("--draft-model", type=Path, default=None,
                         help="torch backend: the model drafter's weights, a draft head directory (default: the "
                              "shipped service/models/draft-head), an EAGLE-3 draft in SGLang's format "
@@ -151,8 +152,8 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
         raise UsageError("--max-batch must be >= 1")
     if args.prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
-    if args.plain_steps_per_call < 1:
-        raise UsageError(f"--plain-steps-per-call must be >= 1, got {args.plain_steps_per_call}")
+    if args.steps_per_call < 1:
+        raise UsageError(f"--steps-per-call must be >= 1, got {args.steps_per_call}")
     if (args.workers is not None and args.workers < 1) or args.max_queue < 0:
         raise UsageError("--workers must be >= 1 and --max-queue >= 0")
     if args.threads is not None and args.threads < 1:
@@ -215,7 +216,7 @@ def create_backend(args: argparse.Namespace) -> Backend:
     try:
         engine = Engine(EngineConfig(threads=args.threads or default_threads(), kernel_threads=args.kernel_threads,
                                      ep=ep, record_steps=args.record_steps, max_batch=args.max_batch,
-                                     prefill_chunk=args.prefill_chunk, plain_steps_per_call=args.plain_steps_per_call,
+                                     prefill_chunk=args.prefill_chunk, steps_per_call=args.steps_per_call,
                                      math=args.math, **draft))
     except expert_parallel.PlacementError as e:  # a placement that does not fit the model
         raise UsageError(f"--ep-placement: {e}") from None

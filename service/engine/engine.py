@@ -53,7 +53,7 @@ from service.engine.spec.tree_calibration import (
 )
 from service.engine.step_records import StepRecords
 from service.engine.threads import usable_cores
-from service.engine_defaults import MAX_BATCH, PLAIN_STEPS_PER_CALL, PREFILL_CHUNK
+from service.engine_defaults import MAX_BATCH, PREFILL_CHUNK, STEPS_PER_CALL
 from service.limits import PromptLimits, tokenizer_prompt_bytes
 from service.recording import StepRecorder
 from service.routing import expert_parallel
@@ -107,8 +107,9 @@ class EngineConfig:
     record_steps: Path | None = None  # append every request's steps (top-k ids included) to this file
     max_batch: int = MAX_BATCH  # requests verified together in one pass (KV-cache slots); more wait
     prefill_chunk: int = PREFILL_CHUNK  # newcomers' prompt tokens per pass (chunked prefill; engine_defaults)
-    # Greedy plain steps one kernel call may run back to back when nobody waits to join (1: a call per step)
-    plain_steps_per_call: int = PLAIN_STEPS_PER_CALL
+    # Greedy steps one kernel call may run back to back when nobody waits to join: plain steps, and a lone
+    # request's draft-head chain at draft temperature 0 (1: a call per step)
+    steps_per_call: int = STEPS_PER_CALL
 
 
 class Engine:
@@ -205,7 +206,7 @@ class Engine:
             decode=functools.partial(self.tokenizer.decode, skip_special_tokens=True),
         )
         # The scheduler owns the models from here on.
-        self._scheduler = Scheduler(self.runtime, config.max_batch, config.prefill_chunk, config.plain_steps_per_call)
+        self._scheduler = Scheduler(self.runtime, config.max_batch, config.prefill_chunk, config.steps_per_call)
         # Stop the scheduler thread (then the kernels' workers, which it calls) when the engine is collected
         # or the interpreter exits, if nobody called close() (a thread still parked in torch at exit aborts
         # the process).

@@ -147,6 +147,32 @@ class ModelRunner:
             started, read = ended, picked
         return outputs
 
+    def head_steps(self, seq: Sequence, steps: int) -> list[VerifyOutput] | None:
+        """Up to `steps` greedy speculative steps of one sequence drafting a chain with the draft head at
+        temperature 0, in one kernel call (the target's `head_greedy_steps`: the head's catch-up and chain,
+        the verify pass, the greedy verdict, each step's commit feeding the next, ending early after EOS or
+        where the budget leaves nothing to draft) -> one VerifyOutput per step run, as `verify` would have
+        returned for each. None where the engine cannot run them in one call."""
+        rt, k = self.rt, seq.step_policy.draft_length
+        if not (rt.draft_is_head and rt.head_chain is not None and seq.draft_valid >= 1
+                and rt.target.can_verify_in_steps(k + 1)):
+            return None
+        start_ns, started = time.time_ns(), time.perf_counter()
+        ran = rt.target.head_greedy_steps(rt.head_chain, rt.draft.kernel_threads.pool, rt.target_cache,
+                                          rt.target_features, seq.slot, seq.ids, seq.draft_valid, k, seq.remaining,
+                                          rt.eos_id, steps)
+        outputs, last, lag = [], seq.ids[-1], len(seq.ids) - seq.draft_valid
+        for drafts, matches, n_ok, bonus, routed, (draft_s, verify_s) in zip(
+                ran.drafts, ran.matches, ran.accepted, ran.bonus, ran.routed, ran.seconds, strict=True):
+            rt.adaptive.observe_draft_positions(lag + len(drafts) - 1, draft_s)  # (as `draft` tells it)
+            drafted = started + draft_s
+            outputs.append(VerifyOutput([Proposal(drafts, None, draft_s, planned=len(drafts))], [[last, *drafts]],
+                                        [len(drafts) + 1], routed, PassVerdicts([(n_ok, matches, bonus)], 0.0, 0),
+                                        start_ns, started, drafted, drafted + verify_s))
+            start_ns += round((draft_s + verify_s) * 1e9)
+            started, last, lag = drafted + verify_s, bonus, n_ok + 1
+        return outputs
+
     def _keep_accepted_paths(self, seqs: list[Sequence], proposals: list[Proposal], accepted: PassVerdicts) -> None:
         """A tree's nodes took rows b + 1 + i of the target cache (b: the window's first token); its accepted
         path's keys and values (roped by depth, so valid at any row) and features move to rows b + 1, b + 2,

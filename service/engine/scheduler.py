@@ -54,7 +54,7 @@ class EngineClosed(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, runtime: Runtime, max_batch: int, prefill_chunk: int, plain_steps_per_call: int = 1):
+    def __init__(self, runtime: Runtime, max_batch: int, prefill_chunk: int, steps_per_call: int = 1):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk < 1:
@@ -65,9 +65,9 @@ class Scheduler:
         self.runner = ModelRunner(runtime)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk  # prompt tokens per pass, over every sequence still prefilling
-        if plain_steps_per_call < 1:
-            raise ValueError(f"plain_steps_per_call must be >= 1, got {plain_steps_per_call}")
-        self.plain_steps_per_call = plain_steps_per_call  # greedy plain steps one kernel call may run back to back
+        if steps_per_call < 1:
+            raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
+        self.steps_per_call = steps_per_call  # greedy steps one kernel call may run back to back
         self._cv = threading.Condition()  # guards _waiting, _free_slots, _closed
         self._waiting: deque[Sequence] = deque()
         self._free_slots = list(range(max_batch - 1, -1, -1))  # pop() hands out slot 0 first
@@ -207,9 +207,10 @@ class Scheduler:
         """One verify pass over `seqs`; `prefilled` prompt tokens ran just before."""
         for seq in seqs:  # each runs its policy's (its table's cell's) controller at this occupancy
             seq.enter_step(len(seqs), self.rt.adaptive.controller_for)
-        steps = self._plain_steps(seqs, prefilled)
-        outputs = self.runner.plain_steps(seqs, steps) if steps > 1 else None
-        if outputs is None:
+        kind, steps = self._steps_in_one_call(seqs, prefilled)
+        outputs = (self.runner.plain_steps(seqs, steps) if kind == "plain" else
+                   self.runner.head_steps(seqs[0], steps) if kind == "head" else None)
+        if not outputs:
             self._update(seqs, self.runner.verify(seqs), prefilled)
             return
         for out in outputs:
@@ -220,20 +221,27 @@ class Scheduler:
             if any(seq.done.is_set() for seq in seqs):
                 break
 
-    def _plain_steps(self, seqs: list[Sequence], prefilled: int) -> int:
-        """How many steps this iteration may run back to back in one kernel call: up to
-        `plain_steps_per_call` where every sequence decodes plain and greedy (no drafts this step or in any
-        step of its policy, a controller that does not adapt, no stop strings) and nobody waits to join
-        (a newcomer, or a prompt still prefilling, would wait for the whole call); never past a budget.
-        Otherwise 1. Cancellation and deadlines are polled between calls, so they take effect up to
-        that many steps later; EOS ends a call after the step that picks it."""
-        if self.plain_steps_per_call < 2 or prefilled or self._prefilling or self._waiting:
-            return 1
-        for seq in seqs:
-            if (seq.draft_budget() > 0 or seq.may_draft_with_model or adapts(seq.controller)
-                    or not seq.request.sampling.greedy or seq.request.stop):
-                return 1
-        return min(self.plain_steps_per_call, *(seq.remaining for seq in seqs))
+    def _steps_in_one_call(self, seqs: list[Sequence], prefilled: int) -> tuple[str, int]:
+        """What this iteration may run as several steps in one kernel call -> (kind, up to how many steps):
+        ("plain", n) where every sequence decodes plain (no drafts this step or in any step of its policy),
+        ("head", n) for a sequence alone drafting a chain with the draft head at temperature 0; both only
+        for greedy requests without stop strings whose controller does not adapt, and only while nobody
+        waits to join (a newcomer, or a prompt still prefilling, would wait for the whole call). Else
+        ("", 1). Plain calls never run past a budget; a head call stops where the budget leaves nothing
+        to draft. Cancellation and deadlines are polled between calls, so they take effect up to n steps
+        later; EOS ends a call after the step that commits it."""
+        if self.steps_per_call < 2 or prefilled or self._prefilling or self._waiting:
+            return "", 1
+        if any(adapts(seq.controller) or not seq.request.sampling.greedy or seq.request.stop for seq in seqs):
+            return "", 1
+        if all(seq.draft_budget() == 0 and not seq.may_draft_with_model for seq in seqs):
+            steps = min(self.steps_per_call, *(seq.remaining for seq in seqs))
+            return ("plain", steps) if steps > 1 else ("", 1)
+        policy = seqs[0].step_policy
+        if (len(seqs) == 1 and self.rt.draft_is_head and policy.drafter is Drafter.MODEL and policy.draft_length > 0
+                and policy.draft_temperature == 0 and policy.tree_width == 1 and seqs[0].draft_budget() > 0):
+            return "head", self.steps_per_call
+        return "", 1
 
     def _update(self, seqs: list[Sequence], out: VerifyOutput, prefilled: int) -> None:
         """Records, controllers and commits from a verify pass; finished sequences leave."""

@@ -13,7 +13,7 @@ from service.errors import UsageError
 
 
 def test_each_round_of_both_paths_splits_a_step_into_its_verify_pass_and_the_rest(tmp_path, capsys):
-    args = argparse.Namespace(prompts=2, max_new_tokens=24, rounds=2, plain_steps_per_call=[8, 1], out=tmp_path)
+    args = argparse.Namespace(prompts=2, max_new_tokens=24, rounds=2, steps_per_call=[8, 1], out=tmp_path)
     assert step.run(args) == 0
     rows = json.loads((tmp_path / "step.json").read_text())
     # interleaved: each round runs both paths at both settings, the second round in the reverse order
@@ -47,6 +47,6 @@ def test_the_split_reads_the_decode_steps_not_the_prefill():
 
 def test_bad_arguments_are_named():
     with pytest.raises(UsageError, match="--max-new-tokens"):
-        step.run(argparse.Namespace(prompts=1, max_new_tokens=1, rounds=1, plain_steps_per_call=[8], out=None))
-    with pytest.raises(UsageError, match="--plain-steps-per-call"):
-        step.run(argparse.Namespace(prompts=1, max_new_tokens=8, rounds=1, plain_steps_per_call=[0], out=None))
+        step.run(argparse.Namespace(prompts=1, max_new_tokens=1, rounds=1, steps_per_call=[8], out=None))
+    with pytest.raises(UsageError, match="--steps-per-call"):
+        step.run(argparse.Namespace(prompts=1, max_new_tokens=8, rounds=1, steps_per_call=[0], out=None))

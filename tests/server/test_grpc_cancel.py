@@ -35,10 +35,10 @@ def long_request(tag: int, max_new_tokens: int = LONG) -> GenerationRequest:
 @pytest.fixture(scope="module")
 def step_engine():
     """The engine polls its requests' stops before every step only when each call runs one step: several
-    greedy plain steps in one call are polled once (tests/engine/test_plain_steps.py tests that)."""
+    greedy steps in one call are polled once (tests/engine/test_steps_in_one_call.py tests that)."""
     from service.engine import Engine, EngineConfig
 
-    e = Engine(EngineConfig(threads=1, plain_steps_per_call=1))
+    e = Engine(EngineConfig(threads=1, steps_per_call=1))
     yield e
     e.close()
 

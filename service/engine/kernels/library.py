@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,9 +40,9 @@ import torch
 from service.engine.kernels import c_build
 from service.engine.kernels import head as head_kernel
 from service.engine.kernels import pool as kernel_pool
-from service.engine.kernels.attention import AttentionPass, AttentionWeights
+from service.engine.kernels.attention import AttentionPass, AttentionWeights, CacheTables
 from service.engine.kernels.decoder import DecoderStack
-from service.engine.kernels.forward import OutputHead
+from service.engine.kernels.forward import OutputHead, SpecTarget
 from service.engine.kernels.moe import MoeBlock
 from service.engine.kernels.packed import PackedWeight
 from service.engine.kernels.pool import ONE_THREAD, KernelPool, KernelThreads
@@ -93,6 +94,10 @@ class Kernels:
         self._head_draft = lib.head_draft
         self._head_draft.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ptr]
         self._head_draft.restype = ctypes.c_int
+        self._head_steps = lib.head_greedy_steps
+        self._head_steps.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
+                                     ptr, ptr, ptr]
+        self._head_steps.restype = ctypes.c_int64
         self._head_tree = lib.head_tree
         self._head_tree.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr]
         self._head_tree.restype = ctypes.c_int64
@@ -251,6 +256,51 @@ class Kernels:
             raise MemoryError("decode_greedy_steps: out of memory")
         return picks[:done], ids[:done] if stack.moe else None, [ns * 1e-9 for ns in step_ns[:done].tolist()]
 
+    def head_greedy_steps(self, weights: head_kernel.HeadWeights, stack: DecoderStack, head: OutputHead,
+                          tables: CacheTables, features: torch.Tensor, slot: int, ids: list[int], draft_valid: int,
+                          k: int, budget: int, eos: int | None, steps: int, head_pool: KernelPool | None = None,
+                          target_pool: KernelPool | None = None) -> HeadSteps:
+        """Up to `steps` greedy speculative steps of one sequence (its committed `ids`, its head cache valid
+        for the first `draft_valid`) in one call: each the head's catch-up and chain of min(k, budget - 1)
+        drafts at temperature 0, one target pass over [last token, drafts] (its features written to
+        `features` [slots, S, H], what the head reads), the greedy verdict and the commit (csrc/spec_steps.c),
+        stopping after a step that commits `eos` or before a step that could draft nothing. Every step is
+        bitwise what `head_draft`, `forward_logits` and the greedy verdict compute one call at a time."""
+        n, H = len(ids), stack.H
+        if features.dtype != torch.float32 or not features.is_contiguous() or tuple(features.shape) != (
+                tables.slots, tables.S, H):
+            raise ValueError(f"head_greedy_steps: features must be contiguous float32 [{tables.slots}, {tables.S}, "
+                             f"{H}]")
+        if not (1 <= draft_valid < n and k >= 1 and budget >= 1 and steps >= 1 and 0 <= slot < tables.slots):
+            raise ValueError("head_greedy_steps: needs 1 <= draft_valid < len(ids), k, budget and steps >= 1, a slot "
+                             "of the cache")
+        if n + budget - 1 > min(tables.position_bound, weights.S):
+            raise ValueError(f"head_greedy_steps: {n} tokens and a budget of {budget} do not fit the caches")
+        _check_cache("head_greedy_steps", stack, tables)
+        buffer = torch.tensor(ids + [0] * budget, dtype=torch.long)
+        drafts, matches = torch.empty(steps, k, dtype=torch.long), torch.empty(steps, k, dtype=torch.long)
+        window, accepted, bonus = (torch.empty(steps, dtype=torch.long) for _ in range(3))
+        routed, step_ns = torch.empty(steps, stack.L * (k + 1) * stack.m, dtype=torch.long), torch.empty(
+            steps, 2, dtype=torch.long)
+        target = SpecTarget(ctypes.addressof(stack.array), ctypes.addressof(head), H, head.V, stack.L, stack.m,
+                            tables.S, tables.layer_floats, *tables.rope_ptrs, tables.k_ptr, tables.v_ptr,
+                            features.data_ptr())
+        done = self._head_steps(ctypes.addressof(weights), ctypes.addressof(target), slot, buffer.data_ptr(), n,
+                                draft_valid, k, budget, -1 if eos is None else eos, steps, drafts.data_ptr(),
+                                window.data_ptr(), accepted.data_ptr(), matches.data_ptr(), bonus.data_ptr(),
+                                routed.data_ptr(), step_ns.data_ptr(), _handle(head_pool), _handle(target_pool))
+        if done < 0:
+            raise MemoryError("head_greedy_steps: out of memory")
+        widths = window[:done].tolist()
+        return HeadSteps(
+            drafts=[row[:w - 1] for row, w in zip(drafts[:done].tolist(), widths, strict=True)],
+            matches=[tuple(bool(x) for x in row[:w - 1])
+                     for row, w in zip(matches[:done].tolist(), widths, strict=True)],
+            accepted=accepted[:done].tolist(), bonus=bonus[:done].tolist(),
+            routed=[row[:stack.L * w * stack.m].view(stack.L, w, stack.m) for row, w in zip(routed[:done], widths,
+                                                                                             strict=True)],
+            seconds=[(a * 1e-9, b * 1e-9) for a, b in step_ns[:done].tolist()])
+
     def head_draft(self, weights: head_kernel.HeadWeights, tokens: torch.Tensor, features: torch.Tensor,
                    slot: int, start: int, k: int, temperature: float, uniforms: torch.Tensor | None,
                    pool: KernelPool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -369,7 +419,21 @@ def choose_math(amx: bool, bf16_speedup: float) -> str:
     return "bf16" if bf16_speedup >= BF16_MIN_SPEEDUP else "fp32"
 
 
-def _check_cache(kernel: str, stack: DecoderStack, where: AttentionPass) -> None:
+@dataclass(frozen=True)
+class HeadSteps:
+    """What `Kernels.head_greedy_steps` ran, per step: the drafts, which matched the target's argmax, how
+    many were accepted, the target's next token, the pass's routed ids [L, w, m] and (drafting, target
+    pass and verdict) seconds."""
+
+    drafts: list[list[int]]
+    matches: list[tuple[bool, ...]]
+    accepted: list[int]
+    bonus: list[int]
+    routed: list[torch.Tensor]
+    seconds: list[tuple[float, float]]
+
+
+def _check_cache(kernel: str, stack: DecoderStack, where: AttentionPass | CacheTables) -> None:
     """The pass's cache has the stack's layers, kv heads and head dim (the C code trusts it)."""
     if (where.layers, where.K, where.D) != (stack.L, *stack.kv):
         raise ValueError(f"{kernel}: the cache holds {where.layers} layers of {where.K} kv heads of {where.D}, the "

@@ -185,6 +185,20 @@ class Transformer(nn.Module):
         return self.kernels.decode_greedy_steps(self.decoder_stack, self.output_head, where, batch.tokens, steps, eos,
                                                 threads.attention(n), threads.moe(n), threads.linear(n))
 
+    def can_verify_in_steps(self, window: int) -> bool:
+        """Whether `head_greedy_steps` runs verify windows of up to `window` positions: the one-call path."""
+        return (self.output_head is not None and self.decoder_stack is not None
+                and window <= min(self.decoder_stack_max, self.kernel_window_max) and not torch.is_grad_enabled())
+
+    def head_greedy_steps(self, head_weights, head_pool, cache: KVCache, features: torch.Tensor, slot: int,
+                          ids: list[int], draft_valid: int, k: int, budget: int, eos: int | None, steps: int):
+        """Up to `steps` greedy speculative steps of one sequence with a draft head (`head_weights`, the
+        head's C chain) in one kernel call, this model verifying (`Kernels.head_greedy_steps`; its
+        `features` [slots, S, H] get each verified position's final features) -> `HeadSteps`."""
+        return self.kernels.head_greedy_steps(head_weights, self.decoder_stack, self.output_head,
+                                              self._tables_for(cache), features, slot, ids, draft_valid, k, budget,
+                                              eos, steps, head_pool, self.kernel_threads.pool)
+
     def fill_cache(self, tokens: torch.Tensor, batch: RaggedBatch, cache: KVCache,
                    features: bool = False, capture: tuple[int, ...] = ()) -> torch.Tensor | None:
         """Prefill: write the keys and values of `tokens` to the cache and compute nothing else. No

@@ -24,4 +24,19 @@ KERNEL_PRIVATE void head_input(const struct head_weights *w, const float *e, con
 KERNEL_PRIVATE void head_output(const struct head_weights *w, const float *x2, float *feature, float *logits,
                                 struct kernel_pool *pool);
 
+/* spec_steps.c: the target's side of head_greedy_steps (field order: forward.SpecTarget). */
+struct spec_target {
+    const struct decoder_layer *layers;
+    const struct output_head *head;
+    int64_t H, V, L, m, S, layer_floats;
+    const float *rope_cos, *rope_sin;
+    float *k_cache, *v_cache;
+    float *features;  /* [slots, S, H]: the target's final features of every position, what the head reads */
+};
+int64_t head_greedy_steps(const struct head_weights *hw, const struct spec_target *t, int64_t slot,
+                          int64_t *ids, int64_t n, int64_t draft_valid, int64_t k, int64_t budget, int64_t eos,
+                          int64_t steps, int64_t *drafts, int64_t *window, int64_t *accepted, int64_t *matches,
+                          int64_t *bonus, int64_t *routed, int64_t *step_ns, struct kernel_pool *head_pool,
+                          struct kernel_pool *target_pool);
+
 #endif

@@ -1,19 +1,22 @@
-"""Greedy plain steps run back to back in one kernel call (`plain_steps_per_call`): the engine commits
-exactly what one step per call commits, with one step record per step holding the same routing, alone
-and batched, through budgets shorter than a call, EOS inside a call and streaming; and it really runs
-several steps per call where nothing stops it (and one where a policy drafts or a request samples)."""
+"""Several greedy steps in one kernel call (`steps_per_call`): plain steps back to back, and a lone
+request's speculative steps with the draft head's chain at draft temperature 0. The engine commits exactly
+what one step per call commits, with one step record per step holding the same drafts, verdicts and
+routing, alone and batched, through budgets shorter than a call, EOS inside a call and streaming; and it
+really runs several steps per call where nothing stops it (and one where Python must run between steps)."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
-from service.types import DraftPolicy, FinishReason, GenerationRequest, SamplingParams
+from service.types import Controller, Drafter, DraftPolicy, FinishReason, GenerationRequest, SamplingParams
 from tests.support.engine_helpers import heldout_prompts, make_engine
 
 GREEDY = SamplingParams(temperature=0)
 PLAIN = DraftPolicy()
+HEAD = DraftPolicy(draft_length=6, draft_temperature=0)  # the draft head's chain, as the draft benchmark's best
 
 
 class CallCounter:
@@ -21,15 +24,21 @@ class CallCounter:
 
     def __init__(self, engine):
         self.calls, self.steps = 0, 0
-        inner = engine.target.decode_greedy_steps
+        plain, head = engine.target.decode_greedy_steps, engine.target.head_greedy_steps
 
-        def counted(*args, **kwargs):
-            picks, routed, seconds = inner(*args, **kwargs)
+        def counted_plain(*args, **kwargs):
+            picks, routed, seconds = plain(*args, **kwargs)
             self.calls += 1
             self.steps += len(seconds)
             return picks, routed, seconds
 
-        engine.target.decode_greedy_steps = counted
+        def counted_head(*args, **kwargs):
+            ran = head(*args, **kwargs)
+            self.calls += 1
+            self.steps += len(ran.seconds)
+            return ran
+
+        engine.target.decode_greedy_steps, engine.target.head_greedy_steps = counted_plain, counted_head
 
     def take(self) -> tuple[int, int]:
         taken = self.calls, self.steps
@@ -39,8 +48,8 @@ class CallCounter:
 
 @pytest.fixture(scope="module")
 def engines():
-    in_calls, one_by_one = make_engine(capture_topk=True), make_engine(capture_topk=True, plain_steps_per_call=1)
-    assert in_calls.config.plain_steps_per_call == 8  # the default
+    in_calls, one_by_one = make_engine(capture_topk=True), make_engine(capture_topk=True, steps_per_call=1)
+    assert in_calls.config.steps_per_call == 8  # the default
     yield in_calls, one_by_one, CallCounter(in_calls)
     in_calls.close()
     one_by_one.close()
@@ -112,16 +121,58 @@ def test_streamed_deltas_add_up_to_the_output_one_per_step(engines):
     assert [d.step for d in deltas] == list(result.steps)
 
 
-@pytest.mark.parametrize("case", ["drafting policy", "sampled request", "stop string"])
+@pytest.mark.parametrize("case", ["sampled draft", "n-gram drafter", "tree", "sampled request", "stop string",
+                                  "adaptive controller"])
 def test_steps_that_need_python_between_them_run_one_per_call(engines, case):
     in_calls, _, counter = engines
     prompt = heldout_prompts(1)[0]
-    policy = DraftPolicy(draft_length=3) if case == "drafting policy" else PLAIN
+    policy = {"sampled draft": DraftPolicy(draft_length=3, draft_temperature=0.8),
+              "n-gram drafter": DraftPolicy(drafter=Drafter.NGRAM, draft_length=3),
+              "tree": DraftPolicy(draft_length=4, draft_temperature=0, tree_width=2),
+              "adaptive controller": DraftPolicy(draft_length=4, draft_temperature=0, controller=Controller.MOESPEC),
+              }.get(case, HEAD)
     request = (_request(prompt, 20, sampling=SamplingParams(temperature=0.8, seed=1)) if case == "sampled request"
                else _request(prompt, 20, stop=("never printed",)) if case == "stop string" else _request(prompt, 20))
     counter.take()
     in_calls.generate(request, policy)
     assert counter.take() == (0, 0)
+
+
+@pytest.mark.parametrize("k", [1, 3, 6, 8])
+@pytest.mark.parametrize("tokens", [2, 7, 40])
+def test_head_steps_in_one_call_commit_what_one_step_per_call_commits(engines, k, tokens):
+    """The draft head's chain at temperature 0: each step's drafts, verdict, routing and commit as the Python
+    step computes them (the head's catch-up reads the features the calls wrote, its cache is redone past
+    the accepted drafts: a slip in either changes later drafts, and so the records)."""
+    in_calls, one_by_one, counter = engines
+    policy = DraftPolicy(draft_length=k, draft_temperature=0)
+    counter.take()
+    for prompt in heldout_prompts(4):
+        request = _request(prompt, tokens)
+        a, b = in_calls.generate(request, policy), one_by_one.generate(request, policy)
+        _same_steps(a, b)
+        assert [s.accepted_per_position for s in a.steps] == [s.accepted_per_position for s in b.steps]
+        assert [s.planned for s in a.steps] == [s.planned for s in b.steps]
+    calls, steps = counter.take()
+    if tokens == 40:  # the first step follows the prefill; the rest run in calls while a draft fits the budget
+        assert calls >= 4 and steps > calls
+
+
+def test_head_steps_end_at_eos_inside_a_call(engines):
+    in_calls, one_by_one, counter = engines
+    prompt = heldout_prompts(1)[0]
+    plain = one_by_one.generate(_request(prompt, 60), PLAIN).token_ids
+    at = next(i for i in range(20, 50) if plain[i] not in plain[:i])
+    saved = in_calls.runtime.eos_id, one_by_one.runtime.eos_id
+    try:
+        in_calls.runtime.eos_id = one_by_one.runtime.eos_id = plain[at]
+        counter.take()
+        a, b = in_calls.generate(_request(prompt, 60), HEAD), one_by_one.generate(_request(prompt, 60), HEAD)
+    finally:
+        in_calls.runtime.eos_id, one_by_one.runtime.eos_id = saved
+    _same_steps(a, b)
+    assert a.finish_reason is FinishReason.STOP and a.token_ids == plain[:at + 1]
+    assert counter.take()[0] >= 1
 
 
 def test_a_stop_seen_between_calls_ends_the_request_after_the_call_it_interrupted(engines):
@@ -140,3 +191,16 @@ def test_a_stop_seen_between_calls_ends_the_request_after_the_call_it_interrupte
     result = in_calls.generate(_request(prompt, 100), PLAIN, should_stop=third_poll)
     assert result.finish_reason is FinishReason.CANCELLED and len(result.steps) == len(result.token_ids) == 9
     assert result.token_ids == one_by_one.generate(_request(prompt, 9), PLAIN).token_ids
+
+
+def test_head_steps_refuse_what_does_not_fit_before_running(engines):
+    in_calls, _, _ = engines
+    rt = in_calls.runtime
+    args = (rt.head_chain, None, rt.target_cache)
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="features must be contiguous float32"):
+            rt.target.head_greedy_steps(*args, rt.target_features[:1], 0, [5, 6, 7], 1, 4, 10, None, 2)
+        with pytest.raises(ValueError, match="do not fit the caches"):
+            rt.target.head_greedy_steps(*args, rt.target_features, 0, [5] * 500, 1, 4, 20, None, 2)
+        with pytest.raises(ValueError, match="draft_valid"):
+            rt.target.head_greedy_steps(*args, rt.target_features, 0, [5, 6, 7], 0, 4, 10, None, 2)
