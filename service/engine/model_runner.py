@@ -5,7 +5,9 @@ A verify pass: each sequence proposes its drafts (spec/drafting.py, its own poli
 ONE target pass runs over every window `[last committed token, drafts...]` back to back (ragged), and
 each window gets its verdict (spec/acceptance.py). The runner keeps the model-side state in step
 (the draft cache, the features the draft head reads) and times the pass; it commits nothing: the
-scheduler updates the sequences, the records and the controllers from its `VerifyOutput`.
+scheduler updates the sequences, the records and the controllers from its `VerifyOutput`. Greedy steps
+that need no Python between them can also run several to one kernel call (`plain_steps`, `head_steps`):
+one `VerifyOutput` per step, as `verify` would have returned for each.
 
 Shape legend: B sequences in a pass, N tokens in it, w a window, L layers, m experts per token, V vocab.
 """

@@ -19,6 +19,10 @@ Contract:
   prefill"). A sequence whose `should_stop()` is true (cancel, deadline) leaves before the next
   pass, with what it has; `should_stop` is polled once per scheduler iteration the sequence is in
   (prefill included: a cancelled request stops prefilling too).
+- Several steps in one kernel call (`_steps_in_one_call`, up to `steps_per_call`): greedy plain steps of
+  the whole batch, or a lone request's greedy draft-head chain, when nothing needs Python between the
+  steps and nobody waits to join; each step is then updated as if it had run alone (its records, commit
+  and streaming), and stops are polled between calls rather than between steps.
 - Per-step work that does not need a request's own generator runs once per pass: the verdicts
   (spec/acceptance.py), the per-request and batch unions in one scatter (step_records.py).
 - Every step yields one StepRecord per sequence and one BatchPassRecord for the pass, attached to
