@@ -111,11 +111,12 @@ def test_client_invalid_argument_exits_1_naming_the_field(server, capsys):
         (["--max-batch", "0", "--port", "0"], "--max-batch must be >= 1"),
         (["--workers", "0", "--port", "0"], "--workers must be >= 1"),
         (["--prefill-chunk", "0", "--port", "0"], "--prefill-chunk must be >= 1"),
+        (["--steps-per-call", "0", "--port", "0"], "--steps-per-call must be >= 1"),
         (["--drafter", "ngram", "--draft-length", "3", "--tree-width", "2", "--port", "0"],
          "initial draft policy: policy.tree_width"),
     ],
     ids=["sglang-without-model", "tls-half", "port-range", "policy-bounds", "max-batch", "workers", "prefill-chunk",
-         "ngram-tree"],
+         "steps-per-call", "ngram-tree"],
 )
 def test_serve_bad_arguments_exit_2_with_a_one_line_reason(args, reason, capsys):
     code, _, err = run_cli(capsys, "serve", *args)
