@@ -131,11 +131,11 @@ class ModelRunner:
         (the batch, the verdicts, the scheduler's iteration) ~0.1 ms more, most of it because the forward
         evicts the interpreter's working set; here the steps' Python runs once per call, warm."""
         rt = self.rt
+        if not rt.target.runs_in_one_call(len(seqs)):
+            return None
         first = [s.ids[-1] for s in seqs]
         batch = RaggedBatch.build([s.slot for s in seqs], [len(s.ids) - 1 for s in seqs], [1] * len(seqs),
                                   tokens=first)
-        if not rt.target.can_decode_in_steps(batch):
-            return None
         start_ns, started = time.time_ns(), time.perf_counter()
         picks, routed, seconds = rt.target.decode_greedy_steps(batch, rt.target_cache, steps, rt.eos_id)
         proposals, lengths = [Proposal([], None, 0.0) for _ in seqs], [1] * len(seqs)
@@ -157,7 +157,7 @@ class ModelRunner:
         returned for each. None where the engine cannot run them in one call."""
         rt, k = self.rt, seq.step_policy.draft_length
         if not (rt.draft_is_head and rt.head_chain is not None and seq.draft_valid >= 1
-                and rt.target.can_verify_in_steps(k + 1)):
+                and rt.target.runs_in_one_call(k + 1)):
             return None
         start_ns, started = time.time_ns(), time.perf_counter()
         ran = rt.target.head_greedy_steps(rt.head_chain, rt.draft.kernel_threads.pool, rt.target_cache,

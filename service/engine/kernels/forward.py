@@ -43,12 +43,3 @@ class OutputHead(ctypes.Structure):
         head = cls(embed.data_ptr(), norm_weight.data_ptr(), lm_head.data_ptr(), V, float(eps), lm_head.format)
         head.H, head.tensors = H, (embed, norm_weight, lm_head)
         return head
-
-
-class SpecTarget(ctypes.Structure):
-    """head.h's struct spec_target, field for field: the target's side of `Kernels.head_greedy_steps`."""
-
-    _fields_ = [("layers", ctypes.c_void_p), ("head", ctypes.c_void_p), ("H", ctypes.c_int64), ("V", ctypes.c_int64),
-                ("L", ctypes.c_int64), ("m", ctypes.c_int64), ("S", ctypes.c_int64), ("layer_floats", ctypes.c_int64),
-                ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p), ("features", ctypes.c_void_p)]

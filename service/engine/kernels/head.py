@@ -25,11 +25,19 @@ temperature of their depth (`taus`); the best child not yet expanded runs next (
 next free position past the root, attending the prefix and its path: a tree pass of attention.py)
 while it scores at least the budget-th best child so far; the tree is the `budget` best children,
 returned by depth then offer order with parents as node indices (-1: the root).
+
+Contract of `head_greedy_steps` (csrc/spec_steps.c, library.py's `Kernels.head_greedy_steps`): up to
+`steps` greedy speculative steps of one sequence, each `head_draft`'s catch-up and chain at temperature 0,
+`forward_logits` over [last token, drafts] (`SpecTarget`: the target's side, whose final features go
+where the next catch-up reads them), the greedy verdict and the commit; it returns `HeadSteps`.
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
+
+import torch
 
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -42,3 +50,24 @@ class HeadWeights(ctypes.Structure):
                 ("fc_wt", _P), ("fc_fmt", _INT), ("qkv_wt", _P), ("qkv_b", _P), ("o_wt", _P), ("attn_fmt", _INT),
                 ("gate_up_t", _P), ("down_t", _P), ("mlp_fmt", _INT), ("lm_wt", _P), ("lm_fmt", _INT),
                 ("vocab", _P), ("rope_cos", _P), ("rope_sin", _P), ("k_cache", _P), ("v_cache", _P)]
+
+
+class SpecTarget(ctypes.Structure):
+    """head.h's struct spec_target, field for field: the target's side of `head_greedy_steps`."""
+
+    _fields_ = [("layers", _P), ("head", _P), *((n, _I64) for n in ("H", "V", "L", "m", "S", "layer_floats")),
+                ("rope_cos", _P), ("rope_sin", _P), ("k_cache", _P), ("v_cache", _P), ("features", _P)]
+
+
+@dataclass(frozen=True)
+class HeadSteps:
+    """What `head_greedy_steps` ran, per step: the drafts, which matched the target's argmax, how many
+    were accepted, the target's next token, the pass's routed ids [L, w, m] and (drafting, target pass
+    and verdict) seconds."""
+
+    drafts: list[list[int]]
+    matches: list[tuple[bool, ...]]
+    accepted: list[int]
+    bonus: list[int]
+    routed: list[torch.Tensor]
+    seconds: list[tuple[float, float]]

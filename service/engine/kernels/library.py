@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,7 +41,7 @@ from service.engine.kernels import head as head_kernel
 from service.engine.kernels import pool as kernel_pool
 from service.engine.kernels.attention import AttentionPass, AttentionWeights, CacheTables
 from service.engine.kernels.decoder import DecoderStack
-from service.engine.kernels.forward import OutputHead, SpecTarget
+from service.engine.kernels.forward import OutputHead
 from service.engine.kernels.moe import MoeBlock
 from service.engine.kernels.packed import PackedWeight
 from service.engine.kernels.pool import ONE_THREAD, KernelPool, KernelThreads
@@ -259,7 +258,7 @@ class Kernels:
     def head_greedy_steps(self, weights: head_kernel.HeadWeights, stack: DecoderStack, head: OutputHead,
                           tables: CacheTables, features: torch.Tensor, slot: int, ids: list[int], draft_valid: int,
                           k: int, budget: int, eos: int | None, steps: int, head_pool: KernelPool | None = None,
-                          target_pool: KernelPool | None = None) -> HeadSteps:
+                          target_pool: KernelPool | None = None) -> head_kernel.HeadSteps:
         """Up to `steps` greedy speculative steps of one sequence (its committed `ids`, its head cache valid
         for the first `draft_valid`) in one call: each the head's catch-up and chain of min(k, budget - 1)
         drafts at temperature 0, one target pass over [last token, drafts] (its features written to
@@ -280,11 +279,11 @@ class Kernels:
         buffer = torch.tensor(ids + [0] * budget, dtype=torch.long)
         drafts, matches = torch.empty(steps, k, dtype=torch.long), torch.empty(steps, k, dtype=torch.long)
         window, accepted, bonus = (torch.empty(steps, dtype=torch.long) for _ in range(3))
-        routed, step_ns = torch.empty(steps, stack.L * (k + 1) * stack.m, dtype=torch.long), torch.empty(
-            steps, 2, dtype=torch.long)
-        target = SpecTarget(ctypes.addressof(stack.array), ctypes.addressof(head), H, head.V, stack.L, stack.m,
-                            tables.S, tables.layer_floats, *tables.rope_ptrs, tables.k_ptr, tables.v_ptr,
-                            features.data_ptr())
+        routed = torch.empty(steps, stack.L * (k + 1) * stack.m, dtype=torch.long)
+        step_ns = torch.empty(steps, 2, dtype=torch.long)
+        target = head_kernel.SpecTarget(ctypes.addressof(stack.array), ctypes.addressof(head), H, head.V, stack.L,
+                                        stack.m, tables.S, tables.layer_floats, *tables.rope_ptrs, tables.k_ptr,
+                                        tables.v_ptr, features.data_ptr())
         done = self._head_steps(ctypes.addressof(weights), ctypes.addressof(target), slot, buffer.data_ptr(), n,
                                 draft_valid, k, budget, -1 if eos is None else eos, steps, drafts.data_ptr(),
                                 window.data_ptr(), accepted.data_ptr(), matches.data_ptr(), bonus.data_ptr(),
@@ -292,7 +291,7 @@ class Kernels:
         if done < 0:
             raise MemoryError("head_greedy_steps: out of memory")
         widths = window[:done].tolist()
-        return HeadSteps(
+        return head_kernel.HeadSteps(
             drafts=[row[:w - 1] for row, w in zip(drafts[:done].tolist(), widths, strict=True)],
             matches=[tuple(bool(x) for x in row[:w - 1])
                      for row, w in zip(matches[:done].tolist(), widths, strict=True)],
@@ -417,20 +416,6 @@ def choose_math(amx: bool, bf16_speedup: float) -> str:
     if amx:
         return "amx"
     return "bf16" if bf16_speedup >= BF16_MIN_SPEEDUP else "fp32"
-
-
-@dataclass(frozen=True)
-class HeadSteps:
-    """What `Kernels.head_greedy_steps` ran, per step: the drafts, which matched the target's argmax, how
-    many were accepted, the target's next token, the pass's routed ids [L, w, m] and (drafting, target
-    pass and verdict) seconds."""
-
-    drafts: list[list[int]]
-    matches: list[tuple[bool, ...]]
-    accepted: list[int]
-    bonus: list[int]
-    routed: list[torch.Tensor]
-    seconds: list[tuple[float, float]]
 
 
 def _check_cache(kernel: str, stack: DecoderStack, where: AttentionPass | CacheTables) -> None:

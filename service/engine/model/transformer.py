@@ -165,16 +165,16 @@ class Transformer(nn.Module):
             threads.moe(n), threads.linear(rows))
         return ForwardOutput(logits=logits, routed_ids=routed, features=features, argmax=argmax)
 
-    def can_decode_in_steps(self, batch: RaggedBatch) -> bool:
-        """Whether `decode_greedy_steps` runs this pass: one position per sequence, the one-call path."""
-        return (self.output_head is not None and self.decoder_stack is not None and batch.width == 1
-                and batch.tree is None and batch.size <= min(self.decoder_stack_max, self.kernel_window_max)
-                and not torch.is_grad_enabled())
+    def runs_in_one_call(self, positions: int) -> bool:
+        """Whether a pass of this many positions takes the one-call path that `decode_greedy_steps` (one
+        position per sequence) and `head_greedy_steps` (a verify window) run step after step."""
+        return (self.output_head is not None and self.decoder_stack is not None
+                and positions <= min(self.decoder_stack_max, self.kernel_window_max) and not torch.is_grad_enabled())
 
     def decode_greedy_steps(self, batch: RaggedBatch, cache: KVCache, steps: int, eos: int | None
                             ) -> tuple[torch.Tensor, torch.Tensor | None, list[float]]:
         """Up to `steps` greedy plain decode steps of the sequences of `batch` (one position each, its
-        tokens the steps' first; `can_decode_in_steps`) back to back in one kernel call, each step's
+        tokens the steps' first; `runs_in_one_call(batch.size)`) back to back in one kernel call, each step's
         argmax the next step's token, ending after a step whose picks hold `eos` -> (picks [s, B],
         routed ids [s, L, B, m], each step's seconds [s]). Each step is bitwise the `forward_ragged` pass
         over the same tokens, so the picks are what `steps` plain steps would commit."""
@@ -184,11 +184,6 @@ class Transformer(nn.Module):
         n, threads = batch.size, self.kernel_threads
         return self.kernels.decode_greedy_steps(self.decoder_stack, self.output_head, where, batch.tokens, steps, eos,
                                                 threads.attention(n), threads.moe(n), threads.linear(n))
-
-    def can_verify_in_steps(self, window: int) -> bool:
-        """Whether `head_greedy_steps` runs verify windows of up to `window` positions: the one-call path."""
-        return (self.output_head is not None and self.decoder_stack is not None
-                and window <= min(self.decoder_stack_max, self.kernel_window_max) and not torch.is_grad_enabled())
 
     def head_greedy_steps(self, head_weights, head_pool, cache: KVCache, features: torch.Tensor, slot: int,
                           ids: list[int], draft_valid: int, k: int, budget: int, eos: int | None, steps: int):

@@ -41,7 +41,7 @@ def _step_by_step(model, cache, tokens: list[int], steps: int):
 def _in_one_call(model, cache, tokens: list[int], steps: int, eos=None):
     batch = RaggedBatch.build(SLOTS, STARTS, [1] * len(SLOTS), tokens=tokens)
     with torch.inference_mode():
-        assert model.can_decode_in_steps(batch)
+        assert model.runs_in_one_call(batch.size)
         return model.decode_greedy_steps(batch, cache, steps, eos)
 
 

@@ -11,7 +11,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#include <time.h>
 
 /* Panel format 2, bf16 arithmetic (`PackedWeight`, math="bf16"): a panel holds [ceil(Kd / 2), 64, 2]
    bf16, each column's weights for k and k + 1 side by side, and x is rounded to bf16 (round to nearest
@@ -122,19 +121,14 @@ int bf16_dot_native(void) {
 
 #if defined(__AVX512BF16__)
 #define PROBE_CHAINS 16  /* independent accumulators, as a 4 x 64 tile keeps: throughput, not latency */
-static double probe_seconds(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
-/* `reps` rounds of one instruction on each of PROBE_CHAINS accumulators -> seconds taken. */
-__attribute__((noinline)) static double probe_rounds(int bf16, int64_t reps, volatile float *sink) {
+/* `reps` rounds of one instruction on each of PROBE_CHAINS accumulators -> nanoseconds taken. */
+__attribute__((noinline)) static int64_t probe_rounds(int bf16, int64_t reps, volatile float *sink) {
     __m512 acc[PROBE_CHAINS];
     for (int i = 0; i < PROBE_CHAINS; i++) acc[i] = _mm512_set1_ps(*sink + (float)i);  /* distinct: no chain folds */
     const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-7f);
     const __m512bh pa = (__m512bh)_mm512_set1_epi32(0x3f803f80), pb = (__m512bh)_mm512_set1_epi32(0x33803380);
-    const double started = probe_seconds();
+    const int64_t started = monotonic_ns();
     if (bf16) {
         for (int64_t r = 0; r < reps; r++)
 #pragma GCC unroll 16
@@ -144,11 +138,11 @@ __attribute__((noinline)) static double probe_rounds(int bf16, int64_t reps, vol
 #pragma GCC unroll 16
             for (int i = 0; i < PROBE_CHAINS; i++) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
     }
-    const double seconds = probe_seconds() - started;
+    const int64_t taken = monotonic_ns() - started;
     __m512 total = acc[0];
     for (int i = 1; i < PROBE_CHAINS; i++) total = _mm512_add_ps(total, acc[i]);
     *sink = _mm512_reduce_add_ps(total);  /* the sums are read: the loops cannot be dropped */
-    return seconds;
+    return taken;
 }
 #endif
 
@@ -160,13 +154,13 @@ __attribute__((noinline)) static double probe_rounds(int bf16, int64_t reps, vol
 double bf16_dot_speedup(void) {
 #if defined(__AVX512BF16__)
     volatile float sink = 1.0f;
-    double fma = 1e9, dp = 1e9;
+    int64_t fma = INT64_MAX, dp = INT64_MAX;
     for (int round = 0; round < 5; round++) {
-        const double f = probe_rounds(0, 20000, &sink), d = probe_rounds(1, 20000, &sink);
+        const int64_t f = probe_rounds(0, 20000, &sink), d = probe_rounds(1, 20000, &sink);
         if (f < fma) fma = f;
         if (d < dp) dp = d;
     }
-    return dp > 0.0 ? 2.0 * fma / dp : 0.0;
+    return dp > 0 ? 2.0 * (double)fma / (double)dp : 0.0;
 #else
     return 0.0;
 #endif

@@ -1,12 +1,11 @@
-/* A short pass from token ids to logits in one call, forward_logits, and greedy decode steps back to back,
-   decode_greedy_steps: see forward.py. */
+/* A short pass from token ids to logits in one call, forward_logits (see forward.py), and greedy decode
+   steps back to back, decode_greedy_steps (see library.py's Kernels.decode_greedy_steps). */
 #include "kernels.h"
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 /* The model's ends around the decoder layers (field order: forward.OutputHead). */
 struct output_head {
@@ -87,9 +86,7 @@ int64_t decode_greedy_steps(const int64_t *tokens, int64_t B, int64_t H, int64_t
         return -1;
     }
     memcpy(at, positions, (size_t)B * sizeof(int64_t));
-    struct timespec clock;
-    clock_gettime(CLOCK_MONOTONIC, &clock);
-    int64_t last = clock.tv_sec * 1000000000LL + clock.tv_nsec, steps = 0;
+    int64_t last = monotonic_ns(), steps = 0;
     while (steps < K) {
         const int64_t *step_tokens = steps == 0 ? tokens : argmax + (steps - 1) * B;
         if (forward_logits(step_tokens, B, H, L, layers, head, rope_cos, rope_sin, at, slots, NULL, k_cache, v_cache,
@@ -98,8 +95,7 @@ int64_t decode_greedy_steps(const int64_t *tokens, int64_t B, int64_t H, int64_t
             if (steps == 0) steps = -1;  /* (picks are ids of [0, V): a later step's tokens are always valid) */
             break;
         }
-        clock_gettime(CLOCK_MONOTONIC, &clock);
-        const int64_t now = clock.tv_sec * 1000000000LL + clock.tv_nsec;
+        const int64_t now = monotonic_ns();
         step_ns[steps] = now - last;
         last = now;
         int stop = 0;

@@ -15,7 +15,7 @@
 #define SPIN_PAUSE() ((void)0)
 #endif
 
-static int64_t now_ns(void) {
+KERNEL_PRIVATE int64_t monotonic_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
@@ -30,12 +30,12 @@ static int64_t now_ns(void) {
    microseconds late, and the step's first calls run on the caller alone. Yielding hands the core to any
    other runnable thread, the server's, meanwhile), then sleep. Returns the new value. */
 static long pool_wait(struct kernel_pool *p, long seen) {
-    const int64_t start = now_ns();
+    const int64_t start = monotonic_ns();
     long g;
     for (int64_t spins = 1; (g = atomic_load_explicit(&p->generation, memory_order_acquire)) == seen; spins++) {
         SPIN_PAUSE();
         if (spins % 64 != 0) continue;
-        const int64_t waited = now_ns() - start;
+        const int64_t waited = monotonic_ns() - start;
         if (waited > p->spin_ns) {
             pthread_mutex_lock(&p->mu);
             while ((g = atomic_load_explicit(&p->generation, memory_order_acquire)) == seen)
@@ -100,10 +100,10 @@ KERNEL_PRIVATE void pool_rows(struct kernel_pool *p, rows_fn fn, const void *ctx
     pool_work(p);
     /* Wait for the ranges other threads claimed; past spin_ns yield the core, in case one of them waits
        for it (on 2 cores the server's threads may hold the other). */
-    const int64_t until = now_ns() + p->spin_ns;
+    const int64_t until = monotonic_ns() + p->spin_ns;
     for (int64_t spins = 1; atomic_load_explicit(&p->done, memory_order_acquire) < ranges; spins++) {
         SPIN_PAUSE();
-        if (spins % 64 == 0 && now_ns() > until) sched_yield();
+        if (spins % 64 == 0 && monotonic_ns() > until) sched_yield();
     }
     pthread_mutex_unlock(&p->busy);
 }

@@ -32,6 +32,9 @@ struct kernel_pool {
     atomic_llong done;     /* ranges of the current task finished */
 };
 
+/* CLOCK_MONOTONIC in nanoseconds: the pool's spin deadlines and the kernels' own step clocks. */
+KERNEL_PRIVATE int64_t monotonic_ns(void);
+
 /* fn(ctx, begin, end) over rows [0, n), split over the pool's threads (pool NULL: this thread alone). */
 KERNEL_PRIVATE void pool_rows(struct kernel_pool *p, rows_fn fn, const void *ctx, int64_t n);
 

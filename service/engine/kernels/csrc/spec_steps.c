@@ -1,16 +1,10 @@
-/* Greedy speculative steps with a draft head, several in one call, head_greedy_steps: see forward.py. */
+/* Greedy speculative steps with a draft head, several in one call, head_greedy_steps: see library.py's
+   Kernels.head_greedy_steps. */
 #include "head.h"
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-
-static int64_t spec_clock_ns(void) {
-    struct timespec clock;
-    clock_gettime(CLOCK_MONOTONIC, &clock);
-    return clock.tv_sec * 1000000000LL + clock.tv_nsec;
-}
 
 /* One sequence's greedy steps with a draft head, as the Python step runs each (model_drafting.py,
    model_runner.verify, the greedy verdict, the scheduler's commit), up to `steps` of them:
@@ -45,12 +39,12 @@ int64_t head_greedy_steps(const struct head_weights *hw, const struct spec_targe
     for (; s < steps; s++) {
         const int64_t kk = k < budget - 1 ? k : budget - 1;
         if (kk < 1) break;
-        const int64_t started = spec_clock_ns();
+        const int64_t started = monotonic_ns();
         /* The catch-up's features: the target's of positions draft_valid - 1 .. n - 2, in place. */
         if (head_draft(hw, n - draft_valid, ids + draft_valid, t->features + (slot * t->S + draft_valid - 1) * H,
                        slot, draft_valid, kk, 0.0f, NULL, picks, NULL, head_pool) != 0)
             break;
-        const int64_t drafted = spec_clock_ns();
+        const int64_t drafted = monotonic_ns();
         tokens[0] = ids[n - 1];
         for (int64_t i = 0; i < kk; i++) tokens[i + 1] = hw->vocab[picks[i]];
         for (int64_t i = 0; i <= kk; i++) positions[i] = n - 1 + i, slots[i] = slot;
@@ -78,7 +72,7 @@ int64_t head_greedy_steps(const struct head_weights *hw, const struct spec_targe
         }
         n += ok + 1;
         budget -= ok + 1;
-        const int64_t ended = spec_clock_ns();
+        const int64_t ended = monotonic_ns();
         step_ns[2 * s] = drafted - started;
         step_ns[2 * s + 1] = ended - drafted;
         if (stop) {
