@@ -86,7 +86,7 @@ class DraftPolicy:
 
     With tree_width w > 1 a step drafts a tree rather than a chain (w candidates per expanded node: at
     draft temperature 0 the draft's w most likely tokens, the tree the likeliest nodes; above 0, w
-    independent draws at the root) and verifies it in one target pass; draft_length is then the tree's
+    distinct draws at the root, without replacement) and verifies it in one target pass; draft_length is then the tree's
     node budget, the drafts verified per step, as for a chain.
     Only the model drafter proposes trees (the n-gram drafter proposes chains), and only the static
     controller plans them (the adaptive controllers plan chain lengths).

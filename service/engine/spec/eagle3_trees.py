@@ -15,7 +15,7 @@ parent's output hidden, sits at a cache row of its own past the true entries, is
 attends the true entries and its path's rows: what a chain along that path would have read.
 
 Temperature T > 0, sampled branches: EAGLE-3's sampled chain of N - w + 1 drafts
-(eagle3_drafting.chain, the request's own uniforms) and w - 1 more independent draws from the root's q
+(eagle3_drafting.chain, the request's own uniforms) and w - 1 more draws from the root's q without replacement
 (tree_drafting.sampled_branches).
 
 Cache rows: with n committed tokens the true entries are rows 0..n-2 and node i's entry row n-1+i; the

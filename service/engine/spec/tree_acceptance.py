@@ -10,18 +10,22 @@ target's argmax at the current node while there is one; the bonus token is the a
 reached. The committed tokens are exactly plain greedy decoding's, for any tree.
 
 Sampled: at the current node, with target distribution p there, its children are offered in drafting
-order against a residual r (first p): a child x is accepted with probability min(1, r(x) / q(x)), q
+order against a residual r (first p): a child x is accepted with probability min(1, r(x) / q_x(x)), q_x
 being the distribution the child was drawn from; after a rejection the residual becomes
-norm(max(0, r - q)). A child drawn independently from its parent's draft distribution takes that
-distribution as q (`Children.SAMPLED`); a child taken deterministically (one of the draft's top
-candidates, each token at most once among its siblings, `Children.TOP`) takes a point mass on its own
-token, so a rejection removes that token from r. If every child is rejected, the bonus token is drawn
-from the residual. (The point-mass rule is right for children drawn any way, duplicates included: for
-every fixed list of candidates it outputs p; the rule with q accepts sampled children more often.)
-This is recursive rejection sampling (SpecInfer's multi-step speculative sampling):
-whichever child is accepted, and the bonus after the last rejection, is distributed as p, so the
-committed tokens follow the target's distribution exactly (tests/engine/spec/test_tree_acceptance.py
-checks the joint law of the first two tokens, with two wrong rules as negative controls).
+norm(max(0, r - q_x)). Siblings drawn from their parent's draft distribution q without replacement
+(`Children.SAMPLED`: each from q with its earlier siblings' tokens taken out and the rest renormalised)
+take that renormalised q as q_x; a child taken deterministically (one of the draft's top candidates,
+each token at most once among its siblings, `Children.TOP`) takes a point mass on its own token, so a
+rejection removes that token from r. If every child is rejected, the bonus token is drawn from the
+residual. (The point-mass rule is right for children drawn any way, duplicates included: for every
+fixed list of candidates it outputs p; the rule with q accepts sampled children more often.)
+This is recursive rejection sampling (SpecInfer's multi-step speculative sampling; without replacement,
+as in recursive speculative decoding, Jeon et al. 2024): whichever child is accepted, and the bonus after
+the last rejection, is distributed as p, so the committed tokens follow the target's distribution exactly
+(tests/engine/spec/test_tree_acceptance.py checks the joint law of the first two tokens, with three wrong
+rules as negative controls). Why without replacement: a rejected token has no mass left in the residual
+(it was rejected because q_x(x) > r(x)), so a sibling drawn again from the whole q repeats it, a certain
+rejection, as often as q(x): with a sure draft, most of the time.
 
 Shape legend: n nodes, V vocabulary.
 """
@@ -40,7 +44,7 @@ ROOT = -1
 
 
 class Children(enum.Enum):
-    SAMPLED = "sampled"  # each child drawn independently from its parent's draft distribution
+    SAMPLED = "sampled"  # drawn from the parent's draft distribution without replacement (siblings distinct)
     TOP = "top"  # the draft's top candidates at the parent, distinct tokens
 
 
@@ -99,14 +103,17 @@ def accept_tree_sampled(tree: DraftTree, p: torch.Tensor, q: torch.Tensor | None
     node, path = ROOT, []
     while True:
         residual = p[node + 1].double()
+        left = None if children is Children.TOP else q[node + 1].double()  # what the next sibling is drawn from
         accepted = None
         for child in tree.children(node):
             x = tree.tokens[child]
-            if children is Children.TOP:
+            if left is None:
                 offered = torch.zeros_like(residual)
                 offered[x] = 1.0
             else:
-                offered = q[node + 1].double()
+                offered = left / left.sum()
+                left = left.clone()
+                left[x] = 0.0
             if float(torch.rand((), generator=generator)) * float(offered[x]) < float(residual[x]):
                 accepted = child
                 break

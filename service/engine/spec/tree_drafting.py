@@ -18,15 +18,15 @@ Temperature 0, the head's top candidates (EAGLE-2's tree, grown best first), one
 The children are the head's top candidates, fixed given the context: the acceptance rule treats each
 as a point mass (tree_acceptance.Children.TOP), which keeps sampled output exactly the target's.
 
-Temperature T > 0, sampled branches (SpecInfer's): the root's w children are drawn independently from
-the head's distribution q at T, and the first continues as a chain of the remaining N - w nodes, one
-child drawn from q at each: the head's sampled chain (`Kernels.head_draft`, one C call) and w - 1 more
-draws at the root. A sibling at the root is tried only after the first draw there is rejected, while
-each node deeper along the chain follows an accepted one, so the budget goes deep first.
-The shape is fixed before anything is drawn, so every node's children are independent draws from its
-q, and the acceptance rule reads q (tree_acceptance.Children.SAMPLED): a sampled request accepts one of
-w draws at the root where a chain offers one. (A shape chosen from the draws, as the top-candidate tree
-is, would bias them: that tree keeps point masses instead.)
+Temperature T > 0, sampled branches: the root's w children are drawn from the head's distribution q at
+T without replacement (each from q with the earlier ones' tokens taken out), and the first continues as
+a chain of the remaining N - w nodes, one child drawn from q at each: the head's sampled chain
+(`Kernels.head_draft`, one C call) and w - 1 more draws at the root. A sibling at the root is tried only
+after the draws before it there are rejected, while each node deeper along the chain follows an
+accepted one, so the budget goes deep first. The shape is fixed before anything is drawn, so the
+acceptance rule knows what each child was drawn from (tree_acceptance.Children.SAMPLED): a sampled
+request accepts one of w distinct draws at the root where a chain offers one. (A shape chosen from the
+draws, as the top-candidate tree is, would bias them: that tree keeps point masses instead.)
 
 Shape legend: w width, N node budget, Vd draft vocabulary, H hidden.
 """
@@ -79,7 +79,7 @@ def _top_candidate_tree(rt: Runtime, seq: Sequence, budget: int) -> DraftTree:
 
 def _sampled_branches(rt: Runtime, seq: Sequence, budget: int) -> Drafted:
     """The first branch is the head's sampled chain of N - w + 1 drafts (one C call, `Kernels.head_draft`,
-    the request's own uniforms); its first draft and w - 1 more drawn independently from the same q at
+    the request's own uniforms); its first draft and w - 1 more drawn from the same q without replacement at
     the root are the root's children. The siblings are leaves: no head entry is run for them."""
     head, V = rt.draft, rt.target.cfg.vocab_size
     width = min(seq.step_policy.tree_width, budget)
@@ -94,14 +94,15 @@ def _sampled_branches(rt: Runtime, seq: Sequence, budget: int) -> Drafted:
 
 def sampled_branches(picks: torch.Tensor, q: torch.Tensor, width: int, gen: torch.Generator, vocab: torch.Tensor,
                      vocab_size: int) -> Drafted:
-    """The tree of a sampled chain (draft indices picks [s], each drawn from q [s, Vd]) and width - 1
-    more independent draws from q[0] at the root (drawn here, from gen); vocab [Vd] the target id of
-    each draft index."""
+    """The tree of a sampled chain (draft indices picks [s], each drawn from q [s, Vd]) and up to
+    width - 1 more draws from q[0] at the root, without replacement after the chain's first (drawn here,
+    from gen; fewer where q[0] has no mass left); vocab [Vd] the target id of each draft index."""
     spine = picks.shape[0]
+    siblings = distinct_draws(q[0], int(picks[0]), width - 1, gen)
+    width = 1 + len(siblings)
     budget = spine + width - 1
-    siblings = sample(q[:1].expand(width - 1, -1), gen) if width > 1 else picks[:0]
     # Nodes by depth: the root's children (the chain's first draft, then the siblings), then the chain's rest.
-    order = [int(picks[0]), *siblings.tolist(), *picks[1:].tolist()]
+    order = [int(picks[0]), *siblings, *picks[1:].tolist()]
     parents = [ROOT] * width + [0, *range(width, width + spine - 2)][:spine - 1]  # (the rest: each after the last)
     dq = torch.zeros(budget + 1, q.shape[1])
     dq[0] = q[0]  # the root's children's distribution
@@ -110,3 +111,17 @@ def sampled_branches(picks: torch.Tensor, q: torch.Tensor, width: int, gen: torc
         dq[width + 1:width + spine - 1] = q[2:spine]
     return Drafted(DraftTree(tuple(vocab[torch.tensor(order)].tolist()), tuple(parents)),
                    torch.zeros(budget + 1, vocab_size).index_copy_(1, vocab, dq))
+
+
+def distinct_draws(q: torch.Tensor, first: int, n: int, gen: torch.Generator) -> list[int]:
+    """Up to n tokens drawn from q [Vd] after `first`, each from q with every token drawn so far taken
+    out (sampling without replacement; it stops where no mass is left)."""
+    left = q.clone()
+    left[first] = 0.0
+    drawn: list[int] = []
+    for _ in range(n):
+        if not float(left.sum()) > 0:
+            break
+        drawn.append(int(sample(left[None], gen)[0]))
+        left[drawn[-1]] = 0.0
+    return drawn

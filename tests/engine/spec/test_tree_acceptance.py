@@ -1,13 +1,14 @@
 """Draft-tree verdicts (service/engine/spec/tree_acceptance.py) against the target they must reproduce.
 
 A toy target and draft over a 5-token vocabulary, each a fixed distribution per prefix: trees of
-several shapes are drafted from the draft (children drawn independently, or its top candidates),
+several shapes are drafted from the draft (children drawn without replacement, or its top candidates),
 verified by the rule, and decoding goes on until two tokens are committed.
 - Greedy: the committed tokens are plain greedy decoding's, for every shape.
 - Sampled: the joint law of the first two tokens is the target's (chi-square over the 25 pairs), and
-  two wrong rules kept as negative controls fail the same test (their power is asserted): one that
+  three wrong rules kept as negative controls fail the same test (their power is asserted): one that
   never updates the residual after a rejection, one that accepts a child by the target alone,
-  ignoring the distribution the child was drawn from.
+  ignoring the distribution the child was drawn from, and one that offers distinct siblings as if each
+  were drawn from the whole q (SpecInfer's rule for independent draws, the earlier siblings not taken out).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def draft_tree(prefix: tuple[int, ...], width: int, depth: int, children: Childr
         for parent, path in frontier:
             q = DRAFT(path)
             picks = (q.topk(width).indices.tolist() if children is Children.TOP
-                     else [int(sample(q[None].float(), generator)[0]) for _ in range(width)])
+                     else torch.multinomial(q, width, replacement=False, generator=generator).tolist())
             for token in picks:
                 tokens.append(token)
                 parents.append(parent)
@@ -124,6 +125,25 @@ def accept_by_target_alone(tree, p, q, children, generator):
         path.append(node)
 
 
+def independent_draws_rule(tree, p, q, children, generator):
+    """Every sibling offered against the whole q, as if drawn independently of the ones before it: right
+    for independent draws, wrong for distinct ones (a later sibling's real q_x gives its token more mass)."""
+    node, path = ROOT, []
+    while True:
+        residual, accepted = p[node + 1].double(), None
+        for child in tree.children(node):
+            x = tree.tokens[child]
+            offered = q[node + 1].double()
+            if float(torch.rand((), generator=generator)) * float(offered[x]) < float(residual[x]):
+                accepted = child
+                break
+            residual = tree_acceptance._rejected(residual, offered)
+        if accepted is None:
+            return path, int(sample(residual[None].float(), generator)[0])
+        node = accepted
+        path.append(node)
+
+
 # -- tests ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("width, depth", SHAPES)
@@ -158,7 +178,8 @@ def test_sampled_first_two_tokens_follow_the_target(rule, width, depth, children
 
 
 @pytest.mark.parametrize("rule, children", [(no_residual_update, Children.SAMPLED), (no_residual_update, Children.TOP),
-                                            (accept_by_target_alone, Children.SAMPLED)])
+                                            (accept_by_target_alone, Children.SAMPLED),
+                                            (independent_draws_rule, Children.SAMPLED)])
 def test_the_negative_controls_fail_the_same_test(rule, children):
     """Power: with the same runs and shapes the right rule passes, each wrong rule is rejected."""
     assert pvalue(rule, 3, 2, children, runs=6000, seed=7) < 1e-6
