@@ -55,11 +55,11 @@ class StepSplit:
 
 class ForwardClock:
     """Times a model's decode forwards (prefill runs `fill_cache`): each `forward_ragged` call, and each
-    step of a `decode_greedy_steps` call (several plain steps in one kernel call), as the kernel times it."""
+    step of a `decode_steps` call (several plain steps in one kernel call), as the kernel times it."""
 
     def __init__(self, model):
         self.seconds, self.calls = 0.0, 0
-        inner, inner_steps = model.forward_ragged, model.decode_greedy_steps
+        inner, inner_steps = model.forward_ragged, model.decode_steps
 
         def timed(*args, **kwargs):
             started = time.perf_counter()
@@ -76,7 +76,7 @@ class ForwardClock:
             return picks, routed, seconds
 
         # This instance only: what the engine's model runner calls.
-        model.forward_ragged, model.decode_greedy_steps = timed, timed_steps
+        model.forward_ragged, model.decode_steps = timed, timed_steps
 
     def take_us(self) -> float:
         """The mean forward since the last take, in microseconds."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from service.engine.kernels.forward import StepSampling
 from service.engine.model.ragged import RaggedBatch
 from service.engine.runtime import Runtime
 from service.engine.sequence import Sequence
@@ -114,18 +115,24 @@ class ModelRunner:
             rt.target_features[batch.token_slot, batch.positions] = out.features
         elif capture:  # what an EAGLE-3 draft's next catch-up reads
             rt.target_features[batch.token_slot, batch.positions] = out.aux
-        accepted = accept_pass(seqs, proposals, out.logits, lengths, out.argmax)
+        accepted = accept_pass(seqs, proposals, out.logits, lengths, out.argmax, rt.target.kernels)
         if trees is not None:  # (a chain's accepted drafts sit where they belong already)
             self._keep_accepted_paths(seqs, proposals, accepted)
         return VerifyOutput(proposals, windows, lengths, out.routed_ids, accepted, start_ns, t0, t1,
                             time.perf_counter())
 
     def plain_steps(self, seqs: list[Sequence], steps: int) -> list[VerifyOutput] | None:
-        """Up to `steps` plain greedy steps of `seqs` in one kernel call (the target's
-        `decode_greedy_steps`: each step's argmax feeds the next, ending early after a step that picks
-        EOS) -> one VerifyOutput per step run, as `verify` would have returned for each: no drafts, each
-        window the token the step read, its verdict the step's pick, its seconds the step's own. None
-        where the target cannot run the steps in one call (the caller then steps one pass at a time).
+        """Up to `steps` plain steps of `seqs` in one kernel call (the target's `decode_steps`: each step's
+        picks feed the next, a greedy request's the argmax, a sampled one's a draw in C; ending early after
+        a step that picks EOS) -> one VerifyOutput per step run, as `verify` would have returned for each:
+        no drafts, each window the token the step read, its verdict the step's pick, its seconds the step's
+        own. None where the target cannot run the steps in one call (the caller then steps one pass at a
+        time).
+
+        A sampled request's draws are its own generator's, one uniform a step, as a pass at a time would
+        take them (`acceptance.plain_sampled_tokens`): drawn before the call for every step it may run,
+        and where it ends early the generator is set back and advanced by the steps that ran, so its
+        output never depends on what else shared the call.
 
         Why: at the shipped model's size a plain step's forward takes ~0.23 ms and the Python around it
         (the batch, the verdicts, the scheduler's iteration) ~0.1 ms more, most of it because the forward
@@ -136,12 +143,20 @@ class ModelRunner:
         first = [s.ids[-1] for s in seqs]
         batch = RaggedBatch.build([s.slot for s in seqs], [len(s.ids) - 1 for s in seqs], [1] * len(seqs),
                                   tokens=first)
+        sampled = [s for s in seqs if not s.request.sampling.greedy]
+        states = [s.gen.get_state() for s in sampled]
+        sampling = _step_sampling(seqs, steps) if sampled else None
         start_ns, started = time.time_ns(), time.perf_counter()
-        picks, routed, seconds = rt.target.decode_greedy_steps(batch, rt.target_cache, steps, rt.eos_id)
+        picks, routed, seconds = rt.target.decode_steps(batch, rt.target_cache, steps, rt.eos_id, sampling)
+        if len(seconds) < steps:  # the unused draws handed back
+            for seq, state in zip(sampled, states, strict=True):
+                seq.gen.set_state(state)
+                for _ in seconds:
+                    torch.rand(1, generator=seq.gen)
         proposals, lengths = [Proposal([], None, 0.0) for _ in seqs], [1] * len(seqs)
         outputs, read = [], first
         for step, (picked, step_seconds) in enumerate(zip(picks.tolist(), seconds, strict=True)):
-            verdicts = PassVerdicts([(0, (), token) for token in picked], 0.0, 0)
+            verdicts = PassVerdicts([(0, (), token) for token in picked], 0.0, len(sampled))
             ended = started + step_seconds
             outputs.append(VerifyOutput(proposals, [[token] for token in read], lengths, routed[step], verdicts,
                                         start_ns, started, started, ended))
@@ -195,3 +210,17 @@ class ModelRunner:
                 cache[:, seq.slot, :, target] = cache[:, seq.slot, :, source]
             if rt.target_features is not None:
                 rt.target_features[seq.slot, target] = rt.target_features[seq.slot, source]
+
+
+def _step_sampling(seqs: list[Sequence], steps: int) -> StepSampling:
+    """How each row of a `decode_steps` call picks: a greedy request's argmax (temperature 0), a sampled
+    one's draw with its settings and `steps` uniforms from its own generator, one per step in order (the
+    ones a pass at a time would draw)."""
+    params = [s.request.sampling for s in seqs]
+    uniforms = torch.zeros(steps, len(seqs))
+    for b, seq in enumerate(seqs):
+        if not params[b].greedy:
+            uniforms[:, b] = torch.cat([torch.rand(1, generator=seq.gen) for _ in range(steps)])
+    return StepSampling.of(torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32),
+                           torch.tensor([p.top_k for p in params], dtype=torch.long),
+                           torch.tensor([p.top_p for p in params], dtype=torch.float32), uniforms)

@@ -228,21 +228,22 @@ class Scheduler:
     def _steps_in_one_call(self, seqs: list[Sequence], prefilled: int) -> tuple[str, int]:
         """What this iteration may run as several steps in one kernel call -> (kind, up to how many steps):
         ("plain", n) where every sequence decodes plain (no drafts this step or in any step of its policy),
-        ("head", n) for a sequence alone drafting a chain with the draft head at temperature 0; both only
-        for greedy requests without stop strings whose controller does not adapt, and only while nobody
-        waits to join (a newcomer, or a prompt still prefilling, would wait for the whole call). Else
-        ("", 1). Plain calls never run past a budget; a head call stops where the budget leaves nothing
-        to draft. Cancellation and deadlines are polled between calls, so they take effect up to n steps
-        later; EOS ends a call after the step that commits it."""
+        greedy or sampled; ("head", n) for a greedy sequence alone drafting a chain with the draft head at
+        temperature 0; both only for requests without stop strings whose controller does not adapt, and
+        only while nobody waits to join (a newcomer, or a prompt still prefilling, would wait for the whole
+        call). Else ("", 1). Plain calls never run past a budget; a head call stops where the budget leaves
+        nothing to draft. Cancellation and deadlines are polled between calls, so they take effect up to n
+        steps later; EOS ends a call after the step that commits it."""
         if self.steps_per_call < 2 or prefilled or self._prefilling or self._waiting:
             return "", 1
-        if any(adapts(seq.controller) or not seq.request.sampling.greedy or seq.request.stop for seq in seqs):
+        if any(adapts(seq.controller) or seq.request.stop for seq in seqs):
             return "", 1
         if all(seq.draft_budget() == 0 and not seq.may_draft_with_model for seq in seqs):
             steps = min(self.steps_per_call, *(seq.remaining for seq in seqs))
             return ("plain", steps) if steps > 1 else ("", 1)
         policy = seqs[0].step_policy
-        if (len(seqs) == 1 and self.rt.draft_is_head and policy.drafter is Drafter.MODEL and policy.draft_length > 0
+        if (len(seqs) == 1 and self.rt.draft_is_head and seqs[0].request.sampling.greedy
+                and policy.drafter is Drafter.MODEL and policy.draft_length > 0
                 and policy.draft_temperature == 0 and policy.tree_width == 1 and seqs[0].draft_budget() > 0):
             return "head", self.steps_per_call
         return "", 1

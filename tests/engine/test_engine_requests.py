@@ -107,15 +107,21 @@ def test_streamed_deltas_concatenate_to_the_final_text(engine):
     assert result.text == free.text[:cut]
 
 
-def test_should_stop_cancels_within_one_step(engine):
+def test_should_stop_cancels_within_one_step():
+    """At one step per call the stop is polled before every step (with several steps per call, between
+    calls: tests/engine/test_steps_in_one_call.py)."""
     calls = []
 
     def stop_after_three():
         calls.append(1)
         return len(calls) > 3
 
-    result = engine.generate(GenerationRequest(prompt="def f():\n", max_new_tokens=200), DraftPolicy(),
-                             should_stop=stop_after_three)
+    engine = make_engine(steps_per_call=1)
+    try:
+        result = engine.generate(GenerationRequest(prompt="def f():\n", max_new_tokens=200), DraftPolicy(),
+                                 should_stop=stop_after_three)
+    finally:
+        engine.close()
     assert result.finish_reason == FinishReason.CANCELLED
     assert len(result.steps) == 3
 

@@ -1,8 +1,10 @@
-"""Several greedy steps in one kernel call (`steps_per_call`): plain steps back to back, and a lone
-request's speculative steps with the draft head's chain at draft temperature 0. The engine commits exactly
-what one step per call commits, with one step record per step holding the same drafts, verdicts and
-routing, alone and batched, through budgets shorter than a call, EOS inside a call and streaming; and it
-really runs several steps per call where nothing stops it (and one where Python must run between steps)."""
+"""Several steps in one kernel call (`steps_per_call`): plain steps back to back, greedy or sampled, and a
+lone greedy request's speculative steps with the draft head's chain at draft temperature 0. The engine
+commits exactly what one step per call commits, with one step record per step holding the same drafts,
+verdicts and routing, alone and batched, through budgets shorter than a call, EOS inside a call and
+streaming; a sampled request's output is its seed's whatever shares its calls (the draws a call did not
+use are handed back to its generator); and it really runs several steps per call where nothing stops it
+(and one where Python must run between steps)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ class CallCounter:
 
     def __init__(self, engine):
         self.calls, self.steps = 0, 0
-        plain, head = engine.target.decode_greedy_steps, engine.target.head_greedy_steps
+        plain, head = engine.target.decode_steps, engine.target.head_greedy_steps
 
         def counted_plain(*args, **kwargs):
             picks, routed, seconds = plain(*args, **kwargs)
@@ -38,7 +40,7 @@ class CallCounter:
             self.steps += len(ran.seconds)
             return ran
 
-        engine.target.decode_greedy_steps, engine.target.head_greedy_steps = counted_plain, counted_head
+        engine.target.decode_steps, engine.target.head_greedy_steps = counted_plain, counted_head
 
     def take(self) -> tuple[int, int]:
         taken = self.calls, self.steps
@@ -117,6 +119,46 @@ def test_batched_requests_commit_what_they_commit_alone(engines):
     assert [r.token_ids for r in together] == alone
     calls, steps = counter.take()
     assert steps > 2 * calls > 0  # several steps per call, with several requests in the pass
+
+
+SAMPLED = [SamplingParams(temperature=0.8, top_p=0.95, seed=3), SamplingParams(temperature=1.2, top_k=40, seed=4)]
+
+
+@pytest.mark.parametrize("sampling", SAMPLED, ids=["top-p", "top-k"])
+@pytest.mark.parametrize("tokens", [5, 9, 40])
+def test_sampled_plain_steps_in_one_call_commit_what_one_step_per_call_commits(engines, sampling, tokens):
+    in_calls, one_by_one, counter = engines
+    counter.take()
+    for prompt in heldout_prompts(2):
+        _same_steps(in_calls.generate(_request(prompt, tokens, sampling=sampling), PLAIN),
+                    one_by_one.generate(_request(prompt, tokens, sampling=sampling), PLAIN))
+    calls, steps = counter.take()
+    assert calls == 2 * -(-(tokens - 1) // 8) and steps == 2 * (tokens - 1)
+
+
+def test_sampled_requests_keep_their_seeds_output_when_a_call_ends_early(engines):
+    """Greedy and sampled requests in one batch, EOS taken to be a token one of them emits mid-call: that
+    call ends early, the others had drawn uniforms for steps it never ran, and each still commits what
+    it commits alone one step per call."""
+    in_calls, one_by_one, counter = engines
+    prompts = heldout_prompts(4)
+    requests = [_request(prompts[0], 40, sampling=SAMPLED[0]), _request(prompts[1], 40, sampling=SAMPLED[1]),
+                _request(prompts[2], 40), _request(prompts[3], 40, sampling=SamplingParams(temperature=1.0, seed=9))]
+    first = one_by_one.generate(requests[0], PLAIN).token_ids
+    at = next(i for i in range(12, 30) if first[i] not in first[:i])
+    saved = in_calls.runtime.eos_id, one_by_one.runtime.eos_id
+    try:
+        in_calls.runtime.eos_id = one_by_one.runtime.eos_id = first[at]
+        alone = [one_by_one.generate(r, PLAIN).token_ids for r in requests]
+        counter.take()
+        with ThreadPoolExecutor(len(requests)) as pool:
+            together = list(pool.map(lambda r: in_calls.generate(r, PLAIN), requests))
+    finally:
+        in_calls.runtime.eos_id, one_by_one.runtime.eos_id = saved
+    assert alone[0] == first[:at + 1]
+    assert [r.token_ids for r in together] == alone
+    calls, steps = counter.take()
+    assert steps > 2 * calls > 0
 
 
 def test_streamed_deltas_add_up_to_the_output_one_per_step(engines):

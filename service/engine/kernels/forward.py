@@ -43,3 +43,26 @@ class OutputHead(ctypes.Structure):
         head = cls(embed.data_ptr(), norm_weight.data_ptr(), lm_head.data_ptr(), V, float(eps), lm_head.format)
         head.H, head.tensors = H, (embed, norm_weight, lm_head)
         return head
+
+
+class StepSampling(ctypes.Structure):
+    """forward.c's struct step_sampling, field for field: how each row of `Kernels.decode_steps` picks
+    its token (a temperature of 0: the argmax; above 0: `sample_row`'s draw under its top-k and top-p
+    with that step's uniform)."""
+
+    _fields_ = [("temperature", ctypes.c_void_p), ("top_k", ctypes.c_void_p), ("top_p", ctypes.c_void_p),
+                ("uniforms", ctypes.c_void_p)]
+
+    @classmethod
+    def of(cls, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           uniforms: torch.Tensor) -> StepSampling:
+        """temperature [B] float32, top_k [B] int64, top_p [B] float32, uniforms [K, B] float32, all
+        contiguous CPU (the struct keeps them alive)."""
+        B = temperature.shape[0]
+        for name, t, dtype in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int64),
+                               ("top_p", top_p, torch.float32), ("uniforms", uniforms, torch.float32)):
+            if t.dtype != dtype or not t.is_contiguous() or not t.is_cpu or t.shape[-1] != B:
+                raise ValueError(f"decode_steps: {name} must be a contiguous {dtype} CPU tensor [..., {B}]")
+        sampling = cls(temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), uniforms.data_ptr())
+        sampling.B, sampling.K, sampling.tensors = B, uniforms.shape[0], (temperature, top_k, top_p, uniforms)
+        return sampling

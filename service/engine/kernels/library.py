@@ -41,10 +41,11 @@ from service.engine.kernels import head as head_kernel
 from service.engine.kernels import pool as kernel_pool
 from service.engine.kernels.attention import AttentionPass, AttentionWeights, CacheTables
 from service.engine.kernels.decoder import DecoderStack
-from service.engine.kernels.forward import OutputHead
+from service.engine.kernels.forward import OutputHead, StepSampling
 from service.engine.kernels.moe import MoeBlock
 from service.engine.kernels.packed import PackedWeight
 from service.engine.kernels.pool import ONE_THREAD, KernelPool, KernelThreads
+from service.types import SamplingParams
 
 __all__ = ["AttentionPass", "AttentionWeights", "DecoderStack", "KernelThreads", "Kernels", "MoeBlock", "ONE_THREAD",
            "OutputHead", "PackedWeight", "build"]
@@ -86,10 +87,13 @@ class Kernels:
         self._forward.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr,
                                   ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
         self._forward.restype = ctypes.c_int
-        self._decode_steps = lib.decode_greedy_steps
+        self._decode_steps = lib.decode_steps
         self._decode_steps.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64,
-                                       i64, ptr, ptr, ptr, ptr, ptr, ptr]
+                                       ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr]
         self._decode_steps.restype = ctypes.c_int64
+        self._sample_rows = lib.sample_rows
+        self._sample_rows.argtypes = [ptr, i64, i64, ctypes.c_float, i64, ctypes.c_float, ptr, ptr]
+        self._sample_rows.restype = ctypes.c_int
         self._head_draft = lib.head_draft
         self._head_draft.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ptr]
         self._head_draft.restype = ctypes.c_int
@@ -223,36 +227,58 @@ class Kernels:
             raise MemoryError("forward_logits: out of memory")
         return features, logits, ids if stack.moe else None, argmax
 
-    def decode_greedy_steps(self, stack: DecoderStack, head: OutputHead, where: AttentionPass, tokens: torch.Tensor,
-                            steps: int, eos: int | None, attention_pool: KernelPool | None = None,
-                            moe_pool: KernelPool | None = None, lm_pool: KernelPool | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor | None, list[float]]:
-        """Up to `steps` greedy decode steps of the B sequences of a one-position pass (`where`: step 0's
+    def sample_rows(self, logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> torch.Tensor:
+        """logits [n, V] (float32, contiguous) -> tokens [n], row r drawn with uniforms[r] under params
+        (temperature > 0, top-k, top-p; csrc/sampling.c): target_probs then sample's draw in one call."""
+        n = logits.shape[0]
+        if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous() or not logits.is_cpu:
+            raise ValueError("sample_rows: logits must be a contiguous float32 CPU tensor [n, V]")
+        if uniforms.dtype != torch.float32 or uniforms.shape != (n,) or not uniforms.is_contiguous():
+            raise ValueError(f"sample_rows: uniforms must be a contiguous float32 tensor [{n}]")
+        if params.greedy:
+            raise ValueError("sample_rows: a greedy request takes the argmax, not a draw")
+        tokens = torch.empty(n, dtype=torch.long)
+        if self._sample_rows(logits.data_ptr(), n, logits.shape[1], params.temperature, params.top_k, params.top_p,
+                             uniforms.data_ptr(), tokens.data_ptr()) != 0:
+            raise MemoryError("sample_rows: out of memory")
+        return tokens
+
+    def decode_steps(self, stack: DecoderStack, head: OutputHead, where: AttentionPass, tokens: torch.Tensor,
+                     steps: int, eos: int | None, sampling: StepSampling | None = None,
+                     attention_pool: KernelPool | None = None, moe_pool: KernelPool | None = None,
+                     lm_pool: KernelPool | None = None) -> tuple[torch.Tensor, torch.Tensor | None, list[float]]:
+        """Up to `steps` plain decode steps of the B sequences of a one-position pass (`where`: step 0's
         positions and slots; the caller has checked that positions + steps - 1 fit the cache) in one call,
-        each step's picks its next tokens (see forward.py), stopping after a step that picks `eos` ->
-        (picks [s, B], routed ids [s, L, B, m] or None for a dense model, each step's wall seconds [s]) of
-        the s steps run. Every step is bitwise the `forward_logits` pass over the same tokens."""
+        each step's picks its next tokens (see forward.py): a row's argmax, or its draw where `sampling`
+        gives it a temperature above 0; stopping after a step that picks `eos` -> (picks [s, B], routed
+        ids [s, L, B, m] or None for a dense model, each step's wall seconds [s]) of the s steps run.
+        Every step's logits are bitwise the `forward_logits` pass's over the same tokens, and a draw is
+        `sample_rows`'s with the same uniform."""
         B = where.n
         if tokens.dtype != torch.int64 or tokens.shape != (B,) or not tokens.is_contiguous() or not tokens.is_cpu:
-            raise ValueError(f"decode_greedy_steps: tokens must be a contiguous int64 CPU tensor [{B}]")
+            raise ValueError(f"decode_steps: tokens must be a contiguous int64 CPU tensor [{B}]")
         if steps < 1 or where.tensors[2] is not None:
-            raise ValueError("decode_greedy_steps: steps must be >= 1, over a pass without draft trees")
-        _check_cache("decode_greedy_steps", stack, where)
+            raise ValueError("decode_steps: steps must be >= 1, over a pass without draft trees")
+        if sampling is not None and (sampling.B != B or steps > sampling.K):
+            raise ValueError(f"decode_steps: sampling is for {sampling.B} rows and {sampling.K} steps, "
+                             f"the call {B} rows and {steps} steps")
+        _check_cache("decode_steps", stack, where)
         if head.H != stack.H:
-            raise ValueError(f"decode_greedy_steps: the output head is {head.H} wide, the layers {stack.H}")
+            raise ValueError(f"decode_steps: the output head is {head.H} wide, the layers {stack.H}")
         per_step = stack.L * B * stack.m
         ids = torch.empty(steps, stack.L, B, stack.m, dtype=torch.long)
         picks, step_ns = torch.empty(steps, B, dtype=torch.long), torch.empty(steps, dtype=torch.long)
         rope_cos, rope_sin, positions, slots, _, k_cache, v_cache, S = where.args(0)
         done = self._decode_steps(tokens.data_ptr(), B, stack.H, stack.L, ctypes.addressof(stack.array),
                                   ctypes.addressof(head), rope_cos, rope_sin, positions, slots, k_cache, v_cache,
-                                  where.layer_floats, S, steps, -1 if eos is None else eos, per_step, ids.data_ptr(),
+                                  where.layer_floats, S, steps, -1 if eos is None else eos,
+                                  None if sampling is None else ctypes.addressof(sampling), per_step, ids.data_ptr(),
                                   picks.data_ptr(), step_ns.data_ptr(), _handle(attention_pool), _handle(moe_pool),
                                   _handle(lm_pool))
         if done == -2:
-            raise IndexError(f"decode_greedy_steps: a token id lies outside [0, {head.V})")
+            raise IndexError(f"decode_steps: a token id lies outside [0, {head.V})")
         if done < 1:
-            raise MemoryError("decode_greedy_steps: out of memory")
+            raise MemoryError("decode_steps: out of memory")
         return picks[:done], ids[:done] if stack.moe else None, [ns * 1e-9 for ns in step_ns[:done].tolist()]
 
     def head_greedy_steps(self, weights: head_kernel.HeadWeights, stack: DecoderStack, head: OutputHead,

@@ -35,7 +35,7 @@ from torch import nn
 
 from service.engine.kernels.attention import AttentionPass, CacheTables
 from service.engine.kernels.decoder import DecoderStack
-from service.engine.kernels.forward import OutputHead
+from service.engine.kernels.forward import OutputHead, StepSampling
 from service.engine.kernels.hugepages import PanelArena
 from service.engine.kernels.library import Kernels
 from service.engine.kernels.packed import PackedWeight, panel_format
@@ -166,24 +166,25 @@ class Transformer(nn.Module):
         return ForwardOutput(logits=logits, routed_ids=routed, features=features, argmax=argmax)
 
     def runs_in_one_call(self, positions: int) -> bool:
-        """Whether a pass of this many positions takes the one-call path that `decode_greedy_steps` (one
+        """Whether a pass of this many positions takes the one-call path that `decode_steps` (one
         position per sequence) and `head_greedy_steps` (a verify window) run step after step."""
         return (self.output_head is not None and self.decoder_stack is not None
                 and positions <= min(self.decoder_stack_max, self.kernel_window_max) and not torch.is_grad_enabled())
 
-    def decode_greedy_steps(self, batch: RaggedBatch, cache: KVCache, steps: int, eos: int | None
-                            ) -> tuple[torch.Tensor, torch.Tensor | None, list[float]]:
-        """Up to `steps` greedy plain decode steps of the sequences of `batch` (one position each, its
-        tokens the steps' first; `runs_in_one_call(batch.size)`) back to back in one kernel call, each step's
-        argmax the next step's token, ending after a step whose picks hold `eos` -> (picks [s, B],
-        routed ids [s, L, B, m], each step's seconds [s]). Each step is bitwise the `forward_ragged` pass
-        over the same tokens, so the picks are what `steps` plain steps would commit."""
+    def decode_steps(self, batch: RaggedBatch, cache: KVCache, steps: int, eos: int | None,
+                     sampling: StepSampling | None = None) -> tuple[torch.Tensor, torch.Tensor | None, list[float]]:
+        """Up to `steps` plain decode steps of the sequences of `batch` (one position each, its tokens the
+        steps' first; `runs_in_one_call(batch.size)`) back to back in one kernel call, each step's picks
+        (the argmax, or a draw for the rows `sampling` samples) the next step's tokens, ending after a step
+        whose picks hold `eos` -> (picks [s, B], routed ids [s, L, B, m], each step's seconds [s]). Each
+        step is bitwise the `forward_ragged` pass over the same tokens, so the picks are what `steps`
+        plain steps would commit."""
         low, high = batch.position_range
         where = AttentionPass.over(self._tables_for(cache), batch.positions, batch.token_slot,
                                    (low, high + steps - 1), batch.slot_range)  # every step's positions checked
         n, threads = batch.size, self.kernel_threads
-        return self.kernels.decode_greedy_steps(self.decoder_stack, self.output_head, where, batch.tokens, steps, eos,
-                                                threads.attention(n), threads.moe(n), threads.linear(n))
+        return self.kernels.decode_steps(self.decoder_stack, self.output_head, where, batch.tokens, steps, eos,
+                                         sampling, threads.attention(n), threads.moe(n), threads.linear(n))
 
     def head_greedy_steps(self, head_weights, head_pool, cache: KVCache, features: torch.Tensor, slot: int,
                           ids: list[int], draft_valid: int, k: int, budget: int, eos: int | None, steps: int):

@@ -3,7 +3,10 @@
 Work that does not need a request's own generator runs once per pass: one argmax over every row for
 the greedy requests (p a point mass: acceptance is an exact prefix match), one `target_probs` per
 sampling setting over its sampled requests' rows. Each sampled request keeps its own `accept` call:
-their random streams must not interleave. (`accept`, `accept_greedy_ids` and `target_probs` are
+their random streams must not interleave. A sampled request with nothing drafted (a plain step) needs
+no p, only a draw from it: with the kernels, one C call per sampling setting draws those rows
+(`Kernels.sample_rows`, ~15 us a row against ~90 for target_probs and sample), each with the one
+uniform its own generator would have given `sample`. (`accept`, `accept_greedy_ids` and `target_probs` are
 looked up in this module, so a test can swap in a wrong rule and see the batch path catch it.)
 
 Shape legend: n rows of the pass (its windows back to back), w a window, k' drafts, V vocabulary.
@@ -13,10 +16,12 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Container
 from dataclasses import dataclass
 
 import torch
 
+from service.engine.kernels.library import Kernels
 from service.engine.sequence import Sequence
 from service.engine.spec.drafting import Proposal
 from service.engine.spec.sampling import accept, accept_greedy_ids, target_probs
@@ -37,9 +42,11 @@ class PassVerdicts:
 
 
 def accept_pass(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
-                lengths: list[int], argmax: torch.Tensor | None = None) -> PassVerdicts:
+                lengths: list[int], argmax: torch.Tensor | None = None, kernels: Kernels | None = None
+                ) -> PassVerdicts:
     """logits [n, V] of the windows `lengths` (each [last committed token, drafts...]) -> verdicts.
-    argmax [n]: each row's first maximum where the pass computed it already (else computed here)."""
+    argmax [n]: each row's first maximum where the pass computed it already (else computed here).
+    kernels: where given, the plain sampled steps' tokens are drawn in C (`plain_sampled_tokens`)."""
     if not any(s.request.sampling.greedy for s in seqs):
         greedy_ids = []
     elif argmax is not None:
@@ -47,12 +54,15 @@ def accept_pass(seqs: list[Sequence], proposals: list[Proposal], logits: torch.T
     else:  # [n]: every row at once; numpy's argmax (first maximum, like torch's) is ~10x cheaper on 16 x 4096
         greedy_ids = logits.numpy().argmax(-1).tolist()
     started = time.perf_counter()
-    probs = sampled_probs(seqs, logits, lengths)
+    drawn = {} if kernels is None else plain_sampled_tokens(kernels, seqs, proposals, logits, lengths)
+    probs = sampled_probs(seqs, logits, lengths, skip=drawn)
     sampling_seconds = time.perf_counter() - started  # (the greedy verdicts below are not sampling's)
-    verdicts, offset, sampled_rows = [], 0, 0
-    for seq, proposal, w, p in zip(seqs, proposals, lengths, probs, strict=True):
+    verdicts, offset, sampled_rows = [], 0, len(drawn)
+    for i, (seq, proposal, w, p) in enumerate(zip(seqs, proposals, lengths, probs, strict=True)):
         drafts, q = proposal.drafts, proposal.q
-        if proposal.tree is not None:
+        if i in drawn:
+            verdicts.append((0, (), drawn[i]))
+        elif proposal.tree is not None:
             started = time.perf_counter()
             path, bonus = (accept_tree_greedy(proposal.tree, greedy_ids[offset:offset + w]) if p is None
                            else accept_tree_sampled(proposal.tree, p, q, Children.TOP if q is None
@@ -74,17 +84,40 @@ def accept_pass(seqs: list[Sequence], proposals: list[Proposal], logits: torch.T
     return PassVerdicts(verdicts, sampling_seconds, sampled_rows)
 
 
-def sampled_probs(seqs: list[Sequence], logits: torch.Tensor, lengths: list[int]) -> list[torch.Tensor | None]:
+def plain_sampled_tokens(kernels: Kernels, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
+                         lengths: list[int]) -> dict[int, int]:
+    """The next token of every sampled sequence with nothing drafted (index in seqs -> token): its one
+    row drawn in C, one call per sampling setting, with a uniform from its own generator (the one
+    `sample` would have drawn)."""
+    offsets = [0, *itertools.accumulate(lengths)]
+    groups: dict[tuple[float, float, int], list[int]] = {}
+    for i, (seq, proposal) in enumerate(zip(seqs, proposals, strict=True)):
+        params = seq.request.sampling
+        if not params.greedy and not proposal.drafts:
+            groups.setdefault((params.temperature, params.top_p, params.top_k), []).append(i)
+    drawn: dict[int, int] = {}
+    for members in groups.values():
+        rows = logits[[offsets[i] for i in members]]  # [m, V] (a copy: contiguous)
+        uniforms = torch.cat([torch.rand(1, generator=seqs[i].gen) for i in members])
+        tokens = kernels.sample_rows(rows, seqs[members[0]].request.sampling, uniforms)
+        for i, token in zip(members, tokens.tolist(), strict=True):
+            drawn[i] = token
+    return drawn
+
+
+def sampled_probs(seqs: list[Sequence], logits: torch.Tensor, lengths: list[int],
+                  skip: Container[int] = ()) -> list[torch.Tensor | None]:
     """Each sampled sequence's target distributions p [w, V] over its window's rows (None for a
-    greedy one). The rows of every sequence with the same temperature, top-p and top-k go through
-    one `target_probs` call: its operations are row by row, so each row's p is bitwise what it is
-    alone, and a pass of 8 sampled requests pays ~230 us for them instead of ~390 (each call is a
-    dozen small operations whose fixed cost exceeded their work on one 4,096-token row)."""
+    greedy one, and for the indices in skip). The rows of every sequence with the same temperature,
+    top-p and top-k go through one `target_probs` call: its operations are row by row, so each row's
+    p is bitwise what it is alone, and a pass of 8 sampled requests pays ~230 us for them instead of
+    ~390 (each call is a dozen small operations whose fixed cost exceeded their work on one 4,096-token
+    row)."""
     offsets = [0, *itertools.accumulate(lengths)]
     groups: dict[tuple[float, float, int], list[int]] = {}
     for i, seq in enumerate(seqs):
         params = seq.request.sampling
-        if not params.greedy:
+        if not params.greedy and i not in skip:
             groups.setdefault((params.temperature, params.top_p, params.top_k), []).append(i)
     probs: list[torch.Tensor | None] = [None] * len(seqs)
     for members in groups.values():

@@ -148,12 +148,18 @@ int forward_logits(const int64_t *tokens, int64_t N, int64_t H, int64_t L, const
                    int64_t S, int64_t *ids, struct kernel_pool *attention_pool, struct kernel_pool *moe_pool,
                    struct kernel_pool *lm_pool, const int64_t *rows, int64_t R, float *features, float *logits,
                    int64_t *argmax);
-int64_t decode_greedy_steps(const int64_t *tokens, int64_t B, int64_t H, int64_t L,
-                            const struct decoder_layer *layers, const struct output_head *head,
-                            const float *rope_cos, const float *rope_sin, const int64_t *positions,
-                            const int64_t *slots, float *k_cache, float *v_cache, int64_t layer_floats, int64_t S,
-                            int64_t K, int64_t eos, int64_t ids_per_step, int64_t *ids, int64_t *argmax,
-                            int64_t *step_ns, struct kernel_pool *attention_pool, struct kernel_pool *moe_pool,
-                            struct kernel_pool *lm_pool);
+struct step_sampling;
+int64_t decode_steps(const int64_t *tokens, int64_t B, int64_t H, int64_t L, const struct decoder_layer *layers,
+                     const struct output_head *head, const float *rope_cos, const float *rope_sin,
+                     const int64_t *positions, const int64_t *slots, float *k_cache, float *v_cache,
+                     int64_t layer_floats, int64_t S, int64_t K, int64_t eos, const struct step_sampling *sampling,
+                     int64_t ids_per_step, int64_t *ids, int64_t *picks, int64_t *step_ns,
+                     struct kernel_pool *attention_pool, struct kernel_pool *moe_pool, struct kernel_pool *lm_pool);
+
+/* sampling.c */
+KERNEL_PRIVATE int64_t sample_row(const float *logits, int64_t V, float temperature, int64_t top_k, float top_p,
+                                  float u, float *scratch);
+int sample_rows(const float *logits, int64_t n, int64_t V, float temperature, int64_t top_k, float top_p,
+                const float *uniforms, int64_t *tokens);
 
 #endif
