@@ -204,6 +204,7 @@ class Engine:
             eos_id=cfg.eos_token_id,
             # The tokenizer's, not a method of the engine: the scheduler thread must not keep the engine alive.
             decode=functools.partial(self.tokenizer.decode, skip_special_tokens=True),
+            sampler=self.target.kernels,
         )
         # The scheduler owns the models from here on.
         self._scheduler = Scheduler(self.runtime, config.max_batch, config.prefill_chunk, config.steps_per_call)

@@ -115,7 +115,7 @@ class ModelRunner:
             rt.target_features[batch.token_slot, batch.positions] = out.features
         elif capture:  # what an EAGLE-3 draft's next catch-up reads
             rt.target_features[batch.token_slot, batch.positions] = out.aux
-        accepted = accept_pass(seqs, proposals, out.logits, lengths, out.argmax, rt.target.kernels)
+        accepted = accept_pass(seqs, proposals, out.logits, lengths, out.argmax, rt.sampler)
         if trees is not None:  # (a chain's accepted drafts sit where they belong already)
             self._keep_accepted_paths(seqs, proposals, accepted)
         return VerifyOutput(proposals, windows, lengths, out.routed_ids, accepted, start_ns, t0, t1,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from service.engine.kernels.head import HeadWeights
+from service.engine.kernels.library import Kernels
 from service.engine.model.draft_head import DraftHead
 from service.engine.model.eagle3 import Eagle3Draft
 from service.engine.model.ragged import KVCache
@@ -72,6 +73,9 @@ class Runtime:  # (not frozen: a test makes another token the EOS)
     ngram_sizes: tuple[int, int]  # (shortest, longest) n-gram the n-gram drafter matches
     eos_id: int | None
     decode: Callable[[list[int]], str]  # token ids -> text (the tokenizer's, special tokens skipped)
+    # The kernels that decide sampled requests' plain steps and chains (spec/acceptance.py); None: the
+    # torch path (no kernels, or a test's rule swapped in where the torch path looks it up).
+    sampler: Kernels | None = None
 
     @property
     def draft_is_head(self) -> bool:

@@ -243,7 +243,7 @@ def test_a_wrong_acceptance_rule_in_the_batch_path_is_detected(engine, spread_pr
         k = draft.shape[0]
         return k, torch.ones(k, dtype=torch.bool), sample(p[k:k + 1], generator)
 
-    patch_engine_sampling(monkeypatch, accept=accept_everything)
+    patch_engine_sampling(monkeypatch, engine, accept=accept_everything)
     prompt, p, sampling = spread_prompt
     tokens = first_tokens(engine, prompt, sampling, [DraftPolicy(draft_length=1, draft_temperature=1.4)], range(400))
     assert fit_pvalue(tokens, p) < 1e-6

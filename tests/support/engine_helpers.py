@@ -85,8 +85,11 @@ def first_tree_steps(engine: Engine, ids: list[int], policy, sampling_params, re
     return outputs, first_steps
 
 
-def patch_engine_sampling(monkeypatch, **functions: Callable) -> None:
-    """Replace sampling functions (by name) where the engine's decode loop looks them up."""
+def patch_engine_sampling(monkeypatch, engine: Engine, **functions: Callable) -> None:
+    """Replace sampling functions (by name) where the engine's decode loop looks them up, and send the
+    engine's sampled windows down the torch path that looks them up (the kernels decide them in C
+    otherwise: tests/engine/kernels/test_sampling_kernel.py checks those against this path)."""
+    monkeypatch.setattr(engine.runtime, "sampler", None)
     module = importlib.import_module(SAMPLING_LOOKUP)
     for name, function in functions.items():
         if not hasattr(module, name):  # a renamed function must not leave the real one in place

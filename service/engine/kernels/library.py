@@ -94,6 +94,9 @@ class Kernels:
         self._sample_rows = lib.sample_rows
         self._sample_rows.argtypes = [ptr, i64, i64, ctypes.c_float, i64, ctypes.c_float, ptr, ptr]
         self._sample_rows.restype = ctypes.c_int
+        self._accept_drafts = lib.accept_drafts
+        self._accept_drafts.argtypes = [ptr, i64, i64, ctypes.c_float, i64, ctypes.c_float, ptr, ptr, ptr, ptr, ptr]
+        self._accept_drafts.restype = ctypes.c_int64
         self._head_draft = lib.head_draft
         self._head_draft.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ptr]
         self._head_draft.restype = ctypes.c_int
@@ -242,6 +245,33 @@ class Kernels:
                              uniforms.data_ptr(), tokens.data_ptr()) != 0:
             raise MemoryError("sample_rows: out of memory")
         return tokens
+
+    def accept_drafts(self, logits: torch.Tensor, params: SamplingParams, drafts: torch.Tensor, q: torch.Tensor,
+                      uniforms: torch.Tensor) -> tuple[int, torch.Tensor, int]:
+        """The verdict on k drafts of a sampled request (csrc/sampling.c; spec/sampling.py's `accept`):
+        logits [k + 1, V] the target's rows of its window (float32, contiguous), drafts [k] int64, q [k, V]
+        float32 what they were drawn from, uniforms [k + 1] float32 (the k tests', then the next token's)
+        -> (drafts accepted, each draft's test [k] bool, the next token)."""
+        k = drafts.shape[0]
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[0] != k + 1 \
+                or not logits.is_contiguous() or not logits.is_cpu:
+            raise ValueError(f"accept_drafts: logits must be a contiguous float32 CPU tensor [{k + 1}, V]")
+        V = logits.shape[1]
+        if drafts.dtype != torch.int64 or not drafts.is_contiguous() or not bool(((drafts >= 0) & (drafts < V)).all()):
+            raise ValueError(f"accept_drafts: drafts must be a contiguous int64 tensor of ids in [0, {V})")
+        if q.dtype != torch.float32 or q.shape != (k, V) or not q.is_contiguous():
+            raise ValueError(f"accept_drafts: q must be a contiguous float32 tensor [{k}, {V}]")
+        if uniforms.dtype != torch.float32 or uniforms.shape != (k + 1,) or not uniforms.is_contiguous():
+            raise ValueError(f"accept_drafts: uniforms must be a contiguous float32 tensor [{k + 1}]")
+        if params.greedy:
+            raise ValueError("accept_drafts: a greedy request's verdict is a prefix match, not a draw")
+        accepted, token = torch.empty(k, dtype=torch.bool), torch.empty(1, dtype=torch.long)
+        n = self._accept_drafts(logits.data_ptr(), k, V, params.temperature, params.top_k, params.top_p,
+                                drafts.data_ptr(), q.data_ptr(), uniforms.data_ptr(), accepted.data_ptr(),
+                                token.data_ptr())
+        if n < 0:
+            raise MemoryError("accept_drafts: out of memory")
+        return n, accepted, int(token)
 
     def decode_steps(self, stack: DecoderStack, head: OutputHead, where: AttentionPass, tokens: torch.Tensor,
                      steps: int, eos: int | None, sampling: StepSampling | None = None,

@@ -3,11 +3,13 @@
 Work that does not need a request's own generator runs once per pass: one argmax over every row for
 the greedy requests (p a point mass: acceptance is an exact prefix match), one `target_probs` per
 sampling setting over its sampled requests' rows. Each sampled request keeps its own `accept` call:
-their random streams must not interleave. A sampled request with nothing drafted (a plain step) needs
-no p, only a draw from it: with the kernels, one C call per sampling setting draws those rows
-(`Kernels.sample_rows`, ~15 us a row against ~90 for target_probs and sample), each with the one
-uniform its own generator would have given `sample`. (`accept`, `accept_greedy_ids` and `target_probs` are
-looked up in this module, so a test can swap in a wrong rule and see the batch path catch it.)
+their random streams must not interleave. With the kernels (`kernels`, the runtime's sampler) a
+sampled request's window never builds p in torch: a plain step's token is drawn in C, one call per
+sampling setting (`Kernels.sample_rows`, ~20 us a row against ~90 for target_probs and sample), and a
+chain's verdict is `accept`'s rule in C (`Kernels.accept_drafts`, ~130 us for 6 drafts against ~340),
+each with the uniforms its own generator would have given the torch path. Trees keep the torch path.
+(`accept`, `accept_greedy_ids` and `target_probs` are looked up in this module, so a test can swap in
+a wrong rule, with the runtime's sampler unset, and see the batch path catch it.)
 
 Shape legend: n rows of the pass (its windows back to back), w a window, k' drafts, V vocabulary.
 """
@@ -46,7 +48,8 @@ def accept_pass(seqs: list[Sequence], proposals: list[Proposal], logits: torch.T
                 ) -> PassVerdicts:
     """logits [n, V] of the windows `lengths` (each [last committed token, drafts...]) -> verdicts.
     argmax [n]: each row's first maximum where the pass computed it already (else computed here).
-    kernels: where given, the plain sampled steps' tokens are drawn in C (`plain_sampled_tokens`)."""
+    kernels: where given, sampled requests' plain steps and chains are decided in C (`plain_sampled_tokens`,
+    `chain_verdict`)."""
     if not any(s.request.sampling.greedy for s in seqs):
         greedy_ids = []
     elif argmax is not None:
@@ -55,13 +58,21 @@ def accept_pass(seqs: list[Sequence], proposals: list[Proposal], logits: torch.T
         greedy_ids = logits.numpy().argmax(-1).tolist()
     started = time.perf_counter()
     drawn = {} if kernels is None else plain_sampled_tokens(kernels, seqs, proposals, logits, lengths)
-    probs = sampled_probs(seqs, logits, lengths, skip=drawn)
+    chains = set() if kernels is None else {i for i, (seq, proposal) in enumerate(zip(seqs, proposals, strict=True))
+                                            if not seq.request.sampling.greedy and proposal.drafts
+                                            and proposal.tree is None}
+    probs = sampled_probs(seqs, logits, lengths, skip=drawn.keys() | chains)
     sampling_seconds = time.perf_counter() - started  # (the greedy verdicts below are not sampling's)
     verdicts, offset, sampled_rows = [], 0, len(drawn)
     for i, (seq, proposal, w, p) in enumerate(zip(seqs, proposals, lengths, probs, strict=True)):
         drafts, q = proposal.drafts, proposal.q
         if i in drawn:
             verdicts.append((0, (), drawn[i]))
+        elif i in chains:
+            started = time.perf_counter()
+            verdicts.append(chain_verdict(kernels, seq, proposal, logits[offset:offset + w]))
+            sampling_seconds += time.perf_counter() - started
+            sampled_rows += w
         elif proposal.tree is not None:
             started = time.perf_counter()
             path, bonus = (accept_tree_greedy(proposal.tree, greedy_ids[offset:offset + w]) if p is None
@@ -103,6 +114,17 @@ def plain_sampled_tokens(kernels: Kernels, seqs: list[Sequence], proposals: list
         for i, token in zip(members, tokens.tolist(), strict=True):
             drawn[i] = token
     return drawn
+
+
+def chain_verdict(kernels: Kernels, seq: Sequence, proposal: Proposal, logits: torch.Tensor) -> Verdict:
+    """A sampled request's verdict on its chain of k drafts (logits [k + 1, V], its window's rows) by
+    `accept`'s rule in C, with the uniforms `accept` would draw from its generator: k for the tests,
+    then one for the next token."""
+    k = len(proposal.drafts)
+    uniforms = torch.cat([torch.rand(k, generator=seq.gen), torch.rand(1, generator=seq.gen)])
+    n_ok, ok, bonus = kernels.accept_drafts(logits, seq.request.sampling, torch.tensor(proposal.drafts),
+                                            proposal.q.float().contiguous(), uniforms)
+    return n_ok, tuple(ok.tolist()), bonus
 
 
 def sampled_probs(seqs: list[Sequence], logits: torch.Tensor, lengths: list[int],

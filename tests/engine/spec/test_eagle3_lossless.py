@@ -156,7 +156,7 @@ def test_the_same_fit_test_rejects_a_wrong_engine(engine, spread_prompt, spread_
     else:
         wrong_law = spread_law.joint(wrong_first_token_laws(p, q)[variant])
     assert fit_power(spread_law.law, wrong_law, E2E_REQUESTS, ALPHA) > 0.99
-    patch_engine_sampling(monkeypatch, accept=WRONG_ENGINES[variant])
+    patch_engine_sampling(monkeypatch, engine, accept=WRONG_ENGINES[variant])
     outputs, _ = first_two_tokens(engine, ids, MODEL_DRAFTS)
     assert spread_law.pvalue(outputs) < ALPHA
 

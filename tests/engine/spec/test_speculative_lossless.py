@@ -288,7 +288,7 @@ def test_the_same_fit_test_rejects_a_wrong_engine(engine, spread_prompt, spread_
     else:
         wrong_law = spread_law.joint(wrong_first_token_laws(p, q)[variant])
     assert fit_power(spread_law.law, wrong_law, E2E_REQUESTS, ALPHA) > 0.99
-    patch_engine_sampling(monkeypatch, accept=WRONG_ENGINES[variant])
+    patch_engine_sampling(monkeypatch, engine, accept=WRONG_ENGINES[variant])
     outputs, _ = first_two_tokens(engine, spread_prompt[1], MODEL_DRAFTS)
     assert spread_law.pvalue(outputs) < ALPHA
 
@@ -360,7 +360,7 @@ def test_the_support_check_sees_an_engine_that_ignores_top_k_and_top_p(engine, o
     def temperature_only(logits, params):
         return target_probs(logits, SamplingParams(temperature=params.temperature))
 
-    patch_engine_sampling(monkeypatch, target_probs=temperature_only)
+    patch_engine_sampling(monkeypatch, engine, target_probs=temperature_only)
     prompt = heldout_prompts(2)[1][-300:]
     outside, _ = tokens_outside_the_support(engine, oracle, prompt, SUPPORT_CASES[0], DraftPolicy(Drafter.NGRAM, 4))
     assert outside > 0

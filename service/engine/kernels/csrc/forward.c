@@ -88,7 +88,7 @@ int64_t decode_steps(const int64_t *tokens, int64_t B, int64_t H, int64_t L, con
     for (int64_t b = 0; b < B; b++)
         if (tokens[b] < 0 || tokens[b] >= head->V) return -2;
     const int64_t V = head->V;
-    float *scratch = malloc((size_t)(B * (H + V) + V) * sizeof(float));  /* features, logits, a draw's row */
+    float *scratch = malloc((size_t)(B * (H + V) + 2 * V) * sizeof(float));  /* features, logits, a draw's */
     int64_t *at = malloc((size_t)B * sizeof(int64_t));
     if (!scratch || !at) {
         free(scratch);

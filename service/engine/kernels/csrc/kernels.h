@@ -161,5 +161,8 @@ KERNEL_PRIVATE int64_t sample_row(const float *logits, int64_t V, float temperat
                                   float u, float *scratch);
 int sample_rows(const float *logits, int64_t n, int64_t V, float temperature, int64_t top_k, float top_p,
                 const float *uniforms, int64_t *tokens);
+int64_t accept_drafts(const float *logits, int64_t k, int64_t V, float temperature, int64_t top_k, float top_p,
+                      const int64_t *drafts, const float *q, const float *uniforms, uint8_t *accepted,
+                      int64_t *token);
 
 #endif
