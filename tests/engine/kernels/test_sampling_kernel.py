@@ -6,7 +6,8 @@ chain of drafts (`Kernels.accept_drafts`).
 For each row and setting, a grid of uniforms: each must pick the token the torch path's cumulative
 distribution gives that uniform, except where the uniform lies within float rounding of a boundary
 between two tokens (the two compute exp and the sums apart). Rows are chosen to make the settings
-bite: spread and peaked logits, ties at the top-k and top-p boundaries, a logit row of one value.
+bite: spread and peaked logits, ties at the top-k and top-p boundaries, a logit row of one value. Both
+run on this CPU's build, AVX-512 without BF16 and portable C (the scalar paths of every pass).
 Verdicts: for drafts drawn from q and from p, with the same uniforms, the same drafts accepted, the same
 tests and the same next token as `accept` in every case (a case at a rounding boundary has a chance of
 ~1e-6 in these draws)."""
@@ -48,10 +49,10 @@ def _torch_tokens(row: torch.Tensor, params: SamplingParams,
 
 
 @pytest.mark.parametrize("params", SETTINGS, ids=str)
-def test_each_uniform_picks_the_torch_paths_token(k, params):
+def test_each_uniform_picks_the_torch_paths_token(kb, params):
     for row in _rows():
         want, gap = _torch_tokens(row, params, GRID)
-        got = k.sample_rows(row[None].expand(len(GRID), -1).contiguous(), params, GRID.contiguous())
+        got = kb.sample_rows(row[None].expand(len(GRID), -1).contiguous(), params, GRID.contiguous())
         clear = gap > 1e-5
         assert clear.float().mean() > 0.5  # (most uniforms are checked)
         assert torch.equal(got[clear], want[clear]), (params, (got[clear] != want[clear]).sum())
@@ -68,7 +69,7 @@ def test_only_tokens_inside_the_support_are_drawn(k):
 
 
 @pytest.mark.parametrize("params", SETTINGS[:5], ids=str)
-def test_chain_verdicts_are_accepts_with_the_same_uniforms(k, params):
+def test_chain_verdicts_are_accepts_with_the_same_uniforms(kb, params):
     g = torch.Generator().manual_seed(11)
     for drafts_k in (1, 3, 6):
         logits = torch.randn(drafts_k + 1, V, generator=g) * 3
@@ -82,7 +83,7 @@ def test_chain_verdicts_are_accepts_with_the_same_uniforms(k, params):
             want_n, want_ok, want_token = accept(drafts, q, p, g)
             g.set_state(state)
             uniforms = torch.cat([torch.rand(drafts_k, generator=g), torch.rand(1, generator=g)])
-            n, ok, token = k.accept_drafts(logits, params, drafts, q, uniforms)
+            n, ok, token = kb.accept_drafts(logits, params, drafts, q, uniforms)
             assert (n, ok.tolist(), token) == (want_n, want_ok.tolist(), int(want_token)), (params, drafts_k, trial)
             outcomes.add(n)
         assert len(outcomes) > 1  # (both accepted and rejected drafts were seen)

@@ -1,6 +1,6 @@
 /* Sampled requests' tokens from the target's logits, in C (see library.py's Kernels.sample_rows and
    Kernels.accept_drafts): what spec/sampling.py's target_probs, sample and accept compute in a dozen
-   torch and numpy calls a row, in a few passes over each row and no sort.
+   torch and numpy calls a row, in a few passes over each row and no full sort.
 
    A row's target distribution takes the settings in that code's order (HF's): the temperature; top-k
    (every logit below the k-th largest dropped, ties to it kept); the softmax; top-p (the smallest set of
@@ -63,6 +63,13 @@ static float kth_largest(const float *a, int64_t n, int64_t k) {
 #define CUTOFF_SHIFT 19  /* floats in [0, 1] fall in 0x3F800000 >> 19 + 1 = 2,033 buckets */
 #define CUTOFF_BUCKETS ((0x3F800000 >> CUTOFF_SHIFT) + 1)
 
+static int64_t cutoff_bucket(float w) {
+    uint32_t bits;
+    memcpy(&bits, &w, sizeof bits);
+    const int64_t bucket = bits >> CUTOFF_SHIFT;
+    return bucket < CUTOFF_BUCKETS ? bucket : CUTOFF_BUCKETS - 1;  /* (a weight past 1 or a NaN: the top one) */
+}
+
 static int heavier_first(const void *a, const void *b) {
     const float x = *(const float *)a, y = *(const float *)b;
     return (x < y) - (x > y);
@@ -73,9 +80,7 @@ static float top_p_cutoff(const float *e, int64_t n, double top_p, double total,
     double mass[CUTOFF_BUCKETS] = {0};
     float least = INFINITY;
     for (int64_t i = 0; i < n; i++) {
-        uint32_t bits;
-        memcpy(&bits, &e[i], sizeof bits);
-        mass[bits >> CUTOFF_SHIFT] += e[i];
+        mass[cutoff_bucket(e[i])] += e[i];
         least = e[i] < least ? e[i] : least;
     }
     double above = 0.0;
@@ -83,11 +88,8 @@ static float top_p_cutoff(const float *e, int64_t n, double top_p, double total,
     for (; bucket >= 0 && above + mass[bucket] < reach; bucket--) above += mass[bucket];
     if (bucket < 0) return least;  /* (the whole row stays below: every weight is kept) */
     int64_t m = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t bits;
-        memcpy(&bits, &e[i], sizeof bits);
-        if ((int64_t)(bits >> CUTOFF_SHIFT) == bucket) scratch[m++] = e[i];
-    }
+    for (int64_t i = 0; i < n; i++)
+        if (cutoff_bucket(e[i]) == bucket) scratch[m++] = e[i];
     qsort(scratch, (size_t)m, sizeof(float), heavier_first);
     for (int64_t j = 0; j < m; j++) {
         above += scratch[j];
