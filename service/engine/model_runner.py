@@ -156,7 +156,8 @@ class ModelRunner:
         proposals, lengths = [Proposal([], None, 0.0) for _ in seqs], [1] * len(seqs)
         outputs, read = [], first
         for step, (picked, step_seconds) in enumerate(zip(picks.tolist(), seconds, strict=True)):
-            verdicts = PassVerdicts([(0, (), token) for token in picked], 0.0, len(sampled))
+            # (no sampling seconds or rows of its own: a draw ran inside the kernel's step, in its seconds)
+            verdicts = PassVerdicts([(0, (), token) for token in picked], 0.0, 0)
             ended = started + step_seconds
             outputs.append(VerifyOutput(proposals, [[token] for token in read], lengths, routed[step], verdicts,
                                         start_ns, started, started, ended))
