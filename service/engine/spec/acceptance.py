@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 import torch
@@ -101,13 +101,8 @@ def plain_sampled_tokens(kernels: Kernels, seqs: list[Sequence], proposals: list
     row drawn in C, one call per sampling setting, with a uniform from its own generator (the one
     `sample` would have drawn)."""
     offsets = [0, *itertools.accumulate(lengths)]
-    groups: dict[tuple[float, float, int], list[int]] = {}
-    for i, (seq, proposal) in enumerate(zip(seqs, proposals, strict=True)):
-        params = seq.request.sampling
-        if not params.greedy and not proposal.drafts:
-            groups.setdefault((params.temperature, params.top_p, params.top_k), []).append(i)
     drawn: dict[int, int] = {}
-    for members in groups.values():
+    for members in _by_setting(seqs, lambda i: not proposals[i].drafts):
         rows = logits[[offsets[i] for i in members]]  # [m, V] (a copy: contiguous)
         uniforms = torch.cat([torch.rand(1, generator=seqs[i].gen) for i in members])
         tokens = kernels.sample_rows(rows, seqs[members[0]].request.sampling, uniforms)
@@ -136,15 +131,21 @@ def sampled_probs(seqs: list[Sequence], logits: torch.Tensor, lengths: list[int]
     ~390 (each call is a dozen small operations whose fixed cost exceeded their work on one 4,096-token
     row)."""
     offsets = [0, *itertools.accumulate(lengths)]
-    groups: dict[tuple[float, float, int], list[int]] = {}
-    for i, seq in enumerate(seqs):
-        params = seq.request.sampling
-        if not params.greedy and i not in skip:
-            groups.setdefault((params.temperature, params.top_p, params.top_k), []).append(i)
     probs: list[torch.Tensor | None] = [None] * len(seqs)
-    for members in groups.values():
+    for members in _by_setting(seqs, lambda i: i not in skip):
         rows = torch.cat([logits[offsets[i]:offsets[i + 1]] for i in members])
         p = target_probs(rows, seqs[members[0]].request.sampling)  # [rows, V]
         for i, part in zip(members, p.split([lengths[i] for i in members]), strict=True):
             probs[i] = part
     return probs
+
+
+def _by_setting(seqs: list[Sequence], take: Callable[[int], bool]) -> list[list[int]]:
+    """The indices of the sampled sequences that `take` keeps, grouped by sampling setting (temperature,
+    top-p, top-k): the rows one call can decide together."""
+    groups: dict[tuple[float, float, int], list[int]] = {}
+    for i, seq in enumerate(seqs):
+        params = seq.request.sampling
+        if not params.greedy and take(i):
+            groups.setdefault((params.temperature, params.top_p, params.top_k), []).append(i)
+    return list(groups.values())
